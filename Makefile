@@ -1,0 +1,36 @@
+# Two commands a newcomer needs: `make serve` and `make test`.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+DEMO_CKPT ?= build/demo-checkpoint
+DEMO_ENGINE ?= engines/demo
+PROFILE ?= cpu-dev
+
+.PHONY: install test serve demo-engine clean
+
+# torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(DEMO_CKPT)/config.json: | $(STAMP)
+	$(PY) scripts/make_demo_checkpoint.py $(DEMO_CKPT) --size small
+
+$(DEMO_ENGINE)/config.json: $(DEMO_CKPT)/config.json
+	$(VENV)/bin/trtprompt build $(DEMO_CKPT) -o $(DEMO_ENGINE) --profile $(PROFILE) --force
+
+demo-engine: $(DEMO_ENGINE)/config.json
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+serve: demo-engine
+	$(VENV)/bin/trtprompt serve $(DEMO_ENGINE)
+
+clean:
+	rm -rf build $(DEMO_ENGINE)

@@ -1,0 +1,1 @@
+"""The embedded paged-KV engine. Imports neither Triton nor click."""

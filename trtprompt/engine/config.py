@@ -1,0 +1,168 @@
+"""Frozen configuration of the embedded engine.
+
+User-facing names follow TensorRT-LLM (max_num_tokens, tokens_per_block,
+enable_chunked_context, batch_scheduler_policy, ...); every bound is checked
+when the object is made, so a bad value fails with the field's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+CAPACITY_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
+
+
+def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder shape, read from the engine's `pretrained_config`."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_size: int
+    max_position_embeddings: int
+    norm_epsilon: float = 1e-6
+    rotary_base: float = 10000.0
+    # HF-style rope scaling dict ({"rope_type": "llama3", "factor": ...}) or None.
+    rotary_scaling: Mapping[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attn_bias: bool = False
+    qk_layernorm: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_size",
+                     "max_position_embeddings"):
+            _positive(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: silu")
+
+    @classmethod
+    def from_pretrained_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        names = cls.__dataclass_fields__.keys()
+        return cls(**{k: cfg[k] for k in names if k in cfg})
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_size * dtype_bytes
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    """Size and reuse of the paged KV cache.
+
+    The pool holds `max_tokens_in_paged_kv_cache` tokens when set, else
+    `kv_cache_free_gpu_mem_fraction` of `memory_budget_bytes`; with both,
+    the smaller wins (TensorRT-LLM's rule).
+    """
+
+    tokens_per_block: int = 32
+    enable_block_reuse: bool = True
+    max_tokens_in_paged_kv_cache: int | None = None
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    memory_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("tokens_per_block", self.tokens_per_block)
+        if not is_power_of_two(self.tokens_per_block):
+            raise ValueError(f"tokens_per_block must be a power of two, got {self.tokens_per_block}")
+        _positive("max_tokens_in_paged_kv_cache", self.max_tokens_in_paged_kv_cache, allow_none=True)
+        _positive("memory_budget_bytes", self.memory_budget_bytes, allow_none=True)
+        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
+            raise ValueError(
+                "kv_cache_free_gpu_mem_fraction must be in (0, 1], "
+                f"got {self.kv_cache_free_gpu_mem_fraction}"
+            )
+        if self.max_tokens_in_paged_kv_cache is None and self.memory_budget_bytes is None:
+            raise ValueError("set max_tokens_in_paged_kv_cache or memory_budget_bytes")
+
+    def num_blocks(self, bytes_per_token: int) -> int:
+        tokens: list[int] = []
+        if self.max_tokens_in_paged_kv_cache is not None:
+            tokens.append(self.max_tokens_in_paged_kv_cache)
+        if self.memory_budget_bytes is not None:
+            budget = int(self.memory_budget_bytes * self.kv_cache_free_gpu_mem_fraction)
+            tokens.append(budget // bytes_per_token)
+        return min(tokens) // self.tokens_per_block
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    enable_chunked_context: bool = False
+    batch_scheduler_policy: str = "guaranteed_no_evict"
+    # None: unbounded. Counts requests accepted but not yet finished
+    # beyond those running, as TensorRT-LLM's executor does.
+    max_queue_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("max_batch_size", self.max_batch_size)
+        _positive("max_num_tokens", self.max_num_tokens)
+        _positive("max_seq_len", self.max_seq_len)
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
+        _positive("max_queue_size", self.max_queue_size, allow_none=True)
+        if self.batch_scheduler_policy not in CAPACITY_POLICIES:
+            raise ValueError(
+                f"batch_scheduler_policy must be one of {', '.join(CAPACITY_POLICIES)}, "
+                f"got {self.batch_scheduler_policy!r}"
+            )
+
+    @property
+    def max_input_len(self) -> int:
+        """TensorRT-LLM's runtime rule: chunking lifts the max_num_tokens cap."""
+        if self.enable_chunked_context:
+            return self.max_seq_len - 1
+        return min(self.max_seq_len - 1, self.max_num_tokens)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    kv_cache: KvCacheConfig
+    scheduler: SchedulerConfig
+    dtype: str = "float32"
+    device: str = "cpu"
+    # "onednn" (prepacked weights, fast on CPU) or "reference" (plain F.linear).
+    linear_backend: str = "onednn"
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.linear_backend not in ("onednn", "reference"):
+            raise ValueError(f"linear_backend must be onednn or reference, got {self.linear_backend!r}")

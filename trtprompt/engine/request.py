@@ -1,0 +1,103 @@
+"""Requests, sampling parameters and the outputs the engine hands back."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation controls, named as TensorRT-LLM's inputs.
+
+    As in TensorRT-LLM, decoding is greedy unless `top_k` > 1 or `top_p` > 0
+    asks for sampling; `temperature` only shapes a sampled distribution and
+    0 forces greedy.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    end_id: int | None = None
+    # Each stop word is a token sequence; a match ends generation and is
+    # trimmed from the output.
+    stop_token_ids: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_p is not None and not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if any(len(s) == 0 for s in self.stop_token_ids):
+            raise ValueError("stop_token_ids must not contain an empty sequence")
+
+    @property
+    def greedy(self) -> bool:
+        wants_sampling = (self.top_k or 0) > 1 or (self.top_p or 0.0) > 0.0
+        return self.temperature == 0.0 or not wants_sampling
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # end_id or a stop word
+    LENGTH = "length"      # max_tokens (possibly shortened by max_seq_len)
+    ABORTED = "aborted"
+    ERROR = "error"
+
+
+@dataclass
+class RequestStats:
+    """What TensorRT-LLM reports per request with return_perf_metrics."""
+
+    arrival_time_ns: int = 0
+    first_scheduled_time_ns: int | None = None
+    first_token_time_ns: int | None = None
+    last_token_time_ns: int | None = None
+    kv_cache_reused_blocks: int = 0
+    kv_cache_alloc_new_blocks: int = 0
+    kv_cache_alloc_total_blocks: int = 0
+    prefill_tokens_computed: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """One update for a request: the tokens new since the last update."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    num_input_tokens: int
+    num_output_tokens: int
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # Set when prompt + max_tokens exceeded max_seq_len and the output was shortened.
+    warning: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
