@@ -101,3 +101,50 @@ class RequestOutput:
     # Set when prompt + max_tokens exceeded max_seq_len and the output was shortened.
     warning: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+
+
+class Request:
+    """Engine-internal state of one request. Not thread-safe: the engine loop owns it."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 max_output_tokens: int, end_ids: frozenset[int], cache_salt: str | None,
+                 arrival_time_ns: int, warning: str | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_output_tokens = max_output_tokens
+        self.end_ids = end_ids
+        self.cache_salt = cache_salt
+        self.warning = warning
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.num_emitted = 0
+        self.num_output = 0
+        self.stop_trim = 0  # tokens of a matched stop word removed from the output
+        self.block_hashes: list[bytes] = []
+        self.reserved_blocks = 0
+        self.admitted_seq: int | None = None
+        self.generator: object | None = None
+        self.stats = RequestStats(arrival_time_ns=arrival_time_ns)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.num_output += 1

@@ -1,0 +1,210 @@
+"""LLMEngine: add_request / step / abort / stats over scheduler, KV cache, model and sampler."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from trtprompt.engine.attention import allocate_kv_cache
+from trtprompt.engine.config import EngineConfig
+from trtprompt.engine.errors import DuplicateRequestError, QueueFullError
+from trtprompt.engine.kv_cache import KVCacheManager
+from trtprompt.engine.loader import EngineFiles, engine_config, read_engine_files
+from trtprompt.engine.model import DecoderModel
+from trtprompt.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from trtprompt.engine.runner import ModelRunner
+from trtprompt.engine.sampler import sample
+from trtprompt.engine.scheduler import Scheduler, SchedulerOutput
+from trtprompt.engine.stopping import check_stop, visible_output_len
+from trtprompt.engine.validation import RequestLimits, validate_request
+from trtprompt.engine.weights import load_model_from_safetensors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    max_num_blocks: int
+    free_num_blocks: int
+    used_num_blocks: int
+    cached_free_blocks: int
+    tokens_per_block: int
+    reused_blocks: int
+    missed_blocks: int
+    cache_hit_rate: float
+    preemptions: int
+    iteration_counter: int
+    active_requests: int
+    waiting_requests: int
+    max_batch_size: int
+    scheduled_requests: int
+    context_requests: int
+    generation_requests: int
+    total_context_tokens: int
+    paused_requests: int
+    timestamp_ns: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: DecoderModel, end_ids: Sequence[int]) -> None:
+        self.config = config
+        self.model_config = config.model
+        self.scheduler_config = config.scheduler
+        self.device = torch.device(config.device)
+        dtype = DTYPES[config.dtype]
+        tpb = config.kv_cache.tokens_per_block
+        num_blocks = self._num_blocks(config, dtype)
+        self.kv = KVCacheManager(num_blocks, tpb, config.kv_cache.enable_block_reuse)
+        caches = allocate_kv_cache(config.model, num_blocks, tpb, dtype, self.device)
+        self.runner = ModelRunner(model, caches, tpb, self.device)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.end_ids = frozenset(end_ids)
+        self.limits = RequestLimits(config.scheduler.max_input_len, config.scheduler.max_seq_len,
+                                    config.model.vocab_size, num_blocks, tpb)
+        self.requests: dict[str, Request] = {}
+        self.iteration_counter = 0
+        self._pending: list[RequestOutput] = []
+        self._last_step = SchedulerOutput()
+        self.files: EngineFiles | None = None
+
+    @staticmethod
+    def _num_blocks(config: EngineConfig, dtype: torch.dtype) -> int:
+        tpb = config.kv_cache.tokens_per_block
+        per_token = config.model.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+        sched = config.scheduler
+        # More blocks than max_batch_size full-length sequences can ever use is waste.
+        useful = sched.max_batch_size * -(-sched.max_seq_len // tpb)
+        num_blocks = min(config.kv_cache.num_blocks(per_token), useful)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget holds no block of {tpb} tokens "
+                             f"({per_token * tpb} bytes per block)")
+        return num_blocks
+
+    @classmethod
+    def from_engine_dir(cls, path: str | Path, **overrides: Any) -> "LLMEngine":
+        files = read_engine_files(path)
+        config = engine_config(files, overrides)
+        quant = (files.pretrained_config.get("quantization") or {}).get("quant_algo")
+        model = load_model_from_safetensors(files.weights_path, config.model, DTYPES[config.dtype],
+                                            torch.device(config.device), config.linear_backend, quant)
+        eos = files.pretrained_config.get("eos_token_id")
+        end_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        engine = cls(config, model, end_ids)
+        engine.files = files
+        return engine
+
+    @property
+    def max_input_len(self) -> int:
+        return self.limits.max_input_len
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.end_ids
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> tuple[int, str | None]:
+        """Validate without touching engine state (safe from any thread)."""
+        return validate_request(prompt_token_ids, params, self.limits)
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    cache_salt: str | None = None, arrival_time_ns: int | None = None) -> None:
+        if request_id in self.requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+        max_out, warning = self.check_request(prompt_token_ids, params)
+        limit = self.scheduler_config.max_queue_size
+        if limit is not None and self.scheduler.num_waiting >= limit:
+            raise QueueFullError(limit)
+        end_ids = frozenset([params.end_id]) if params.end_id is not None else self.end_ids
+        req = Request(request_id, list(prompt_token_ids), params, max_out, end_ids, cache_salt,
+                      arrival_time_ns or time.time_ns(), warning)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self._finish(req, FinishReason.ABORTED)
+        self._pending.append(self._output(req))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        self._last_step = sched
+        if not sched.scheduled:
+            return outputs
+        self.iteration_counter += 1
+        now = time.time_ns()
+        for s in sched.scheduled:
+            if s.request.stats.first_scheduled_time_ns is None:
+                s.request.stats.first_scheduled_time_ns = now
+        with torch.inference_mode():
+            logits = self.runner.execute(sched, self.kv)
+            samplers = [s.request for s in sched.scheduled if s.samples]
+            tokens = sample(logits, samplers) if samplers else []
+        outputs.extend(self._update(sched, tokens))
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
+        outputs = []
+        now = time.time_ns()
+        it = iter(tokens)
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens = s.context_len + s.num_new_tokens
+            if s.is_context:
+                req.stats.prefill_tokens_computed += s.num_new_tokens
+            self.kv.cache_computed(req)
+            if not s.samples:
+                continue
+            token = next(it)
+            if req.stats.first_token_time_ns is None:
+                req.stats.first_token_time_ns = now
+            req.stats.last_token_time_ns = now
+            reason = check_stop(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+            out = self._output(req)
+            if out.new_token_ids or out.finished:
+                outputs.append(out)
+        return outputs
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        self.scheduler.finish(req)
+        del self.requests[req.request_id]
+
+    def _output(self, req: Request) -> RequestOutput:
+        visible = visible_output_len(req)
+        new = req.output_token_ids[req.num_emitted:visible]
+        req.num_emitted = max(req.num_emitted, visible)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=new, finished=req.is_finished,
+            num_input_tokens=req.num_prompt_tokens, num_output_tokens=req.num_emitted,
+            finish_reason=req.finish_reason, warning=req.warning, stats=req.stats,
+        )
+
+    def stats(self) -> EngineStats:
+        kv, sched, last = self.kv, self.scheduler, self._last_step
+        lookups = kv.reused_blocks + kv.missed_blocks
+        paused = sum(1 for r in sched.waiting if r.stats.num_preemptions and not r.is_finished)
+        return EngineStats(
+            max_num_blocks=kv.pool.num_blocks, free_num_blocks=kv.num_free_blocks,
+            used_num_blocks=kv.num_used_blocks(), cached_free_blocks=kv.pool.num_cached_free,
+            tokens_per_block=kv.tokens_per_block, reused_blocks=kv.reused_blocks,
+            missed_blocks=kv.missed_blocks, cache_hit_rate=kv.reused_blocks / lookups if lookups else 0.0,
+            preemptions=sched.num_preemptions, iteration_counter=self.iteration_counter,
+            active_requests=len(self.requests), waiting_requests=sched.num_waiting,
+            max_batch_size=self.scheduler_config.max_batch_size,
+            scheduled_requests=len(last.scheduled), context_requests=last.num_context_requests,
+            generation_requests=last.num_generation_requests,
+            total_context_tokens=last.total_context_tokens, paused_requests=paused,
+            timestamp_ns=time.time_ns(),
+        )

@@ -1,0 +1,114 @@
+"""Per-request block tables over the block pool: prefix lookup, allocation, release."""
+
+from __future__ import annotations
+
+from trtprompt.engine.block_pool import Block, BlockPool, hash_block
+from trtprompt.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, tokens_per_block: int, enable_block_reuse: bool) -> None:
+        self.pool = BlockPool(num_blocks, enable_block_reuse)
+        self.tokens_per_block = tokens_per_block
+        self.enable_block_reuse = enable_block_reuse
+        self.block_tables: dict[str, list[Block]] = {}
+        # Blocks of each request already published, so publishing stays O(new blocks).
+        self._num_published: dict[str, int] = {}
+        self.reused_blocks = 0
+        self.missed_blocks = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.tokens_per_block)
+
+    def _update_hashes(self, req: Request, upto_tokens: int) -> None:
+        """Extend req.block_hashes over every full block within the first upto_tokens tokens."""
+        tpb = self.tokens_per_block
+        n_full = upto_tokens // tpb
+        hashes = req.block_hashes
+        while len(hashes) < n_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            tokens = req.all_token_ids[i * tpb:(i + 1) * tpb]
+            hashes.append(hash_block(parent, tokens, req.cache_salt))
+
+    def find_prefix(self, req: Request) -> list[Block]:
+        """Longest run of cached full blocks for req, never covering its last token.
+
+        The last token is always recomputed: its logits are needed to sample.
+        """
+        if not self.enable_block_reuse:
+            return []
+        limit = req.num_tokens - 1
+        self._update_hashes(req, limit)
+        hits: list[Block] = []
+        for block_hash in req.block_hashes[: limit // self.tokens_per_block]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def free_blocks_needed(self, hits: list[Block], num_new_blocks: int) -> int:
+        """Free-queue blocks consumed: new blocks plus hits revived from the free queue."""
+        return num_new_blocks + sum(1 for b in hits if b.ref_cnt == 0)
+
+    def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] | None = None) -> bool:
+        """Give req blocks for num_new_tokens more tokens; False (and no change) if they don't fit."""
+        table = self.block_tables.get(req.request_id, [])
+        hits = hits or []
+        computed = req.num_computed_tokens + len(hits) * self.tokens_per_block
+        n_new = self.blocks_for(computed + num_new_tokens) - len(table) - len(hits)
+        if self.free_blocks_needed(hits, max(n_new, 0)) > self.pool.num_free_blocks:
+            return False
+        if hits:
+            self.pool.touch(hits)
+            table = table + hits
+            req.num_computed_tokens = computed
+            self.reused_blocks += len(hits)
+            req.stats.kv_cache_reused_blocks += len(hits)
+        if n_new > 0:
+            table = table + self.pool.allocate(n_new)
+            req.stats.kv_cache_alloc_new_blocks += n_new
+        self.block_tables[req.request_id] = table
+        req.stats.kv_cache_alloc_total_blocks = len(table)
+        return True
+
+    def record_lookup(self, req: Request, num_hits: int) -> None:
+        """Count the prompt's full blocks that missed the cache (for the hit rate)."""
+        full = (req.num_tokens - 1) // self.tokens_per_block
+        self.missed_blocks += max(full - num_hits, 0)
+
+    def cache_computed(self, req: Request) -> None:
+        """Publish req's full blocks whose KV is now computed (early reuse)."""
+        if not self.enable_block_reuse:
+            return
+        table = self.block_tables.get(req.request_id)
+        if not table:
+            return
+        self._update_hashes(req, req.num_computed_tokens)
+        n_full = req.num_computed_tokens // self.tokens_per_block
+        start = self._num_published.get(req.request_id, 0)
+        for i in range(start, n_full):
+            self.pool.cache(table[i], req.block_hashes[i])
+        self._num_published[req.request_id] = max(start, n_full)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.block_tables.get(request_id, ())]
+
+    def free(self, req: Request) -> None:
+        table = self.block_tables.pop(req.request_id, None)
+        self._num_published.pop(req.request_id, None)
+        if table:
+            # Tail blocks are the least likely to be shared: let them be evicted first.
+            self.pool.free(reversed(table))
+
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free_blocks

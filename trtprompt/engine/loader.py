@@ -1,0 +1,114 @@
+"""Read an engine directory into an EngineConfig, applying runtime overrides.
+
+Runtime values may lower the engine's build-time bounds, never raise them
+(TensorRT-LLM's rule), and chunked context or block reuse need an engine
+built with paged context FMHA.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from trtprompt.engine.config import EngineConfig, KvCacheConfig, ModelConfig, SchedulerConfig
+
+RUNTIME_KEYS = ("enable_chunked_context", "enable_kv_cache_reuse", "batch_scheduler_policy",
+                "kv_cache_free_gpu_mem_fraction", "max_tokens_in_paged_kv_cache", "max_queue_size")
+LOWERABLE_BOUNDS = ("max_batch_size", "max_num_tokens")
+OTHER_KEYS = ("linear_backend", "device", "memory_budget_bytes")
+
+
+@dataclass(frozen=True)
+class EngineFiles:
+    root: Path
+    pretrained_config: Mapping[str, Any]
+    build_config: Mapping[str, Any]
+    meta: Mapping[str, Any]
+
+    @property
+    def weights_path(self) -> Path:
+        return self.root / "rank0.safetensors"
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / "tokenizer"
+
+
+def read_engine_files(path: str | Path) -> EngineFiles:
+    root = Path(path)
+    for name in ("config.json", "trtprompt.json", "rank0.safetensors"):
+        if not (root / name).is_file():
+            raise ValueError(f"{root} is not a torch-target engine directory: {name} is missing")
+    cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    meta = json.loads((root / "trtprompt.json").read_text(encoding="utf-8"))
+    if meta.get("target") != "torch":
+        raise ValueError(f"{root} was built for target {meta.get('target')!r}; "
+                         "the embedded engine runs torch-target engines")
+    return EngineFiles(root, cfg["pretrained_config"], cfg["build_config"], meta)
+
+
+def _check_overrides(overrides: Mapping[str, Any], build: Mapping[str, Any]) -> None:
+    known = set(RUNTIME_KEYS) | set(LOWERABLE_BOUNDS) | set(OTHER_KEYS)
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown runtime option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    for key in LOWERABLE_BOUNDS:
+        value = overrides.get(key)
+        if value is not None and value > build[key]:
+            raise ValueError(f"{key}={value} exceeds the engine's build-time {key} ({build[key]}); "
+                             "runtime values may lower build bounds, never raise them")
+    plugin = build.get("plugin_config", {})
+    paged_ctx = bool(plugin.get("use_paged_context_fmha")) and bool(plugin.get("paged_kv_cache", True))
+    for flag in ("enable_chunked_context", "enable_kv_cache_reuse"):
+        if overrides.get(flag) and not paged_ctx:
+            raise ValueError(f"{flag} needs an engine built with use_paged_context_fmha and a paged KV cache; "
+                             "this engine has it off")
+
+
+def available_memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    with open("/proc/meminfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def engine_config(files: EngineFiles, overrides: Mapping[str, Any]) -> EngineConfig:
+    build = files.build_config
+    _check_overrides(overrides, build)
+    runtime = {k: v for k, v in dict(files.meta.get("runtime", {})).items() if k in RUNTIME_KEYS}
+    runtime.update({k: v for k, v in overrides.items() if k in RUNTIME_KEYS and v is not None})
+    # Without paged context FMHA the engine can neither chunk nor reuse.
+    paged_ctx = bool(build.get("plugin_config", {}).get("use_paged_context_fmha"))
+    device = overrides.get("device") or "cpu"
+    budget = overrides.get("memory_budget_bytes")
+    if budget is None and runtime.get("max_tokens_in_paged_kv_cache") is None:
+        budget = available_memory_bytes(device)
+    kv = KvCacheConfig(
+        tokens_per_block=build["plugin_config"]["tokens_per_block"],
+        enable_block_reuse=bool(runtime.get("enable_kv_cache_reuse", True)) and paged_ctx,
+        max_tokens_in_paged_kv_cache=runtime.get("max_tokens_in_paged_kv_cache"),
+        kv_cache_free_gpu_mem_fraction=runtime.get("kv_cache_free_gpu_mem_fraction", 0.9),
+        memory_budget_bytes=budget,
+    )
+    sched = SchedulerConfig(
+        max_batch_size=overrides.get("max_batch_size") or build["max_batch_size"],
+        max_num_tokens=overrides.get("max_num_tokens") or build["max_num_tokens"],
+        max_seq_len=build["max_seq_len"],
+        enable_chunked_context=bool(runtime.get("enable_chunked_context", False)) and paged_ctx,
+        batch_scheduler_policy=runtime.get("batch_scheduler_policy", "guaranteed_no_evict"),
+        max_queue_size=runtime.get("max_queue_size"),
+    )
+    return EngineConfig(
+        model=ModelConfig.from_pretrained_config(files.pretrained_config),
+        kv_cache=kv, scheduler=sched,
+        dtype=files.pretrained_config.get("dtype", "float32"), device=device,
+        linear_backend=overrides.get("linear_backend") or "onednn",
+    )

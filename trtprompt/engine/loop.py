@@ -1,0 +1,158 @@
+"""Thread-safe front of an LLMEngine: one background loop, one output queue per request.
+
+Every accepted request ends with exactly one finished output: done, aborted,
+or an error (also when a step fails or the loop stops).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from typing import Iterator, Sequence
+
+from trtprompt.engine.engine import EngineStats, LLMEngine
+from trtprompt.engine.errors import DuplicateRequestError, EngineRequestError, QueueFullError
+from trtprompt.engine.request import FinishReason, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """Outputs of one request, in order; iteration ends after the finished one."""
+
+    def __init__(self, request_id: str, loop: "EngineLoop") -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+
+    def put(self, out: RequestOutput) -> None:
+        self._queue.put(out)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        """Next output; raises queue.Empty after timeout seconds."""
+        return self._queue.get(timeout=timeout)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self._queue.get()
+            yield out
+            if out.finished:
+                return
+
+    def abort(self) -> None:
+        self._loop.abort(self.request_id)
+
+
+def error_output(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(request_id=request_id, new_token_ids=[], finished=True,
+                         num_input_tokens=0, num_output_tokens=0,
+                         finish_reason=FinishReason.ERROR, error=message)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: deque[tuple] = deque()
+        self._pending_adds = 0
+        self._streams: dict[str, RequestStream] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._stats = engine.stats()
+
+    def start(self) -> "EngineLoop":
+        self._thread = threading.Thread(target=self._run, name="trtprompt-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            stream.put(error_output(rid, "engine stopped before the request finished"))
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+               cache_salt: str | None = None) -> RequestStream:
+        """Accept a request or raise EngineRequestError with a client-ready message."""
+        self.engine.check_request(prompt_token_ids, params)
+        limit = self.engine.scheduler_config.max_queue_size
+        stream = RequestStream(request_id, self)
+        with self._lock:
+            if self._stopping:
+                raise EngineRequestError("engine is shutting down")
+            if request_id in self._streams:
+                raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+            if limit is not None and self._pending_adds + self.engine.scheduler.num_waiting >= limit:
+                raise QueueFullError(limit)
+            self._streams[request_id] = stream
+            self._pending_adds += 1
+            self._inbox.append(("add", request_id, list(prompt_token_ids), params, cache_salt))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            items, self._inbox = self._inbox, deque()
+            self._pending_adds = 0
+        for item in items:
+            if item[0] == "add":
+                _, rid, prompt, params, salt = item
+                try:
+                    self.engine.add_request(rid, prompt, params, salt)
+                except EngineRequestError as exc:
+                    self._deliver([error_output(rid, str(exc))])
+            elif not self.engine.abort(item[1]):
+                log.debug("abort of unknown or finished request %s", item[1])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                stream = self._streams.pop(out.request_id, None) if out.finished \
+                    else self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        log.exception("engine step failed; failing all in-flight requests")
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+        self.engine.step()  # flush the aborts so the blocks are released
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            stream.put(error_output(rid, f"engine error: {exc}"))
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._stats = self.engine.stats()
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+                continue
+            try:
+                self._deliver(self.engine.step())
+            except Exception as exc:  # noqa: BLE001 - no request may be lost
+                self._fail_all(exc)
+            self._stats = self.engine.stats()

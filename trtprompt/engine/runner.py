@@ -1,0 +1,43 @@
+"""Pack one scheduled step into model inputs, run the model, return logits of sampling rows."""
+
+from __future__ import annotations
+
+import torch
+
+from trtprompt.engine.attention import SeqSlice, build_attention_metadata
+from trtprompt.engine.kv_cache import KVCacheManager
+from trtprompt.engine.model import DecoderModel
+from trtprompt.engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 tokens_per_block: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.tokens_per_block = tokens_per_block
+        self.device = device
+
+    def prepare(self, out: SchedulerOutput, kv: KVCacheManager):
+        ids: list[int] = []
+        positions: list[int] = []
+        slices: list[SeqSlice] = []
+        logits_rows: list[int] = []
+        for s in out.scheduled:
+            start, end = s.context_len, s.context_len + s.num_new_tokens
+            ids.extend(s.request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slices.append(SeqSlice(start, s.num_new_tokens, kv.block_ids(s.request.request_id)))
+            if s.samples:
+                logits_rows.append(len(ids) - 1)
+        dev = self.device
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                build_attention_metadata(slices, self.tokens_per_block, dev),
+                torch.tensor(logits_rows, dtype=torch.long, device=dev))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
+        """Logits [num sampling requests, vocab] in float32, in scheduling order."""
+        input_ids, positions, meta, rows = self.prepare(out, kv)
+        return self.model(input_ids, positions, meta, self.kv_caches, rows)

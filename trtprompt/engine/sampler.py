@@ -1,0 +1,68 @@
+"""Turn last-token logits into next tokens: penalties, min_tokens, greedy or seeded sampling."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from trtprompt.engine.request import Request
+
+
+def apply_penalties(row: torch.Tensor, req: Request) -> None:
+    """In-place on one logits row.
+
+    repetition_penalty follows Hugging Face (over prompt and output tokens);
+    presence and frequency penalties follow OpenAI (over output tokens only).
+    """
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=row.device)
+        score = row[seen]
+        row[seen] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
+    if p.presence_penalty or p.frequency_penalty:
+        out = req.output_token_ids
+        if out:
+            ids = torch.tensor(out, dtype=torch.long, device=row.device)
+            counts = torch.bincount(ids, minlength=row.numel()).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def mask_end_tokens(row: torch.Tensor, req: Request) -> None:
+    """min_tokens: the end token may not be chosen before that many outputs."""
+    if req.num_output < req.params.min_tokens and req.end_ids:
+        row[list(req.end_ids)] = float("-inf")
+
+
+def sample_row(row: torch.Tensor, req: Request) -> int:
+    p = req.params
+    if req.generator is None:
+        gen = torch.Generator(device=row.device)
+        gen.manual_seed(p.seed if p.seed is not None else 0)
+        req.generator = gen
+    logits = row / max(p.temperature, 1e-6)
+    if p.top_k and p.top_k > 0 and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p is not None and 0.0 < p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest set whose mass reaches top_p (always at least one token).
+        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= p.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=req.generator).item())
+
+
+def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
+    """logits: [len(reqs), vocab] float32, one row per request that samples this step."""
+    for i, req in enumerate(reqs):
+        if req.params.has_penalties:
+            apply_penalties(logits[i], req)
+        if req.params.min_tokens:
+            mask_end_tokens(logits[i], req)
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    for i, req in enumerate(reqs):
+        if not req.params.greedy:
+            tokens[i] = sample_row(logits[i], req)
+    return tokens

@@ -1,0 +1,205 @@
+"""In-flight batching under a token budget.
+
+One rule per step: move each request's computed-token count toward its
+token count, within max_num_tokens tokens and max_batch_size requests.
+Generation requests go first, then context chunks (running ones, then
+waiting ones in arrival order).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from trtprompt.engine.config import SchedulerConfig
+from trtprompt.engine.kv_cache import KVCacheManager
+from trtprompt.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    context_len: int      # tokens already in the KV cache before this step
+    num_new_tokens: int
+    is_context: bool
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last token, so it yields logits."""
+        return self.context_len + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_context_requests: int = 0
+    num_generation_requests: int = 0
+    total_context_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class _Step:
+    """Budget bookkeeping of one scheduling pass."""
+
+    def __init__(self, budget: int, max_requests: int) -> None:
+        self.budget = budget
+        self.max_requests = max_requests
+        self.out = SchedulerOutput()
+        self.ids: set[str] = set()
+
+    def add(self, req: Request, num_new: int, is_context: bool) -> None:
+        self.out.scheduled.append(
+            ScheduledRequest(req, req.num_computed_tokens, num_new, is_context))
+        self.ids.add(req.request_id)
+        self.budget -= num_new
+        if is_context:
+            self.out.num_context_requests += 1
+            self.out.total_context_tokens += num_new
+        else:
+            self.out.num_generation_requests += 1
+
+    def remove(self, req: Request) -> None:
+        """Undo the scheduling of a request preempted later in the same pass."""
+        for i, s in enumerate(self.out.scheduled):
+            if s.request is req:
+                del self.out.scheduled[i]
+                self.ids.discard(req.request_id)
+                self.budget += s.num_new_tokens
+                if s.is_context:
+                    self.out.num_context_requests -= 1
+                    self.out.total_context_tokens -= s.num_new_tokens
+                else:
+                    self.out.num_generation_requests -= 1
+                return
+
+    @property
+    def full(self) -> bool:
+        return self.budget <= 0 or len(self.out.scheduled) >= self.max_requests
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; the newest is last
+        self.num_waiting = 0
+        self.num_preemptions = 0
+        self._admissions = 0
+        self.guaranteed = cfg.batch_scheduler_policy == "guaranteed_no_evict"
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+        self.num_waiting += 1
+
+    def has_work(self) -> bool:
+        return self.num_waiting > 0 or bool(self.running)
+
+    def is_generation(self, req: Request) -> bool:
+        return req.num_output > 0 and req.num_tokens - req.num_computed_tokens == 1
+
+    def schedule(self) -> SchedulerOutput:
+        self.running = [r for r in self.running if not r.is_finished]
+        step = _Step(self.cfg.max_num_tokens, self.cfg.max_batch_size)
+        self._schedule_running(step, generation=True)
+        self._schedule_running(step, generation=False)
+        self._admit_waiting(step)
+        return step.out
+
+    def _schedule_running(self, step: _Step, generation: bool) -> None:
+        i = 0
+        while i < len(self.running) and not step.full:
+            req = self.running[i]
+            i += 1
+            if self.is_generation(req) != generation or req.request_id in step.ids:
+                continue
+            remaining = req.num_tokens - req.num_computed_tokens
+            num_new = 1 if generation else self._chunk(req, remaining, step.budget)
+            if num_new == 0:
+                continue
+            if self._allocate_or_preempt(req, num_new, step):
+                step.add(req, num_new, is_context=not generation)
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, step: _Step) -> bool:
+        while not self.kv.allocate(req, num_new):
+            if self.guaranteed:
+                raise RuntimeError(
+                    f"guaranteed_no_evict reservation broken for request {req.request_id}")
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, victim: Request, step: _Step) -> None:
+        """Recompute-style preemption: drop the KV, requeue at the front."""
+        self.running.pop()
+        if victim.request_id in step.ids:
+            step.remove(victim)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.stats.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        self.num_waiting += 1
+        step.out.preempted.append(victim)
+
+    def _chunk(self, req: Request, remaining: int, budget: int) -> int:
+        if remaining <= budget:
+            return remaining
+        # A preempted request recomputes prompt + output, which may exceed
+        # max_num_tokens; it is chunked even when chunked context is off.
+        if not (self.cfg.enable_chunked_context or req.stats.num_preemptions):
+            return 0
+        tpb = self.kv.tokens_per_block
+        return (budget // tpb) * tpb
+
+    def _outstanding_reservations(self) -> int:
+        return sum(r.reserved_blocks - len(self.kv.block_tables.get(r.request_id, ()))
+                   for r in self.running)
+
+    def _admit_waiting(self, step: _Step) -> None:
+        while self.waiting and not step.full and len(self.running) < self.cfg.max_batch_size:
+            req = self.waiting[0]
+            if req.is_finished:  # aborted while waiting
+                self.waiting.popleft()
+                continue
+            if not self._admit(req, step):
+                break  # first come, first served: no overtaking
+            self.waiting.popleft()
+            self.num_waiting -= 1
+
+    def _admit(self, req: Request, step: _Step) -> bool:
+        hits = self.kv.find_prefix(req)
+        tpb = self.kv.tokens_per_block
+        remaining = req.num_tokens - len(hits) * tpb
+        num_new = self._chunk(req, remaining, step.budget)
+        if num_new == 0:
+            return False
+        if self.guaranteed:
+            total = self.kv.blocks_for(req.num_prompt_tokens + req.max_output_tokens)
+            needed = self.kv.free_blocks_needed(hits, total - len(hits))
+            if needed > self.kv.num_free_blocks - self._outstanding_reservations():
+                return False
+            req.reserved_blocks = total
+        if not self.kv.allocate(req, num_new, hits):
+            return False
+        self.kv.record_lookup(req, len(hits))
+        req.status = RequestStatus.RUNNING
+        req.admitted_seq = self._admissions
+        self._admissions += 1
+        self.running.append(req)
+        step.add(req, num_new, is_context=True)
+        return True
+
+    def finish(self, req: Request) -> None:
+        """Release a finished request's blocks; it leaves `running` at the next pass."""
+        if req.status is RequestStatus.WAITING or req.status is RequestStatus.PREEMPTED:
+            self.num_waiting -= 1
+        req.status = RequestStatus.FINISHED
+        self.kv.free(req)

@@ -1,0 +1,44 @@
+"""Admission checks with TensorRT-LLM's wording; pure, so any thread may call them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from trtprompt.engine.errors import EngineRequestError, InputTooLongError
+from trtprompt.engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_input_len: int
+    max_seq_len: int
+    vocab_size: int
+    num_blocks: int
+    tokens_per_block: int
+
+
+def validate_request(prompt: Sequence[int], params: SamplingParams,
+                     limits: RequestLimits) -> tuple[int, str | None]:
+    """Return (max output tokens granted, warning) or raise EngineRequestError."""
+    n = len(prompt)
+    if n == 0:
+        raise EngineRequestError("prompt is empty: at least one input token is required")
+    if n > limits.max_input_len:
+        raise InputTooLongError(n, limits.max_input_len)
+    bad = next((t for t in prompt if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise EngineRequestError(f"input token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    if params.end_id is not None and not 0 <= params.end_id < limits.vocab_size:
+        raise EngineRequestError(f"end_id {params.end_id} is outside the vocabulary [0, {limits.vocab_size})")
+    max_out, warning = params.max_tokens, None
+    if n + max_out > limits.max_seq_len:
+        max_out = limits.max_seq_len - n
+        warning = (f"prompt length ({n}) + max_tokens ({params.max_tokens}) exceeds max_seq_len "
+                   f"({limits.max_seq_len}); output shortened to {max_out} tokens")
+    capacity = limits.num_blocks * limits.tokens_per_block
+    if n + max_out > capacity:
+        raise EngineRequestError(
+            f"prompt length ({n}) + output ({max_out}) needs {n + max_out} KV-cache tokens, "
+            f"more than the whole cache holds ({capacity} tokens in {limits.num_blocks} blocks)")
+    return max_out, warning
