@@ -1,0 +1,172 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over packed tokens.
+
+No padding: a step's tokens of all sequences form one [T, hidden] batch;
+attention is paged (attention.py). q/k/v and gate/up are fused into one GEMM
+each. Logits are computed only at the rows asked for, and returned in
+float32.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model's interface)
+    AttentionMetadata,
+    KvCache,
+    SeqSlice,
+    allocate_kv_cache,
+    build_attention_metadata,
+    paged_attention,
+)
+from trtprompt.engine.config import ModelConfig
+from trtprompt.engine.linear import int8_matmul_available, make_linear, resolve_backend
+from trtprompt.engine.rope import RotaryEmbedding, apply_rotary
+from trtprompt.engine.weights import LinearWeights, check_quant_algo, fuse_linears, take_linear, take_tensor
+
+
+class RMSNorm(torch.nn.Module):
+    """transformers' RMSNorm: normalise in float32, round to dtype, then scale."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, qkv: torch.nn.Module, o_proj: torch.nn.Module,
+                 q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_size = cfg.head_size
+        self.scale = cfg.head_size ** -0.5
+        self.qkv, self.o_proj = qkv, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KvCache) -> torch.Tensor:
+        t, d = x.shape[0], self.head_size
+        q, k, v = self.qkv(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = q.view(t, self.num_heads, d)
+        k = k.view(t, self.num_kv_heads, d)
+        v = v.view(t, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * d))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, gate_up: torch.nn.Module, down: torch.nn.Module, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up, self.down = gate_up, down
+        self.intermediate_size = intermediate_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, attn: Attention, mlp: MLP, input_norm: RMSNorm, post_norm: RMSNorm) -> None:
+        super().__init__()
+        self.attn, self.mlp = attn, mlp
+        self.input_norm, self.post_norm = input_norm, post_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KvCache) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_norm(x))
+
+
+class DecoderModel(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 linear_backend: str = "onednn") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.requested_backend = linear_backend
+        # The backend that really runs: onednn falls back to reference off CPU or for unsupported dtypes.
+        self.linear_backend = resolve_backend(linear_backend, dtype, self.device)
+        self.rotary = RotaryEmbedding(cfg, self.device)
+        self.layers = torch.nn.ModuleList()
+        self.embed_tokens: torch.Tensor | None = None
+        self.norm: RMSNorm | None = None
+        self.lm_head: torch.nn.Module | None = None
+
+    # -- weights -----------------------------------------------------------------
+
+    def _linear(self, lw: LinearWeights, int8_matmul: bool) -> torch.nn.Module:
+        return make_linear(lw.weight, lw.bias, self.linear_backend, self.dtype, lw.scale, int8_matmul)
+
+    def _norm(self, tensors: Mapping[str, torch.Tensor], name: str, size: int) -> RMSNorm:
+        weight = take_tensor(tensors, name, (size,), self.dtype, self.device)
+        return RMSNorm(weight, self.cfg.norm_epsilon)
+
+    def _layer(self, tensors: Mapping[str, torch.Tensor], i: int, quantized: bool, int8_mm: bool) -> DecoderLayer:
+        c, p = self.cfg, f"model.layers.{i}."
+        d, h = c.head_size, c.hidden_size
+
+        def lin(name: str, out_features: int, in_features: int) -> LinearWeights:
+            return take_linear(tensors, p + name, (out_features, in_features), self.dtype, self.device, quantized)
+
+        qkv = fuse_linears([lin("self_attn.q_proj", c.num_attention_heads * d, h),
+                            lin("self_attn.k_proj", c.num_key_value_heads * d, h),
+                            lin("self_attn.v_proj", c.num_key_value_heads * d, h)])
+        o_proj = lin("self_attn.o_proj", h, c.num_attention_heads * d)
+        q_norm = self._norm(tensors, p + "self_attn.q_norm.weight", d) if c.qk_layernorm else None
+        k_norm = self._norm(tensors, p + "self_attn.k_norm.weight", d) if c.qk_layernorm else None
+        attn = Attention(c, self._linear(qkv, int8_mm), self._linear(o_proj, int8_mm), q_norm, k_norm)
+        gate_up = fuse_linears([lin("mlp.gate_proj", c.intermediate_size, h), lin("mlp.up_proj", c.intermediate_size, h)])
+        down = lin("mlp.down_proj", h, c.intermediate_size)
+        mlp = MLP(self._linear(gate_up, int8_mm), self._linear(down, int8_mm), c.intermediate_size)
+        return DecoderLayer(attn, mlp, self._norm(tensors, p + "input_layernorm.weight", h),
+                            self._norm(tensors, p + "post_attention_layernorm.weight", h))
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], quant_algo: str | None = None) -> None:
+        """Load HF-named tensors; with W8A16 the layer linears are int8 + `<name>_scale`."""
+        check_quant_algo(quant_algo)
+        c = self.cfg
+        quantized = quant_algo == "W8A16"
+        int8_mm = quantized and int8_matmul_available(self.dtype, self.device)
+        embed_shape = (c.vocab_size, c.hidden_size)
+        self.embed_tokens = take_tensor(tensors, "model.embed_tokens.weight", embed_shape, self.dtype, self.device)
+        self.layers = torch.nn.ModuleList(self._layer(tensors, i, quantized, int8_mm)
+                                          for i in range(c.num_hidden_layers))
+        self.norm = self._norm(tensors, "model.norm.weight", c.hidden_size)
+        if c.tie_word_embeddings:
+            head = self.embed_tokens
+        else:
+            head = take_tensor(tensors, "lm_head.weight", embed_shape, self.dtype, self.device)
+        self.lm_head = make_linear(head, None, self.linear_backend, self.dtype)
+
+    # -- forward -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[KvCache], logits_indices: torch.Tensor) -> torch.Tensor:
+        """[len(logits_indices), vocab] float32 logits at the given packed rows."""
+        if self.embed_tokens is None or self.norm is None or self.lm_head is None:
+            raise RuntimeError("DecoderModel.load_weights must run before forward")
+        if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
+            raise ValueError(
+                f"input_ids ({input_ids.shape[0]}) and positions ({positions.shape[0]}) must both "
+                f"hold the metadata's {meta.num_tokens} tokens"
+            )
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, kv_cache)
+        x = self.norm(x.index_select(0, logits_indices))
+        return self.lm_head(x).float()
