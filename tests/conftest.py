@@ -1,0 +1,29 @@
+"""Session-wide fixtures shared by every test module: tiny checkpoints and engines made offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from trtprompt.checkpoint_maker import DemoSpec, make_demo_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """callable(arch='llama', seed=0, **DemoSpec fields) -> checkpoint dir, made once per arguments.
+
+    Treat the returned directory as read-only: other tests share it.
+    """
+    root = tmp_path_factory.mktemp("checkpoints")
+    made: dict[DemoSpec, Path] = {}
+
+    def make(arch: str = "llama", seed: int = 0, **kwargs: object) -> Path:
+        spec = DemoSpec(arch=arch, seed=seed, **kwargs)  # type: ignore[arg-type]
+        if spec not in made:
+            name = "-".join(f"{k}={v}" for k, v in sorted(vars(spec).items()))
+            made[spec] = make_demo_checkpoint(root / name, spec)
+        return made[spec]
+
+    return make
