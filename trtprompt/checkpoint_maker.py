@@ -135,7 +135,9 @@ def _hf_tokenizer(vocab_size: int, qwen_style: bool) -> Any:
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=train_tokenizer(vocab_size, qwen_style),
-        bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        # Byte-level BPE never needs unk; naming one stops transformers 5's
+        # Qwen2Tokenizer from appending its own "<|endoftext|>" past the vocab.
+        bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=EOS,
         model_max_length=MAX_POSITION_EMBEDDINGS,
     )
     fast.chat_template = CHAT_TEMPLATE
