@@ -1,0 +1,113 @@
+"""Shared helpers for engine tests: tiny HF models and the transformers oracle."""
+
+from __future__ import annotations
+
+import zlib
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import transformers
+
+from trtprompt.engine.config import EngineConfig, KvCacheConfig, ModelConfig, SchedulerConfig
+from trtprompt.engine.engine import LLMEngine
+from trtprompt.engine.request import SamplingParams
+from trtprompt.engine.weights import load_model_from_safetensors
+
+ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 24}),
+}
+VOCAB = 256
+EOS = 2
+
+
+def make_hf_model(root: Path, arch: str, seed: int = 0, **extra) -> Path:
+    cfg_cls, model_cls, arch_extra = ARCHS[arch]
+    out = root / f"{arch}-{seed}-{zlib.crc32(repr(sorted(extra.items())).encode())}"
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.3, eos_token_id=EOS, bos_token_id=1, pad_token_id=0,
+                  tie_word_embeddings=False)
+    kwargs.update(arch_extra)
+    kwargs.update(extra)
+    model = model_cls(cfg_cls(**kwargs)).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def model_config(path: Path) -> ModelConfig:
+    c = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    rope = getattr(c, "rope_parameters", None) or {}
+    scaling = dict(rope) if rope.get("rope_type", "default") != "default" else None
+    return ModelConfig(
+        architecture=c.architectures[0], vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_size=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        max_position_embeddings=c.max_position_embeddings, norm_epsilon=c.rms_norm_eps,
+        rotary_base=rope.get("rope_theta", 10000.0), rotary_scaling=scaling,
+        tie_word_embeddings=bool(c.tie_word_embeddings),
+        attn_bias=c.model_type == "qwen2", qk_layernorm=c.model_type == "qwen3",
+    )
+
+
+def make_engine(path: Path, *, reuse: bool = True, chunked: bool = True, max_num_tokens: int = 256,
+                policy: str = "guaranteed_no_evict", kv_tokens: int = 4096, tokens_per_block: int = 8,
+                max_batch_size: int = 8, max_seq_len: int = 256, max_queue_size: int | None = None,
+                linear_backend: str = "reference") -> LLMEngine:
+    mc = model_config(path)
+    cfg = EngineConfig(
+        model=mc,
+        kv_cache=KvCacheConfig(tokens_per_block=tokens_per_block, enable_block_reuse=reuse,
+                               max_tokens_in_paged_kv_cache=kv_tokens),
+        scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+                                  max_seq_len=max_seq_len, enable_chunked_context=chunked,
+                                  batch_scheduler_policy=policy, max_queue_size=max_queue_size),
+        linear_backend=linear_backend,
+    )
+    model = load_model_from_safetensors(path / "model.safetensors", mc, torch.float32,
+                                        torch.device("cpu"), linear_backend)
+    return LLMEngine(cfg, model, [EOS])
+
+
+@lru_cache(maxsize=None)
+def _hf_model(path: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                             torch_dtype=torch.float32).eval()
+
+
+def hf_greedy(path: Path, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation, cut before the end token (as the engine reports it)."""
+    model = _hf_model(str(path))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             pad_token_id=0)
+    new = out[0, len(prompt):].tolist()
+    return new[: new.index(EOS)] if EOS in new else new
+
+
+def run_to_completion(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams,
+                      salts: dict[str, str] | None = None, check=None) -> dict[str, list[int]]:
+    """Submit all prompts at once, step until done; returns output ids per request."""
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params, (salts or {}).get(rid))
+    outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    finished: dict[str, int] = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finished[out.request_id] = finished.get(out.request_id, 0) + 1
+        if check is not None:
+            check(engine)
+    assert finished == {rid: 1 for rid in prompts}, "every request ends exactly once"
+    return outputs
