@@ -132,7 +132,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """True while a request runs or a final output (e.g. of an abort) awaits step()."""
+        return bool(self.requests) or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []

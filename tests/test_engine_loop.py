@@ -1,0 +1,97 @@
+"""The thread-safe front: concurrent submitters, aborts, errors, stop."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine_helpers import hf_greedy, make_engine, make_hf_model
+from trtprompt.engine.errors import InputTooLongError, QueueFullError
+from trtprompt.engine.loop import EngineLoop
+from trtprompt.engine.request import FinishReason, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("hf"), "llama")
+
+
+def test_concurrent_submitters_get_exact_greedy_outputs(llama):
+    loop = EngineLoop(make_engine(llama, max_batch_size=4)).start()
+    prompts = {f"t{i}": list(range(3 + i, 20 + 2 * i)) for i in range(8)}
+    results: dict[str, list[int]] = {}
+    finals: dict[str, int] = {}
+
+    def client(rid: str) -> None:
+        stream = loop.submit(rid, prompts[rid], SamplingParams(max_tokens=8))
+        toks: list[int] = []
+        for out in stream:
+            toks.extend(out.new_token_ids)
+            finals[rid] = finals.get(rid, 0) + int(out.finished)
+        results[rid] = toks
+
+    threads = [threading.Thread(target=client, args=(rid,)) for rid in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    loop.stop()
+    assert finals == {rid: 1 for rid in prompts}
+    assert results == {rid: hf_greedy(llama, tuple(p), 8) for rid, p in prompts.items()}
+
+
+def test_abort_through_loop_and_errors_at_submit(llama):
+    loop = EngineLoop(make_engine(llama, chunked=False, max_num_tokens=32)).start()
+    with pytest.raises(InputTooLongError):
+        loop.submit("long", [5] * 33, SamplingParams())
+    stream = loop.submit("a", [5, 6, 7], SamplingParams(max_tokens=200))
+    first = stream.get(timeout=30)
+    assert not first.finished
+    stream.abort()
+    last = first
+    while not last.finished:
+        last = stream.get(timeout=30)
+    assert last.finish_reason is FinishReason.ABORTED
+    loop.stop()
+    assert loop.engine.stats().used_num_blocks == 0
+
+
+def test_queue_full_at_submit(llama):
+    engine = make_engine(llama, max_queue_size=1)
+    loop = EngineLoop(engine)  # not started: nothing leaves the queue
+    loop.submit("a", [5, 6], SamplingParams())
+    with pytest.raises(QueueFullError):
+        loop.submit("b", [5, 6], SamplingParams())
+    loop.start()
+    loop.stop()
+
+
+def test_stop_ends_in_flight_requests_with_an_error(llama):
+    loop = EngineLoop(make_engine(llama))
+    stream = loop.submit("a", [5, 6], SamplingParams(max_tokens=5))
+    loop.stop()
+    out = stream.get(timeout=5)
+    assert out.finished and out.finish_reason is FinishReason.ERROR and "stopped" in out.error
+
+
+def test_step_failure_fails_requests_but_loop_survives(llama):
+    engine = make_engine(llama)
+    loop = EngineLoop(engine).start()
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real(*args, **kwargs)
+
+    engine.runner.execute = flaky
+    out = list(loop.submit("a", [5, 6, 7], SamplingParams(max_tokens=4)))
+    assert out[-1].finish_reason is FinishReason.ERROR and "simulated kernel failure" in out[-1].error
+    ok = list(loop.submit("b", [5, 6, 7], SamplingParams(max_tokens=4)))
+    assert ok[-1].finish_reason is FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in ok) == 4
+    loop.stop()
+    assert engine.stats().used_num_blocks == 0
