@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Engine benchmarks of the embedded torch target, each A/B measured side by side in one run.
+
+    python scripts/bench_engine.py ENGINE_DIR --hf-dir CHECKPOINT [--only prefix,throughput,chunked,overhead]
+
+Writes JSON to --out (default bench-results/engine.json) and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from trtprompt.bench import offline
+
+SCENARIOS = ("prefix", "throughput", "chunked", "overhead")
+
+
+def markdown(results: dict) -> str:
+    lines = ["| scenario | variant | metric | value |", "| --- | --- | --- | --- |"]
+    for scenario, res in results.items():
+        for variant, val in res.items():
+            if isinstance(val, dict):
+                for k, v in val.items():
+                    if isinstance(v, (int, float)):
+                        lines.append(f"| {scenario} | {variant} | {k} | {v:.4g} |")
+            elif isinstance(val, (int, float)):
+                lines.append(f"| {scenario} | — | {variant} | {val:.4g} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("engine_dir", type=Path)
+    ap.add_argument("--hf-dir", type=Path, help="source checkpoint, for the transformers baselines")
+    ap.add_argument("--only", default=",".join(SCENARIOS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-sequential", action="store_true", help="skip the slow sequential generate baseline")
+    ap.add_argument("--out", type=Path, default=Path("bench-results/engine.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    wanted = args.only.split(",")
+    results: dict = {}
+    if "prefix" in wanted:
+        results["prefix"] = offline.prefix_reuse(args.engine_dir)
+    if "throughput" in wanted:
+        results["throughput"] = offline.throughput(args.engine_dir, args.hf_dir,
+                                                   with_sequential=not args.no_sequential)
+    if "chunked" in wanted:
+        results["chunked"] = offline.chunked_context(args.engine_dir)
+    if "overhead" in wanted:
+        results["overhead"] = {"decode": offline.step_overhead(args.engine_dir)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
