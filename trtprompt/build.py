@@ -1,0 +1,163 @@
+"""`trtprompt build`: checkpoint + profile + overrides -> plan -> engine directory.
+
+The CLI only parses options; this module does the work so tests and scripts
+can call it directly.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from trtprompt import __version__
+from trtprompt.checkpoint import Checkpoint, checkpoint_sha256, read_checkpoint
+from trtprompt.engine_dir import ENGINE_FORMAT, atomic_engine_dir, check_output_dir, write_json
+from trtprompt.plan import BuildPlan, make_plan
+from trtprompt.profile import Profile, load_profile
+
+DEFAULT_PROFILES: dict[str, str] = {"torch": "cpu-dev", "trtllm": "chat"}
+VERSIONED_PACKAGES: tuple[str, ...] = ("torch", "transformers", "tokenizers", "safetensors", "numpy")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    checkpoint: Path
+    output: Path | None
+    profile: str | Path | None = None  # None: the target's default profile
+    target: str = "torch"
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    kv_budget_gib: float | None = None
+    force: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kv_budget_gib is not None and self.kv_budget_gib <= 0:
+            raise ValueError(f"kv_budget_gib must be positive, got {self.kv_budget_gib}")
+
+
+def host_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def kv_budget(req: BuildRequest, profile: Profile) -> tuple[int | None, str]:
+    """(bytes the KV fraction applies to, where that number came from), as the engine will size it."""
+    if req.kv_budget_gib is not None:
+        return int(req.kv_budget_gib * GIB), f"--kv-budget-gib {req.kv_budget_gib:g}"
+    if profile.max_tokens_in_paged_kv_cache is not None:
+        return None, "max_tokens_in_paged_kv_cache"
+    if req.target == "trtllm":
+        return None, "GPU memory at runtime"
+    available = host_available_bytes()
+    return available, "host available memory" if available else "unknown"
+
+
+def resolve_profile(req: BuildRequest) -> Profile:
+    base = load_profile(req.profile or DEFAULT_PROFILES.get(req.target, "cpu-dev"))
+    return base.with_overrides(**req.overrides)
+
+
+def prepare(req: BuildRequest) -> tuple[Checkpoint, Profile, BuildPlan]:
+    ckpt = read_checkpoint(req.checkpoint)
+    profile = resolve_profile(req)
+    budget, source = kv_budget(req, profile)
+    plan = make_plan(ckpt.pretrained_config, profile, req.target, ckpt.source_dtype, budget, source)
+    return ckpt, profile, plan
+
+
+def engine_config(ckpt: Checkpoint, plan: BuildPlan) -> dict[str, Any]:
+    """config.json in TensorRT-LLM's layout: version, pretrained_config, build_config."""
+    b = plan.bounds
+    pretrained = {**ckpt.pretrained_config, "dtype": plan.dtype,
+                  "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
+                  "quantization": {"quant_algo": plan.quant_algo, "kv_cache_quant_algo": None}}
+    build = {
+        "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len, "max_seq_len": b.max_seq_len,
+        "max_num_tokens": b.max_num_tokens, "opt_num_tokens": b.opt_num_tokens,
+        "max_beam_width": b.max_beam_width, "kv_cache_type": "PAGED",
+        "multiple_profiles": b.multiple_profiles, "gather_context_logits": False,
+        "plugin_config": {"tokens_per_block": b.tokens_per_block, "use_paged_context_fmha": True,
+                          "paged_kv_cache": True, "remove_input_padding": True, "context_fmha": True,
+                          "gemm_plugin": None},
+    }
+    return {"version": f"trtprompt {__version__}", "pretrained_config": pretrained, "build_config": build}
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"trtprompt": __version__, "python": platform.python_version()}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def engine_meta(ckpt: Checkpoint, profile: Profile, plan: BuildPlan) -> dict[str, Any]:
+    """trtprompt.json: the resolved profile, runtime and prompt policy, memory plan, provenance."""
+    resolved = {**profile.to_dict(), **vars(plan.bounds), "dtype": plan.dtype}
+    return {
+        "format": ENGINE_FORMAT, "target": plan.target, "profile": resolved,
+        "runtime": profile.section("runtime"), "prompt": profile.section("prompt"),
+        "memory_plan": vars(plan.memory) | {"runtime_max_input_len": plan.runtime_max_input_len},
+        "source": {"path": str(ckpt.path.resolve()), "sha256": checkpoint_sha256(ckpt.path)},
+        "versions": package_versions(),
+        "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _copy_tokenizer(ckpt: Checkpoint, out_dir: Path) -> None:
+    tok = out_dir / "tokenizer"
+    tok.mkdir()
+    for file in ckpt.tokenizer_files:
+        shutil.copy2(file, tok / file.name)
+
+
+def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: BuildPlan) -> Path:
+    if req.output is None:
+        raise ValueError("write_engine needs an output directory")
+    with atomic_engine_dir(req.output, req.force) as tmp:
+        if plan.target == "trtllm":
+            from trtprompt.targets.trtllm_build import build_trtllm_engine
+
+            build_trtllm_engine(tmp, ckpt, profile, plan)
+        else:
+            from trtprompt.targets.torch_build import write_weights
+
+            write_weights(tmp, ckpt, ckpt.pretrained_config, plan.dtype, plan.quantization, req.progress)
+        _copy_tokenizer(ckpt, tmp)
+        write_json(tmp / "trtprompt.json", engine_meta(ckpt, profile, plan))
+        # Last, so a half-written directory never has a config.json.
+        write_json(tmp / "config.json", engine_config(ckpt, plan))
+    return Path(req.output)
+
+
+def run_build(req: BuildRequest, dry_run: bool = False,
+              on_plan: Callable[[Checkpoint, Profile, BuildPlan], None] | None = None) -> Path | None:
+    """Plan (and report it through on_plan), then write the engine unless dry_run."""
+    if not dry_run:
+        if req.output is None:
+            raise ValueError("an output directory is required unless dry_run")
+        check_output_dir(Path(req.output).expanduser(), req.force)
+    ckpt, profile, plan = prepare(req)
+    if on_plan is not None:
+        on_plan(ckpt, profile, plan)
+    if dry_run:
+        return None
+    if plan.target == "trtllm":
+        from trtprompt.targets.trtllm_build import import_tensorrt_llm
+
+        import_tensorrt_llm()  # fail before creating anything
+    return write_engine(req, ckpt, profile, plan)

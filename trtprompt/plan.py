@@ -1,0 +1,240 @@
+"""Build plan: resolve the bounds from the model, the profile and CLI overrides, then size the memory.
+
+Bounds follow TensorRT-LLM 1.x's build rules (FACTS.md): max_seq_len defaults
+to max_position_embeddings x rope factor (no factor for su/longrope/llama3,
+whose max_position_embeddings already is the extended length), max_input_len
+is clipped to max_seq_len, max_num_tokens is capped at max_seq_len x
+max_batch_size and raised to at least tokens_per_block, and opt_num_tokens
+defaults to min(max_batch_size x max_beam_width, max_num_tokens).
+Where TensorRT-LLM only warns about a bound the model cannot honour, the plan
+refuses: a silently shrunk attention window is worse than an error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from trtprompt.checkpoint import expected_weight_shapes, is_layer_linear
+from trtprompt.engine.config import ModelConfig
+from trtprompt.errors import PlanError
+from trtprompt.profile import Profile
+
+TARGETS: tuple[str, ...] = ("torch", "trtllm")
+TARGET_DTYPES: dict[str, tuple[str, ...]] = {
+    "torch": ("float32", "bfloat16", "float16"),
+    "trtllm": ("float32", "bfloat16", "float16"),
+}
+TARGET_QUANTIZATIONS: dict[str, tuple[str, ...]] = {
+    "torch": ("none", "int8_wo"),
+    "trtllm": ("none", "int8_wo", "fp8", "int4_awq"),
+}
+QUANT_ALGOS: dict[str, str | None] = {"none": None, "int8_wo": "W8A16", "fp8": "FP8", "int4_awq": "W4A16_AWQ"}
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+NO_FACTOR_ROPE_TYPES: tuple[str, ...] = ("su", "longrope", "llama3")
+DEFAULT_MAX_INPUT_LEN = 1024
+DEFAULT_MAX_NUM_TOKENS = 8192
+MAX_NUM_TOKENS_ADVISED = 16384
+
+
+@dataclass(frozen=True)
+class BuildBounds:
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_num_tokens: int
+    opt_num_tokens: int | None
+    max_beam_width: int
+    tokens_per_block: int
+    multiple_profiles: bool
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weight_bytes: int
+    kv_bytes_per_token: int
+    bytes_per_block: int
+    kv_budget_bytes: int | None  # memory the fraction applies to; None: not known at build time
+    kv_budget_source: str
+    kv_cache_tokens: int | None  # tokens the pool holds
+    num_blocks: int | None
+    blocks_per_sequence: int  # blocks one max_seq_len sequence needs
+    full_length_sequences: int | None
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    target: str
+    dtype: str
+    quantization: str
+    quant_algo: str | None
+    bounds: BuildBounds
+    memory: MemoryPlan
+    runtime_max_input_len: int  # what the engine will accept (TRT-LLM runtime rule)
+    warnings: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rope_factor(rotary_scaling: Mapping[str, Any] | None) -> float:
+    if not rotary_scaling:
+        return 1.0
+    kind = rotary_scaling.get("rope_type", rotary_scaling.get("type"))
+    if kind in NO_FACTOR_ROPE_TYPES:
+        return 1.0
+    return float(rotary_scaling.get("factor", 1.0))
+
+
+def model_max_seq_len(pc: Mapping[str, Any]) -> int:
+    limit = math.ceil(pc["max_position_embeddings"] * rope_factor(pc.get("rotary_scaling")))
+    window = pc.get("sliding_window")
+    # The embedded engine has no sliding-window attention: stay inside the window.
+    return min(limit, window) if window else limit
+
+
+def _max_seq_len(pc: Mapping[str, Any], profile: Profile) -> int:
+    limit = model_max_seq_len(pc)
+    if profile.max_seq_len is None:
+        return limit
+    if profile.max_seq_len > limit:
+        factor = rope_factor(pc.get("rotary_scaling"))
+        window = pc.get("sliding_window")
+        why = (f"sliding_window {window}" if window and window < pc["max_position_embeddings"] * factor
+               else f"max_position_embeddings {pc['max_position_embeddings']} x rope factor {factor:g}")
+        raise PlanError(f"max_seq_len {profile.max_seq_len} exceeds what the model's positions allow: "
+                        f"{limit} ({why})")
+    return profile.max_seq_len
+
+
+def _max_input_len(profile: Profile, max_seq_len: int) -> int:
+    if profile.max_input_len is None:
+        return min(DEFAULT_MAX_INPUT_LEN, max_seq_len)
+    if profile.max_input_len > max_seq_len:
+        raise PlanError(f"max_input_len {profile.max_input_len} is larger than max_seq_len {max_seq_len}")
+    return profile.max_input_len
+
+
+def _num_tokens(profile: Profile, max_seq_len: int) -> tuple[int, int | None]:
+    """(max_num_tokens, opt_num_tokens) in TensorRT-LLM's order of adjustments."""
+    if profile.multiple_profiles and profile.opt_num_tokens is not None:
+        raise PlanError(f"opt_num_tokens ({profile.opt_num_tokens}) must be unset with multiple_profiles")
+    max_num = profile.max_num_tokens or DEFAULT_MAX_NUM_TOKENS
+    opt = profile.opt_num_tokens
+    if opt is None and not profile.multiple_profiles:
+        opt = min(profile.max_batch_size * profile.max_beam_width, max_num)
+    max_num = min(max_num, max_seq_len * profile.max_batch_size)
+    max_num = max(max_num, profile.tokens_per_block)
+    if opt is not None:
+        opt = min(opt, max_num)
+    return max_num, opt
+
+
+def resolve_bounds(pc: Mapping[str, Any], profile: Profile) -> BuildBounds:
+    max_seq_len = _max_seq_len(pc, profile)
+    max_num, opt = _num_tokens(profile, max_seq_len)
+    return BuildBounds(
+        max_batch_size=profile.max_batch_size,
+        max_input_len=_max_input_len(profile, max_seq_len),
+        max_seq_len=max_seq_len,
+        max_num_tokens=max_num,
+        opt_num_tokens=opt,
+        max_beam_width=profile.max_beam_width,
+        tokens_per_block=profile.tokens_per_block,
+        multiple_profiles=profile.multiple_profiles,
+    )
+
+
+def weight_bytes(pc: Mapping[str, Any], dtype: str, quantization: str) -> int:
+    """Bytes of the engine's weights: int8 + a float32 scale per row for quantized linears."""
+    total = 0
+    for name, shape in expected_weight_shapes(pc).items():
+        count = math.prod(shape)
+        if quantization == "int8_wo" and is_layer_linear(name):
+            total += count + 4 * shape[0]
+        else:
+            total += count * DTYPE_BYTES[dtype]
+    return total
+
+
+def resolve_dtype(profile: Profile, source_dtype: str, target: str) -> str:
+    dtype = profile.dtype or source_dtype
+    allowed = TARGET_DTYPES[target]
+    if dtype not in allowed:
+        origin = "profile/--dtype" if profile.dtype else "the checkpoint's dtype"
+        raise PlanError(f"dtype {dtype} ({origin}) cannot run on the {target} target; "
+                        f"choose one of {', '.join(allowed)}")
+    return dtype
+
+
+def _check_target(profile: Profile, target: str) -> None:
+    if target not in TARGETS:
+        raise PlanError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    allowed = TARGET_QUANTIZATIONS[target]
+    if profile.quantization not in allowed:
+        raise PlanError(f"quantization {profile.quantization} is not available on the {target} target; "
+                        f"choose one of {', '.join(allowed)}")
+    if target == "torch" and profile.max_beam_width != 1:
+        raise PlanError(f"max_beam_width {profile.max_beam_width}: the torch target does greedy and "
+                        "sampled decoding only; max_beam_width must be 1")
+
+
+def memory_plan(pc: Mapping[str, Any], profile: Profile, bounds: BuildBounds, dtype: str,
+                kv_budget_bytes: int | None, budget_source: str) -> MemoryPlan:
+    """KV pool = min(max_tokens_in_paged_kv_cache, fraction x budget / bytes per token), in whole blocks."""
+    per_token = ModelConfig.from_pretrained_config(pc).kv_bytes_per_token(DTYPE_BYTES[dtype])
+    tpb = bounds.tokens_per_block
+    caps = []
+    if profile.max_tokens_in_paged_kv_cache is not None:
+        caps.append(profile.max_tokens_in_paged_kv_cache)
+    if kv_budget_bytes is not None:
+        caps.append(int(kv_budget_bytes * profile.kv_cache_free_gpu_mem_fraction) // per_token)
+    tokens = min(caps) if caps else None
+    blocks = tokens // tpb if tokens is not None else None
+    per_seq = math.ceil(bounds.max_seq_len / tpb)
+    return MemoryPlan(
+        weight_bytes=weight_bytes(pc, dtype, profile.quantization),
+        kv_bytes_per_token=per_token, bytes_per_block=per_token * tpb,
+        kv_budget_bytes=kv_budget_bytes, kv_budget_source=budget_source,
+        kv_cache_tokens=tokens, num_blocks=blocks, blocks_per_sequence=per_seq,
+        full_length_sequences=blocks // per_seq if blocks is not None else None,
+    )
+
+
+def _check_memory(mem: MemoryPlan, bounds: BuildBounds) -> None:
+    if mem.full_length_sequences is None or mem.full_length_sequences >= 1:
+        return
+    raise PlanError(
+        f"the KV cache budget holds {mem.num_blocks} blocks ({mem.kv_cache_tokens} tokens at "
+        f"{mem.kv_bytes_per_token} bytes per token, budget from {mem.kv_budget_source}) but one "
+        f"max_seq_len {bounds.max_seq_len} sequence needs {mem.blocks_per_sequence} blocks of "
+        f"{bounds.tokens_per_block} tokens; raise max_tokens_in_paged_kv_cache or the KV budget, "
+        "or lower max_seq_len")
+
+
+def _warnings(profile: Profile, bounds: BuildBounds, dtype: str, target: str) -> tuple[str, ...]:
+    notes = []
+    if bounds.max_num_tokens > MAX_NUM_TOKENS_ADVISED:
+        notes.append(f"max_num_tokens {bounds.max_num_tokens} is above {MAX_NUM_TOKENS_ADVISED}; "
+                     "TensorRT-LLM advises against it")
+    if target == "torch" and dtype == "float16":
+        notes.append("float16 runs slowly on CPU; float32 (or bfloat16) is faster there")
+    return tuple(notes)
+
+
+def make_plan(pc: Mapping[str, Any], profile: Profile, target: str, source_dtype: str,
+              kv_budget_bytes: int | None = None, budget_source: str = "not set") -> BuildPlan:
+    _check_target(profile, target)
+    try:
+        ModelConfig.from_pretrained_config(pc)
+    except ValueError as exc:
+        raise PlanError(f"model: {exc}") from exc
+    dtype = resolve_dtype(profile, source_dtype, target)
+    bounds = resolve_bounds(pc, profile)
+    mem = memory_plan(pc, profile, bounds, dtype, kv_budget_bytes, budget_source)
+    _check_memory(mem, bounds)
+    runtime_input = (bounds.max_seq_len - 1 if profile.enable_chunked_context
+                     else min(bounds.max_seq_len - 1, bounds.max_num_tokens))
+    return BuildPlan(target, dtype, profile.quantization, QUANT_ALGOS[profile.quantization], bounds, mem,
+                     runtime_input, _warnings(profile, bounds, dtype, target))

@@ -1,0 +1,113 @@
+"""Human-readable tables for `build --dry-run` / `build` and `inspect`."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from trtprompt.checkpoint import Checkpoint
+from trtprompt.engine_dir import EngineDir
+from trtprompt.plan import BuildPlan
+from trtprompt.profile import Profile
+
+MEMORY_UNITS: tuple[tuple[str, int], ...] = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in MEMORY_UNITS:
+        if n >= size:
+            return f"{n / size:.2f} {unit} ({n:,} B)"
+    return f"{n} B"
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str) and (not value.strip() or "\n" in value):
+        return repr(value)
+    return str(value)
+
+
+def _table(title: str, rows: Iterable[tuple[str, Any]]) -> list[str]:
+    rows = list(rows)
+    width = max(len(k) for k, _ in rows)
+    return [title] + [f"  {k.ljust(width)}  {_fmt(v)}" for k, v in rows]
+
+
+def _model_rows(pc: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    keys = ("architecture", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_size", "max_position_embeddings", "rotary_scaling",
+            "tie_word_embeddings")
+    return [(k, pc.get(k)) for k in keys]
+
+
+def _bounds_rows(bounds: Mapping[str, Any], runtime_max_input_len: Any) -> list[tuple[str, Any]]:
+    return [*bounds.items(), ("runtime max input len", runtime_max_input_len)]
+
+
+def _memory_rows(mem: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    return [
+        ("weights", human_bytes(mem["weight_bytes"])),
+        ("KV bytes per token", mem["kv_bytes_per_token"]),
+        ("bytes per block", mem["bytes_per_block"]),
+        ("KV budget", f"{human_bytes(mem['kv_budget_bytes'])} from {mem['kv_budget_source']}"),
+        ("KV cache tokens", mem["kv_cache_tokens"]),
+        ("KV blocks", mem["num_blocks"]),
+        ("blocks per max_seq_len sequence", mem["blocks_per_sequence"]),
+        ("full-length sequences that fit", mem["full_length_sequences"]),
+    ]
+
+
+def plan_table(ckpt: Checkpoint, profile: Profile, plan: BuildPlan) -> str:
+    lines = [f"checkpoint {ckpt.path}  (source dtype {ckpt.source_dtype})",
+             f"profile    {profile.name}  target {plan.target}  dtype {plan.dtype}  "
+             f"quantization {plan.quantization}"]
+    lines += _table("model", _model_rows(ckpt.pretrained_config))
+    lines += _table("build bounds", _bounds_rows(vars(plan.bounds), plan.runtime_max_input_len))
+    lines += _table("runtime policy", profile.section("runtime").items())
+    lines += _table("prompt policy", profile.section("prompt").items())
+    lines += _table("memory plan", _memory_rows(vars(plan.memory)))
+    lines += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def inspect_data(engine: EngineDir) -> dict[str, Any]:
+    meta = engine.meta
+    bounds = {k: v for k, v in engine.build_config.items() if k != "plugin_config"}
+    return {
+        "path": str(engine.path),
+        "target": engine.target,
+        "version": engine.version,
+        "model": {k: v for k, v in _model_rows(engine.pretrained_config)}
+        | {"dtype": engine.pretrained_config.get("dtype"),
+           "quant_algo": (engine.pretrained_config.get("quantization") or {}).get("quant_algo")},
+        "bounds": bounds,
+        "plugin_config": dict(engine.build_config["plugin_config"]),
+        "runtime": dict(meta["runtime"]),
+        "prompt": dict(meta["prompt"]),
+        "memory_plan": dict(meta["memory_plan"]),
+        "provenance": {"profile": meta["profile"].get("name"), "source": meta["source"],
+                       "versions": meta.get("versions", {}), "built_at": meta.get("built_at")},
+    }
+
+
+def inspect_text(engine: EngineDir) -> str:
+    data = inspect_data(engine)
+    mem = data["memory_plan"]
+    prov = data["provenance"]
+    lines = [f"engine {data['path']}  target {data['target']}  ({data['version']})"]
+    lines += _table("model", data["model"].items())
+    lines += _table("build bounds", _bounds_rows(data["bounds"], mem.get("runtime_max_input_len")))
+    lines += _table("plugin config", data["plugin_config"].items())
+    lines += _table("runtime policy", data["runtime"].items())
+    lines += _table("prompt policy", data["prompt"].items())
+    lines += _table("memory plan", _memory_rows(mem))
+    lines += _table("provenance", [
+        ("profile", prov["profile"]), ("source", prov["source"].get("path")),
+        ("source sha256", prov["source"].get("sha256")), ("built at", prov["built_at"]),
+        *[(f"{k} version", v) for k, v in prov["versions"].items()],
+    ])
+    return "\n".join(lines)
