@@ -27,3 +27,15 @@ def tiny_checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callabl
         return made[spec]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_dir(tiny_checkpoint_factory: Callable[..., Path],
+                    tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A torch-target engine built from the llama tiny checkpoint with profile cpu-dev. Read-only."""
+    from trtprompt.build import BuildRequest, run_build
+
+    out = tmp_path_factory.mktemp("engines") / "tiny-llama"
+    path = run_build(BuildRequest(tiny_checkpoint_factory("llama"), out, "cpu-dev", progress=False))
+    assert path is not None
+    return path
