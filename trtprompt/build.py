@@ -151,13 +151,13 @@ def run_build(req: BuildRequest, dry_run: bool = False,
         if req.output is None:
             raise ValueError("an output directory is required unless dry_run")
         check_output_dir(Path(req.output).expanduser(), req.force)
+        if req.target == "trtllm":
+            from trtprompt.targets.trtllm_build import import_tensorrt_llm
+
+            import_tensorrt_llm()  # fail before planning or creating anything
     ckpt, profile, plan = prepare(req)
     if on_plan is not None:
         on_plan(ckpt, profile, plan)
     if dry_run:
         return None
-    if plan.target == "trtllm":
-        from trtprompt.targets.trtllm_build import import_tensorrt_llm
-
-        import_tensorrt_llm()  # fail before creating anything
     return write_engine(req, ckpt, profile, plan)

@@ -42,8 +42,10 @@ class _Key:
         elif self.kind is str:
             text = "a string"
         else:
-            what = "an integer" if self.kind is int else "a number"
-            text = f"{what} in [{self.low:g}, {self.high:g}]"
+            if self.kind is int:
+                text = f"an integer in [{int(self.low or 0)}, {int(self.high or 0)}]"
+            else:
+                text = f"a number in [{self.low:g}, {self.high:g}]"
         return text + (" (or unset)" if self.nullable else "")
 
     def problem(self, value: Any) -> str | None:
