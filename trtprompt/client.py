@@ -1,0 +1,189 @@
+"""tritonclient gRPC helpers for the TensorRT-LLM-style interface.
+
+Decoupled models answer only through the streaming API, so every call here
+opens a stream (one per client object: tritonclient allows one), sends one
+request with enable_empty_final_response and collects responses until the
+one flagged final. Used by `trtprompt infer`, the benchmarks and the tests.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+NP_TO_TRITON = {np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64", np.dtype(np.uint64): "UINT64",
+                np.dtype(np.float32): "FP32", np.dtype(np.float16): "FP16", np.dtype(np.bool_): "BOOL",
+                np.dtype(np.uint32): "UINT32"}
+PERF_OUTPUTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
+                "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+
+
+@dataclass
+class StreamResult:
+    """Everything one streamed request returned."""
+
+    responses: list[dict[str, np.ndarray]] = field(default_factory=list)
+    # Seconds from sending to each data response's arrival.
+    times: list[float] = field(default_factory=list)
+    error: str | None = None
+    error_code: str | None = None
+    finished: bool = False
+
+    @property
+    def pieces(self) -> list[str]:
+        return [_text(r["text_output"]) for r in self.responses if "text_output" in r]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def output_ids(self) -> list[int]:
+        ids: list[int] = []
+        for r in self.responses:
+            if "output_ids" in r:
+                ids.extend(int(t) for t in np.asarray(r["output_ids"]).reshape(-1))
+        return ids
+
+    def last(self, name: str) -> Any:
+        """The last value of an output across responses (None if never sent)."""
+        for r in reversed(self.responses):
+            if name in r:
+                return np.asarray(r[name]).reshape(-1)[0].item()
+        return None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.times[0] if self.times else None
+
+
+def _text(arr: np.ndarray) -> str:
+    value = np.asarray(arr).reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def make_input(name: str, value: Any, dtype: str | None = None) -> Any:
+    """One [1, ...] input (batch of one), typed like the model config."""
+    import tritonclient.grpc as grpcclient
+
+    if isinstance(value, (str, bytes)):
+        arr = np.array([[value.encode("utf-8") if isinstance(value, str) else value]], dtype=object)
+        triton_type = "BYTES"
+    else:
+        arr = np.asarray(value)
+        if dtype is not None:
+            arr = arr.astype(dtype)
+        if arr.ndim == 0:
+            arr = arr.reshape(1, 1)
+        triton_type = NP_TO_TRITON[arr.dtype]
+    inp = grpcclient.InferInput(name, list(arr.shape), triton_type)
+    inp.set_data_from_numpy(arr)
+    return inp
+
+
+def text_inputs(prompt: str | bytes, max_tokens: int, stream: bool = True, **optional: Any) -> list[Any]:
+    """Inputs for `ensemble`; optional names as FACTS.md lists them (temperature=0.0, ...)."""
+    types = {"temperature": np.float32, "top_p": np.float32, "length_penalty": np.float32,
+             "repetition_penalty": np.float32, "presence_penalty": np.float32,
+             "frequency_penalty": np.float32, "seed": np.uint64, "random_seed": np.uint64}
+    inputs = [make_input("text_input", prompt), make_input("max_tokens", max_tokens, np.int32),
+              make_input("stream", stream, np.bool_)]
+    for name, value in optional.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            inputs.append(make_input(name, value, np.bool_))
+        elif isinstance(value, (str, bytes)) or name in ("stop_words", "bad_words"):
+            inputs.append(make_input(name, value))
+        else:
+            inputs.append(make_input(name, value, types.get(name, np.int32)))
+    return inputs
+
+
+def token_inputs(input_ids: Sequence[int], max_tokens: int, streaming: bool = True,
+                 **optional: Any) -> list[Any]:
+    """Inputs for `tensorrt_llm` (token ids)."""
+    inputs = [make_input("input_ids", np.asarray([list(input_ids)], dtype=np.int32)),
+              make_input("input_lengths", len(input_ids), np.int32),
+              make_input("request_output_len", max_tokens, np.int32),
+              make_input("streaming", streaming, np.bool_)]
+    for name, value in optional.items():
+        if value is None:
+            continue
+        dtype = np.bool_ if isinstance(value, bool) else np.float32 if isinstance(value, float) else np.int32
+        inputs.append(make_input(name, value, dtype))
+    return inputs
+
+
+class LLMClient:
+    """One gRPC connection and one stream; not thread-safe (make one per thread)."""
+
+    def __init__(self, url: str = "127.0.0.1:8001") -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.url = url
+        self._client = grpcclient.InferenceServerClient(url)
+        self._queue: queue.SimpleQueue[tuple[Any, Any, float]] = queue.SimpleQueue()
+        self._client.start_stream(callback=lambda result, error: self._queue.put((result, error, time.perf_counter())))
+
+    def close(self, cancel: bool = False) -> None:
+        self._client.stop_stream(cancel_requests=cancel)
+        self._client.close()
+
+    def __enter__(self) -> "LLMClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def infer(self, model: str, inputs: Sequence[Any], timeout_s: float = 120.0,
+              on_response: Callable[[dict[str, np.ndarray]], None] | None = None,
+              stop_after: int | None = None, parameters: Mapping[str, Any] | None = None) -> StreamResult:
+        """Send one request and collect its responses until the final one.
+
+        stop_after=N returns after N data responses without waiting (the
+        caller then cancels with close(cancel=True)).
+        """
+        result = StreamResult()
+        t0 = time.perf_counter()
+        self._client.async_stream_infer(model, list(inputs), enable_empty_final_response=True,
+                                        parameters=dict(parameters) if parameters else None)
+        deadline = t0 + timeout_s
+        while not result.finished:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                raise TimeoutError(f"no final response from {model!r} within {timeout_s:.0f}s")
+            try:
+                res, err, at = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if err is not None:
+                result.error, result.finished = str(err), True
+                result.error_code = getattr(err, "status", lambda: None)()
+                break
+            response = res.get_response()
+            outputs = {o.name: res.as_numpy(o.name) for o in response.outputs}
+            if outputs:
+                result.responses.append(outputs)
+                result.times.append(at - t0)
+                if on_response is not None:
+                    on_response(outputs)
+            final = response.parameters.get("triton_final_response")
+            result.finished = bool(final and final.bool_param)
+            if stop_after is not None and len(result.responses) >= stop_after:
+                break
+        return result
+
+
+def generate(url: str, prompt: str, max_tokens: int, model: str = "ensemble", stream: bool = True,
+             timeout_s: float = 120.0, on_text: Callable[[str], None] | None = None,
+             **optional: Any) -> StreamResult:
+    """Stream one text request through `ensemble`; on_text sees each piece as it arrives."""
+    callback = (lambda out: on_text(_text(out["text_output"]))) if on_text else None
+    with LLMClient(url) as client:
+        return client.infer(model, text_inputs(prompt, max_tokens, stream, **optional), timeout_s,
+                            on_response=callback)

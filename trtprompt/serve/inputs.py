@@ -1,0 +1,212 @@
+"""Turn a Triton request's input tensors into engine requests.
+
+Pure numpy: the Python-backend models hand in {name: array} (each array
+with the batch dimension first) and get one item per batch row, or an
+InputError whose message goes to the client as INVALID_ARG.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+Tensors = Mapping[str, np.ndarray]
+
+
+class InputError(ValueError):
+    """A request the server refuses; the message names the input."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One sequence to generate, as the engine process's submit op takes it."""
+
+    params: dict[str, Any]
+    stream: bool
+    exclude_input_in_output: bool
+    return_perf_metrics: bool
+    cache_salt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    stop_words: list[str] = field(default_factory=list)
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+
+
+def batch_size(tensors: Tensors, required: str) -> int:
+    return int(tensors[required].shape[0])
+
+
+def _row(tensors: Tensors, name: str, i: int) -> np.ndarray | None:
+    arr = tensors.get(name)
+    if arr is None:
+        return None
+    return arr[i] if arr.shape and arr.shape[0] > i else arr
+
+
+def scalar(tensors: Tensors, name: str, i: int, cast: Callable[[Any], Any]) -> Any:
+    """Value of a [B, 1] input for row i, or None when absent."""
+    row = _row(tensors, name, i)
+    if row is None:
+        return None
+    flat = np.asarray(row).reshape(-1)
+    if flat.size != 1:
+        raise InputError(f"input '{name}' must hold one value per request, got shape {tuple(row.shape)}")
+    return cast(flat[0].item() if hasattr(flat[0], "item") else flat[0])
+
+
+def flag(tensors: Tensors, name: str, i: int, default: bool = False) -> bool:
+    value = scalar(tensors, name, i, bool)
+    return default if value is None else value
+
+
+def check_unsupported(tensors: Tensors, i: int) -> None:
+    """Inputs the torch target cannot honour: refuse rather than ignore."""
+    beam = scalar(tensors, "beam_width", i, int)
+    if beam is not None and beam != 1:
+        raise InputError(f"beam_width={beam} is not supported: the torch target has no beam search "
+                         "(max_beam_width is 1)")
+    n = scalar(tensors, "num_return_sequences", i, int)
+    if n is not None and n != 1:
+        raise InputError(f"num_return_sequences={n} is not supported by the torch target (only 1)")
+    for name in ("return_log_probs", "return_context_logits", "return_generation_logits"):
+        if flag(tensors, name, i):
+            raise InputError(f"{name}=true is not supported by the torch target (no logits outputs)")
+    for name in ("prompt_embedding_table", "prompt_vocab_size"):
+        if name in tensors:
+            raise InputError(f"'{name}' is not supported by the torch target (no prompt tables)")
+    for name in ("lora_task_id", "lora_weights", "lora_config"):
+        if name in tensors:
+            raise InputError(f"'{name}' is not supported by the torch target (no LoRA)")
+    for name in ("embedding_bias_words", "embedding_bias_weights"):
+        if name in tensors and np.asarray(tensors[name]).size:
+            raise InputError(f"'{name}' is not supported by the torch target")
+
+
+def _utf8(value: Any, name: str) -> str:
+    raw = value if isinstance(value, bytes) else str(value).encode("utf-8")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"input '{name}' is not valid UTF-8: byte 0x{raw[exc.start]:02x} "
+                         f"at position {exc.start}") from None
+
+
+def _words(tensors: Tensors, name: str, i: int) -> list[str]:
+    row = _row(tensors, name, i)
+    if row is None:
+        return []
+    return [w for w in (_utf8(v, name) for v in np.asarray(row).reshape(-1)) if w]
+
+
+def _sampling(tensors: Tensors, i: int, names: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
+    """SamplingParams keyword arguments; names maps each to the input names that set it."""
+    casts = {"max_tokens": int, "top_k": int, "min_tokens": int, "seed": int, "end_id": int,
+             "temperature": float, "top_p": float, "repetition_penalty": float,
+             "presence_penalty": float, "frequency_penalty": float}
+    params: dict[str, Any] = {}
+    for key, sources in names.items():
+        for source in sources:
+            value = scalar(tensors, source, i, casts[key])
+            if value is not None:
+                params[key] = value
+                break
+    max_tokens = params.get("max_tokens")
+    if max_tokens is None:
+        raise InputError(f"input '{names['max_tokens'][0]}' is required")
+    if max_tokens <= 0:
+        raise InputError(f"{names['max_tokens'][0]} must be a positive integer, got {max_tokens}")
+    return params
+
+
+TEXT_SAMPLING = {
+    "max_tokens": ("max_tokens",), "temperature": ("temperature",), "top_k": ("top_k",),
+    "top_p": ("top_p",), "repetition_penalty": ("repetition_penalty",),
+    "presence_penalty": ("presence_penalty",), "frequency_penalty": ("frequency_penalty",),
+    "min_tokens": ("min_tokens", "min_length"), "seed": ("seed", "random_seed"), "end_id": ("end_id",),
+}
+TOKEN_SAMPLING = {
+    "max_tokens": ("request_output_len",), "temperature": ("temperature",), "top_k": ("runtime_top_k",),
+    "top_p": ("runtime_top_p",), "repetition_penalty": ("repetition_penalty",),
+    "presence_penalty": ("presence_penalty",), "frequency_penalty": ("frequency_penalty",),
+    "min_tokens": ("min_tokens", "min_length"), "seed": ("random_seed", "seed"), "end_id": ("end_id",),
+}
+
+
+def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> Item:
+    """One row of an `ensemble` request (text in, text out)."""
+    check_unsupported(tensors, i)
+    if _words(tensors, "bad_words", i):
+        raise InputError("'bad_words' is not supported by the torch target")
+    text = _utf8(scalar(tensors, "text_input", i, lambda v: v), "text_input")
+    if not text:
+        raise InputError("input 'text_input' is empty: at least one character is required")
+    salt = scalar(tensors, "cache_salt", i, lambda v: v)
+    return Item(
+        params=_sampling(tensors, i, TEXT_SAMPLING), text=text,
+        stream=flag(tensors, "stream", i),
+        exclude_input_in_output=flag(tensors, "exclude_input_in_output", i, exclude_default),
+        return_perf_metrics=flag(tensors, "return_perf_metrics", i),
+        return_num_input_tokens=flag(tensors, "return_num_input_tokens", i),
+        return_num_output_tokens=flag(tensors, "return_num_output_tokens", i),
+        cache_salt=_utf8(salt, "cache_salt") if salt is not None else None,
+        stop_words=_words(tensors, "stop_words", i),
+    )
+
+
+def words_list(arr: np.ndarray | None, name: str) -> list[list[int]]:
+    """TensorRT-LLM's [2, L] words list: row 0 the ids, row 1 the end offsets (-1 padded)."""
+    if arr is None or arr.size == 0:
+        return []
+    if arr.ndim != 2 or arr.shape[0] != 2:
+        raise InputError(f"input '{name}' must have shape [2, L] per request, got {tuple(arr.shape)}")
+    ids, offsets = arr[0].tolist(), [int(o) for o in arr[1] if o >= 0]
+    words, start = [], 0
+    for end in offsets:
+        if not start < end <= len(ids):
+            raise InputError(f"input '{name}' has an offset {end} outside its {len(ids)} ids")
+        words.append([int(t) for t in ids[start:end]])
+        start = end
+    return words
+
+
+def parse_token_item(tensors: Tensors, i: int, exclude_default: bool) -> Item:
+    """One row of a `tensorrt_llm` request (token ids in, token ids out)."""
+    check_unsupported(tensors, i)
+    if words_list(_row(tensors, "bad_words_list", i), "bad_words_list"):
+        raise InputError("'bad_words_list' is not supported by the torch target")
+    ids = np.asarray(_row(tensors, "input_ids", i)).reshape(-1)
+    length = scalar(tensors, "input_lengths", i, int)
+    if length is None:
+        raise InputError("input 'input_lengths' is required")
+    if not 0 < length <= ids.size:
+        raise InputError(f"input_lengths ({length}) must be in [1, {ids.size}] (the input_ids length)")
+    params = _sampling(tensors, i, TOKEN_SAMPLING)
+    stops = words_list(_row(tensors, "stop_words_list", i), "stop_words_list")
+    if stops:
+        params["stop_token_ids"] = stops
+    salt = scalar(tensors, "cache_salt", i, lambda v: v)
+    return Item(
+        params=params, prompt_token_ids=[int(t) for t in ids[:length]],
+        stream=flag(tensors, "streaming", i),
+        exclude_input_in_output=flag(tensors, "exclude_input_in_output", i, exclude_default),
+        return_perf_metrics=flag(tensors, "return_perf_metrics", i),
+        cache_salt=_utf8(salt, "cache_salt") if salt is not None else None,
+    )
+
+
+def perf_values(stats: Mapping[str, Any]) -> dict[str, tuple[int, str]]:
+    """The return_perf_metrics outputs from an output frame's request stats."""
+    def ns(key: str) -> int:
+        return int(stats.get(key) or 0)
+    return {
+        "kv_cache_alloc_new_blocks": (int(stats.get("kv_cache_alloc_new_blocks", 0)), "int32"),
+        "kv_cache_reused_blocks": (int(stats.get("kv_cache_reused_blocks", 0)), "int32"),
+        "kv_cache_alloc_total_blocks": (int(stats.get("kv_cache_alloc_total_blocks", 0)), "int32"),
+        "arrival_time_ns": (ns("arrival_time_ns"), "int64"),
+        "first_scheduled_time_ns": (ns("first_scheduled_time_ns"), "int64"),
+        "first_token_time_ns": (ns("first_token_time_ns"), "int64"),
+        "last_token_time_ns": (ns("last_token_time_ns"), "int64"),
+    }

@@ -1,0 +1,300 @@
+"""Start and watch the engine process and a real tritonserver.
+
+tritonserver comes from PATH (the NGC container) or, failing that, from the
+nvidia-pytriton wheel, set up as FACTS.md ("Triton on CPU from pip") says:
+a backend directory linking the wheel's Python backend and the stub for
+this Python, the venv's bin first on PATH, the interpreter's LIBDIR first
+on LD_LIBRARY_PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from trtprompt.serve import protocol as P
+from trtprompt.serve.options import EngineInfo, ServeOptions
+from trtprompt.serve.repository import RepoContext, write_repository
+
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]
+LOG_TAIL_LINES = 40
+
+
+class LaunchError(RuntimeError):
+    """The server could not be started; the message says why (with log tails)."""
+
+
+@dataclass(frozen=True)
+class Ports:
+    host: str = "127.0.0.1"
+    grpc: int = 8001
+    http: int = 8000
+    metrics: int = 8002
+
+    def __post_init__(self) -> None:
+        for name in ("grpc", "http", "metrics"):
+            port = getattr(self, name)
+            if not 0 < port < 65536:
+                raise ValueError(f"{name} port must be in [1, 65535], got {port}")
+        if len({self.grpc, self.http, self.metrics}) != 3:
+            raise ValueError(f"grpc, http and metrics ports must differ, got {self.grpc}, {self.http}, {self.metrics}")
+
+    @property
+    def local_host(self) -> str:
+        """Where this machine reaches the server (a wildcard bind is reached locally)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    bundled: bool  # True: the nvidia-pytriton wheel's binary, which needs the setup below
+
+    @classmethod
+    def find(cls) -> "TritonInstall":
+        on_path = shutil.which("tritonserver")
+        if on_path:
+            return cls(Path(on_path), bundled=False)
+        root = pytriton_root()
+        binary = root / "bin" / "tritonserver"
+        if not binary.is_file():
+            raise LaunchError("no tritonserver on PATH and none bundled in nvidia-pytriton "
+                              f"(looked for {binary}); install nvidia-pytriton==0.7.0")
+        return cls(binary, bundled=True)
+
+
+def pytriton_root() -> Path:
+    try:
+        import pytriton
+    except ImportError as exc:
+        raise LaunchError("nvidia-pytriton is not installed; it provides the CPU tritonserver") from exc
+    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+
+
+def make_backend_dir(run_dir: Path) -> Path:
+    """backends/python/ holding links to the wheel's python backend and this Python's stub."""
+    root = pytriton_root()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    sources = {
+        "libtriton_python.so": root / "backends" / "python" / "libtriton_python.so",
+        "triton_python_backend_utils.py": root / "backends" / "python" / "triton_python_backend_utils.py",
+        "triton_python_backend_stub": root / "python_backend_stubs" / version / "triton_python_backend_stub",
+    }
+    target = run_dir / "backends" / "python"
+    target.mkdir(parents=True, exist_ok=True)
+    for name, src in sources.items():
+        if not src.exists():
+            raise LaunchError(f"nvidia-pytriton lacks {src} (no Python {version} stub?)")
+        link = target / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(src)
+    return run_dir / "backends"
+
+
+def child_env(install: TritonInstall, socket_path: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(PACKAGE_PARENT), env.get("PYTHONPATH", "")] if p)
+    env["TRTPROMPT_ENGINE_SOCKET"] = socket_path
+    if install.bundled:
+        # Without it the stub loads the system libpython and every model fails.
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [libdir, env.get("LD_LIBRARY_PATH", "")] if p)
+    return env
+
+
+def triton_command(install: TritonInstall, repo: Path, ports: Ports, backend_dir: Path | None) -> list[str]:
+    cmd = [str(install.binary), f"--model-repository={repo}",
+           f"--http-address={ports.host}", f"--http-port={ports.http}",
+           f"--grpc-address={ports.host}", f"--grpc-port={ports.grpc}",
+           f"--metrics-address={ports.host}", f"--metrics-port={ports.metrics}",
+           "--exit-timeout-secs=10", "--log-verbose=0"]
+    if install.bundled:
+        cmd += [f"--backend-directory={backend_dir}", "--disable-auto-complete-config",
+                "--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false"]
+    return cmd
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    if not path.is_file():
+        return f"({path} was not written)"
+    text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _stop_process(proc: subprocess.Popen | None, timeout_s: float) -> None:
+    """SIGTERM the child's process group, SIGKILL it after timeout_s."""
+    if proc is None or proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class Server:
+    """The engine process + tritonserver for one engine directory."""
+
+    def __init__(self, engine: EngineInfo, options: ServeOptions, ports: Ports,
+                 run_dir: Path | None = None, ready_timeout_s: float = 120.0,
+                 restart_engine: bool = True, log: Callable[[str], None] = print) -> None:
+        self.engine, self.options, self.ports = engine, options, ports
+        self.ready_timeout_s, self.restart_engine, self.log = ready_timeout_s, restart_engine, log
+        self._own_run_dir = run_dir is None
+        self.run_dir = Path(tempfile.mkdtemp(prefix="trtprompt-serve-")) if run_dir is None else Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.run_dir, 0o700)  # the engine socket accepts any local process that can reach it
+        self.socket_path = str(self.run_dir / "engine.sock")
+        self.repo = self.run_dir / "repository"
+        self.install = TritonInstall.find()
+        self.engine_proc: subprocess.Popen | None = None
+        self.triton_proc: subprocess.Popen | None = None
+        self.engine_restarts = 0
+        self._stop = threading.Event()
+
+    @property
+    def engine_log(self) -> Path:
+        return self.run_dir / "engine.log"
+
+    @property
+    def triton_log(self) -> Path:
+        return self.run_dir / "tritonserver.log"
+
+    def write_repository(self) -> Path:
+        return write_repository(self.repo, RepoContext(self.engine, self.options, self.socket_path))
+
+    def _spawn(self, cmd: Sequence[str], log_path: Path) -> subprocess.Popen:
+        with open(log_path, "ab") as log_file:
+            return subprocess.Popen(list(cmd), stdout=log_file, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env=child_env(self.install, self.socket_path))
+
+    def start_engine(self) -> None:
+        cmd = [sys.executable, "-m", "trtprompt.serve.engine_server",
+               "--repository", str(self.repo), "--socket", self.socket_path]
+        self.engine_proc = self._spawn(cmd, self.engine_log)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.engine_proc.poll() is not None:
+                raise LaunchError(f"the engine process exited with code {self.engine_proc.returncode}; "
+                                  f"{self.engine_log}:\n{log_tail(self.engine_log)}")
+            try:
+                P.call(self.socket_path, {"op": "info"}, timeout=1.0)
+                return
+            except (P.EngineUnavailableError, P.EngineError):
+                time.sleep(0.1)
+        raise LaunchError(f"the engine process was not ready within {self.ready_timeout_s:.0f}s; "
+                          f"{self.engine_log}:\n{log_tail(self.engine_log)}")
+
+    def start_triton(self) -> None:
+        backend_dir = make_backend_dir(self.run_dir) if self.install.bundled else None
+        cmd = triton_command(self.install, self.repo, self.ports, backend_dir)
+        self.triton_proc = self._spawn(cmd, self.triton_log)
+        base = f"http://{self.ports.local_host}:{self.ports.http}/v2"
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.triton_proc.poll() is not None:
+                raise LaunchError(f"tritonserver exited with code {self.triton_proc.returncode}; "
+                                  f"{self.triton_log}:\n{log_tail(self.triton_log)}")
+            if _http_ok(f"{base}/health/ready") and all(
+                    _http_ok(f"{base}/models/{m}/ready") for m in self.model_names()):
+                return
+            time.sleep(0.2)
+        raise LaunchError(f"tritonserver's models were not ready within {self.ready_timeout_s:.0f}s; "
+                          f"{self.triton_log}:\n{log_tail(self.triton_log)}")
+
+    def model_names(self) -> list[str]:
+        return sorted(p.parent.name for p in self.repo.glob("*/config.pbtxt"))
+
+    def start(self) -> None:
+        """Repository, engine process, tritonserver; on failure everything is stopped."""
+        try:
+            self.write_repository()
+            self.start_engine()
+            self.start_triton()
+        except BaseException:
+            self.stop()
+            raise
+
+    def watch(self) -> int:
+        """Block until stop() or a fatal failure; restart a dead engine. Returns the exit code."""
+        while not self._stop.wait(0.25):
+            if self.triton_proc is not None and self.triton_proc.poll() is not None:
+                self.log(f"tritonserver exited with code {self.triton_proc.returncode}:\n"
+                         f"{log_tail(self.triton_log)}")
+                return 1
+            if self.engine_proc is not None and self.engine_proc.poll() is not None:
+                code = self.engine_proc.returncode
+                self.log(f"the engine process died (exit code {code}); requests get UNAVAILABLE meanwhile")
+                if not self.restart_engine:
+                    self.log("--no-restart: stopping the server")
+                    return 1
+                try:
+                    self.start_engine()
+                except LaunchError as exc:
+                    self.log(str(exc))
+                    return 1
+                self.engine_restarts += 1
+                self.log(f"engine process restarted (pid {self.engine_proc.pid})")
+        return 0
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Triton first (it drains the models), then the engine; no child is left."""
+        self._stop.set()
+        _stop_process(self.triton_proc, 20.0)
+        _stop_process(self.engine_proc, 10.0)
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def serve_forever(server: Server) -> int:
+    """Run until SIGINT/SIGTERM (or a fatal failure); returns the exit code."""
+    previous = {sig: signal.signal(sig, lambda *_: server.request_stop())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.start()
+        p = server.ports
+        server.log(
+            f"trtprompt serve: ready (engine {server.engine.path.name}, layout {server.options.layout})\n"
+            f"  gRPC    {p.host}:{p.grpc}\n  HTTP    {p.host}:{p.http}\n"
+            f"  metrics http://{p.local_host}:{p.metrics}/metrics\n"
+            f"  logs    {server.run_dir}\n"
+            f"  try:    trtprompt infer \"Hello\" --url {p.local_host}:{p.grpc}")
+        return server.watch()
+    except LaunchError as exc:
+        server.log(f"trtprompt serve: {exc}")
+        return 1
+    finally:
+        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

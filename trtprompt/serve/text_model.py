@@ -1,0 +1,107 @@
+"""The torch target's `ensemble` model: text in, text out, streaming.
+
+Tokenizes, submits to the engine process, detokenizes incrementally, and
+aborts the engine request as soon as the client cancels (a Triton ensemble
+could not: cancellation does not cross it, FACTS.md).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from trtprompt.serve import inputs, triton_io as io
+from trtprompt.serve.protocol import EngineRequest
+from trtprompt.serve.relay import abort_all, relay
+from trtprompt.tokenizer import Tokenizer
+
+
+class _TextRow:
+    """One batch row: its prompt ids, detokenizer and response building."""
+
+    def __init__(self, model: "TextModel", index: int, item: inputs.Item) -> None:
+        tok = model.tokenizer
+        self.model, self.index, self.item = model, index, item
+        self.prompt_ids = tok.encode(item.text or "", add_special_tokens=model.add_special_tokens)
+        self.params = dict(item.params)
+        if item.stop_words:
+            self.params["stop_token_ids"] = [tok.encode(w, add_special_tokens=False) for w in item.stop_words]
+        self.detok = tok.stream(skip_special_tokens=model.skip_special_tokens) if item.stream else None
+        self.output_ids: list[int] = []
+
+    def submit(self) -> EngineRequest:
+        return EngineRequest(self.model.socket, uuid.uuid4().hex, self.prompt_ids, self.params,
+                             self.item.cache_salt)
+
+    def response(self, frame: dict[str, Any]) -> list[Any] | None:
+        """Output tensors for this frame, or None when it adds nothing to send."""
+        new, finished = frame["new_token_ids"], frame["finished"]
+        if self.detok is not None:
+            text = self.detok.step(new) + (self.detok.flush() if finished else "")
+            if not text and not finished:
+                return None
+        else:
+            self.output_ids.extend(new)
+            if not finished:
+                return None
+            ids = self.output_ids if self.item.exclude_input_in_output else self.prompt_ids + self.output_ids
+            text = self.model.tokenizer.decode(ids, skip_special_tokens=self.model.skip_special_tokens)
+        return self._tensors(text, frame)
+
+    def _tensors(self, text: str, frame: dict[str, Any]) -> list[Any]:
+        out = [io.text_tensor("text_output", text),
+               io.tensor("batch_index", [[self.index]], "int32"),
+               io.tensor("sequence_index", [[0]], "int32")]
+        if self.item.return_perf_metrics:
+            out += [io.tensor(k, [[v]], t) for k, (v, t) in inputs.perf_values(frame["stats"]).items()]
+        if self.item.return_num_input_tokens:
+            out.append(io.tensor("num_input_tokens", [[frame["num_input_tokens"]]], "int32"))
+        if self.item.return_num_output_tokens:
+            out.append(io.tensor("num_output_tokens", [[frame["num_output_tokens"]]], "int32"))
+        return out
+
+
+class TextModel:
+    """TritonPythonModel for `ensemble` (decoupled)."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        cfg, params = io.model_parameters(args)
+        self.input_names = [t["name"] for t in cfg["input"]]
+        self.tokenizer = Tokenizer.from_dir(params["tokenizer_dir"])
+        self.socket = io.engine_socket(params)
+        self.exclude_default = io.param_bool(params, "exclude_input_in_output", False)
+        self.add_special_tokens = io.param_bool(params, "add_special_tokens", True)
+        self.skip_special_tokens = io.param_bool(params, "skip_special_tokens", True)
+        self.check_period_s = int(params.get("cancellation_check_period_ms") or 50) / 1000
+        self.workers = io.Workers()
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            tensors = io.read_inputs(request, self.input_names)
+            self.workers.start(self._handle, tensors, request.get_response_sender())
+        return None
+
+    def _handle(self, tensors: dict[str, Any], sender: Any) -> None:
+        submitted: list[EngineRequest] = []
+        try:
+            n = inputs.batch_size(tensors, "text_input")
+            rows = [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default))
+                    for i in range(n)]
+            for row in rows:
+                submitted.append(row.submit())
+            remaining = [n]
+
+            def on_frame(i: int, frame: dict[str, Any]) -> None:
+                if frame["finished"]:
+                    remaining[0] -= 1
+                out = rows[i].response(frame)
+                if out is not None:
+                    io.send(sender, out, final=remaining[0] == 0)
+
+            relay(submitted, on_frame, sender.is_cancelled, self.check_period_s)
+        except BaseException as exc:  # noqa: BLE001 - every request ends with a final response
+            abort_all(submitted)
+            io.send_error(sender, exc)
+
+    def finalize(self) -> None:
+        self.workers.join(5.0)

@@ -1,0 +1,101 @@
+"""The torch target's `tensorrt_llm` model: token ids in, token ids out.
+
+Takes TensorRT-LLM's core inputs (input_ids / input_lengths /
+request_output_len, sampling inputs, streaming) and answers output_ids /
+sequence_length, relaying to the engine process. Cancellation aborts the
+engine request. It also publishes the engine's metrics.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from trtprompt.serve import inputs, triton_io as io
+from trtprompt.serve.metrics import MetricsPublisher
+from trtprompt.serve.protocol import EngineRequest
+from trtprompt.serve.relay import abort_all, relay
+
+
+class _TokenRow:
+    def __init__(self, model: "TokenModel", index: int, item: inputs.Item) -> None:
+        self.model, self.index, self.item = model, index, item
+        self.output_ids: list[int] = []
+
+    def submit(self) -> EngineRequest:
+        return EngineRequest(self.model.socket, uuid.uuid4().hex, self.item.prompt_token_ids,
+                             self.item.params, self.item.cache_salt)
+
+    def response(self, frame: dict[str, Any]) -> list[Any] | None:
+        new, finished = frame["new_token_ids"], frame["finished"]
+        if self.item.stream:
+            ids = new
+            if not ids and not finished:
+                return None
+        else:
+            self.output_ids.extend(new)
+            if not finished:
+                return None
+            ids = self.output_ids if self.item.exclude_input_in_output \
+                else self.item.prompt_token_ids + self.output_ids
+        out = [pb_utils.Tensor("output_ids", _ids_array(ids)),
+               io.tensor("sequence_length", [[len(ids)]], "int32"),
+               io.tensor("batch_index", [[self.index]], "int32"),
+               io.tensor("sequence_index", [[0]], "int32")]
+        if self.item.return_perf_metrics:
+            out += [io.tensor(k, [[v]], t) for k, (v, t) in inputs.perf_values(frame["stats"]).items()]
+        return out
+
+
+def _ids_array(ids: list[int]) -> np.ndarray:
+    # [batch=1, beam=1, tokens]; reshape keeps the shape right when empty.
+    return np.asarray(ids, dtype=np.int32).reshape(1, 1, len(ids))
+
+
+class TokenModel:
+    """TritonPythonModel for `tensorrt_llm` (decoupled)."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        cfg, params = io.model_parameters(args)
+        self.input_names = [t["name"] for t in cfg["input"]]
+        self.socket = io.engine_socket(params)
+        self.exclude_default = io.param_bool(params, "exclude_input_in_output", False)
+        self.check_period_s = int(params.get("cancellation_check_period_ms") or 50) / 1000
+        period_s = int(params.get("stats_check_period_ms") or 100) / 1000
+        self.metrics = MetricsPublisher(pb_utils, self.socket, period_s).start()
+        self.workers = io.Workers()
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            tensors = io.read_inputs(request, self.input_names)
+            self.workers.start(self._handle, tensors, request.get_response_sender())
+        return None
+
+    def _handle(self, tensors: dict[str, Any], sender: Any) -> None:
+        submitted: list[EngineRequest] = []
+        try:
+            n = inputs.batch_size(tensors, "input_ids")
+            rows = [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default))
+                    for i in range(n)]
+            for row in rows:
+                submitted.append(row.submit())
+            remaining = [n]
+
+            def on_frame(i: int, frame: dict[str, Any]) -> None:
+                if frame["finished"]:
+                    remaining[0] -= 1
+                out = rows[i].response(frame)
+                if out is not None:
+                    io.send(sender, out, final=remaining[0] == 0)
+
+            relay(submitted, on_frame, sender.is_cancelled, self.check_period_s)
+        except BaseException as exc:  # noqa: BLE001 - every request ends with a final response
+            abort_all(submitted)
+            io.send_error(sender, exc)
+
+    def finalize(self) -> None:
+        self.metrics.stop()
+        self.workers.join(5.0)
