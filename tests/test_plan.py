@@ -176,6 +176,8 @@ def test_target_limits() -> None:
     assert fp16.dtype == "float16" and fp16.memory.kv_bytes_per_token == 384
     assert any("float16 runs slowly on CPU" in w for w in fp16.warnings)
     assert make_plan(_pc(), Profile(quantization="fp8"), "trtllm", "bfloat16").quant_algo == "FP8"
+    auto = load_profile("cpu-dev").with_overrides(dtype="auto")
+    assert make_plan(_pc(), auto, "torch", "bfloat16").dtype == "bfloat16"
 
 
 def test_bad_model_config_is_a_plan_error() -> None:

@@ -57,8 +57,6 @@ def build(checkpoint: Path, output: Path | None, profile: str | None, target: st
 
     if output is None and not dry_run:
         raise click.UsageError("missing -o/--output (or pass --dry-run)")
-    if overrides.get("dtype") == "auto":
-        overrides["dtype"] = None
     try:
         req = BuildRequest(checkpoint, output, profile, target, overrides, kv_budget_gib, force, not no_progress)
         path = run_build(req, dry_run, on_plan=lambda c, p, plan: click.echo(plan_table(c, p, plan)))

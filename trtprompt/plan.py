@@ -159,10 +159,11 @@ def weight_bytes(pc: Mapping[str, Any], dtype: str, quantization: str) -> int:
 
 
 def resolve_dtype(profile: Profile, source_dtype: str, target: str) -> str:
-    dtype = profile.dtype or source_dtype
+    auto = profile.dtype in (None, "auto")
+    dtype = source_dtype if auto else str(profile.dtype)
     allowed = TARGET_DTYPES[target]
     if dtype not in allowed:
-        origin = "profile/--dtype" if profile.dtype else "the checkpoint's dtype"
+        origin = "the checkpoint's dtype" if auto else "profile/--dtype"
         raise PlanError(f"dtype {dtype} ({origin}) cannot run on the {target} target; "
                         f"choose one of {', '.join(allowed)}")
     return dtype

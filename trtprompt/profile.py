@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from trtprompt.errors import ProfileError
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "fp8", "int4_awq")
 SCHEDULER_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 OVERFLOW_POLICIES: tuple[str, ...] = ("reject", "truncate_left", "truncate_middle")
@@ -105,7 +105,7 @@ class Profile:
     max_beam_width: int = 1
     tokens_per_block: int = 32
     multiple_profiles: bool = False
-    dtype: str | None = None  # None: the checkpoint's dtype
+    dtype: str | None = None  # None or "auto": the checkpoint's dtype
     quantization: str = "none"
     enable_chunked_context: bool = False
     enable_kv_cache_reuse: bool = True
