@@ -46,6 +46,8 @@ def test_loads_with_transformers_offline(tiny_checkpoint_factory, arch: str) -> 
     assert tok(TEXT).input_ids == raw.encode(TEXT).ids
     assert tok.decode(tok(TEXT).input_ids, skip_special_tokens=True) == TEXT
     assert tok(TEXT).input_ids[0] == tok.bos_token_id
+    tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+    assert tok_cfg["tokenizer_class"] == "PreTrainedTokenizerFast"  # loadable by transformers 4.x too
 
 
 def test_arch_specific_shapes(tiny_checkpoint_factory) -> None:

@@ -7,6 +7,7 @@ downloaded. Weights are deterministic for a seed.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,4 +217,13 @@ def make_demo_checkpoint(out: str | Path, spec: DemoSpec | None = None) -> Path:
     model.generation_config = _generation_config(token_ids)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _portable_tokenizer_class(out)
     return out
+
+
+def _portable_tokenizer_class(out: Path) -> None:
+    """transformers 5 writes "TokenizersBackend", which 4.x (the GPU container's) cannot load."""
+    path = out / "tokenizer_config.json"
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
