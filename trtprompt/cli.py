@@ -81,5 +81,61 @@ def inspect(engine_dir: Path, as_json: bool) -> None:
     click.echo(json.dumps(inspect_data(engine), indent=2) if as_json else inspect_text(engine))
 
 
+
+@main.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: all).")
+@click.option("--grpc-port", default=8001, show_default=True)
+@click.option("--http-port", default=8000, show_default=True)
+@click.option("--metrics-port", default=8002, show_default=True)
+@click.option("--layout", type=click.Choice(["fused", "upstream"]), help="Model layout (default fused).")
+@click.option("--repo-only", type=click.Path(path_type=Path), help="Write the model repository here and exit.")
+@click.option("--run-dir", type=click.Path(path_type=Path), help="Keep socket, repository and logs here.")
+@click.option("--ready-timeout", default=120.0, show_default=True, help="Seconds to wait for readiness.")
+@click.option("--no-restart", is_flag=True, help="Stop (instead of restarting) if the engine process dies.")
+@click.option("--enable-chunked-context/--disable-chunked-context", default=None)
+@click.option("--enable-kv-cache-reuse/--disable-kv-cache-reuse", default=None)
+@click.option("--batch-scheduler-policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]))
+@click.option("--kv-cache-free-gpu-mem-fraction", type=float)
+@click.option("--max-tokens-in-paged-kv-cache", type=int)
+@click.option("--max-queue-size", type=int)
+@click.option("--max-batch-size", type=int, help="May lower the engine's bound, never raise it.")
+@click.option("--max-num-tokens", type=int, help="May lower the engine's bound, never raise it.")
+@click.option("--exclude-input-in-output/--include-input-in-output", default=None,
+              help="Default for requests that do not say.")
+@click.option("--cancellation-check-period-ms", type=int)
+@click.option("--stats-check-period-ms", type=int)
+def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_port: int,
+          repo_only: Path | None, run_dir: Path | None, ready_timeout: float, no_restart: bool,
+          **overrides: Any) -> None:
+    """Serve ENGINE_DIR behind a real tritonserver (TensorRT-LLM ensemble interface)."""
+    from trtprompt.serve.command import run_serve
+    from trtprompt.serve.launcher import Ports
+
+    try:
+        code = run_serve(engine_dir, overrides, Ports(host, grpc_port, http_port, metrics_port),
+                         repo_only=repo_only, run_dir=run_dir, ready_timeout_s=ready_timeout,
+                         restart=not no_restart, echo=lambda m: click.echo(m, err=True))
+    except (UserError, ValueError) as exc:
+        raise _fail(exc) from exc
+    raise SystemExit(code)
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--url", default="127.0.0.1:8001", show_default=True, help="Triton gRPC address.")
+@click.option("--model", default="ensemble", show_default=True)
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--stream/--no-stream", default=True, show_default=True)
+@click.option("--temperature", type=float, help="0 (or unset top-k/top-p) is greedy.")
+@click.option("--json", "as_json", is_flag=True, help="Print the text and the perf-metric outputs as JSON.")
+def infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool, temperature: float | None,
+          as_json: bool) -> None:
+    """Send PROMPT to a running server over gRPC and print the answer as it streams."""
+    from trtprompt.serve.command import run_infer
+
+    raise SystemExit(run_infer(prompt, url, model, max_tokens, stream, temperature, as_json))
+
+
 if __name__ == "__main__":
     main()
