@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -142,7 +143,8 @@ class LLMClient:
 
     def infer(self, model: str, inputs: Sequence[Any], timeout_s: float = 120.0,
               on_response: Callable[[dict[str, np.ndarray]], None] | None = None,
-              stop_after: int | None = None, parameters: Mapping[str, Any] | None = None) -> StreamResult:
+              stop_after: int | None = None, parameters: Mapping[str, Any] | None = None,
+              request_id: str = "") -> StreamResult:
         """Send one request and collect its responses until the final one.
 
         stop_after=N returns after N data responses without waiting (the
@@ -150,7 +152,9 @@ class LLMClient:
         """
         result = StreamResult()
         t0 = time.perf_counter()
-        self._client.async_stream_infer(model, list(inputs), enable_empty_final_response=True,
+        # The upstream layout's postprocessing keys its detokenizer by request id.
+        self._client.async_stream_infer(model, list(inputs), request_id=request_id or uuid.uuid4().hex,
+                                        enable_empty_final_response=True,
                                         parameters=dict(parameters) if parameters else None)
         deadline = t0 + timeout_s
         while not result.finished:

@@ -92,6 +92,7 @@ class EngineService:
         self._lock = threading.Lock()
         self._timings: deque[dict[str, float]] = deque(maxlen=_TIMINGS_KEPT)
         self._seq = 0
+        self._finished: dict[str, int] = {}
 
     def info(self) -> dict[str, Any]:
         sched = self.engine.scheduler_config
@@ -106,15 +107,18 @@ class EngineService:
     def stats(self, since: int) -> dict[str, Any]:
         with self._lock:
             timings = [t for t in self._timings if t["seq"] > since]
-            seq = self._seq
+            seq, finished = self._seq, dict(self._finished)
         return {"type": "stats", **asdict(self.loop.stats()), "seq": seq, "timings": timings,
-                "in_flight": self.loop.num_in_flight()}
+                "in_flight": self.loop.num_in_flight(), "finished": finished}
 
     def record(self, out: RequestOutput) -> None:
+        """Count a finished request and keep its timings for the histograms."""
         s = out.stats
-        if s.first_token_time_ns is None or s.first_scheduled_time_ns is None:
-            return
+        reason = out.finish_reason.value if out.finish_reason else "unknown"
         with self._lock:
+            self._finished[reason] = self._finished.get(reason, 0) + 1
+            if s.first_token_time_ns is None or s.first_scheduled_time_ns is None:
+                return
             self._seq += 1
             self._timings.append({
                 "seq": self._seq,

@@ -8,12 +8,14 @@ same values land in the model repository for either target.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
 LAYOUTS = ("fused", "upstream")
+DISABLE_FLAGS = {"enable_chunked_context": "--disable-chunked-context",
+                 "enable_kv_cache_reuse": "--disable-kv-cache-reuse"}
 
 
 @dataclass(frozen=True)
@@ -123,10 +125,10 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
                 raise ValueError(
                     f"{flag} needs an engine built with plugin_config.{need}, and "
                     f"{engine.path / 'config.json'} has it off: rebuild the engine or serve with "
-                    f"--no-{flag.replace('_', '-')}")
+                    f"{DISABLE_FLAGS[flag]}")
     if opts.enable_kv_cache_reuse and build.get("gather_context_logits"):
         raise ValueError("enable_kv_cache_reuse cannot work with an engine built with "
-                         "gather_context_logits; rebuild without it or serve with --no-enable-kv-cache-reuse")
+                         "gather_context_logits; rebuild without it or serve with --disable-kv-cache-reuse")
     for key in ("max_batch_size", "max_num_tokens"):
         value, bound = getattr(opts, key), build.get(key)
         if value is not None and bound is not None and value > bound:
@@ -138,7 +140,3 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
                          f"max_beam_width ({beam})")
     if engine.target == "torch" and opts.max_beam_width != 1:
         raise ValueError("max_beam_width must be 1 for the torch target (no beam search)")
-
-
-def with_layout(opts: ServeOptions, layout: str) -> ServeOptions:
-    return replace(opts, layout=layout)

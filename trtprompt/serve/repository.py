@@ -138,17 +138,13 @@ PRE_OUTPUTS: tuple[Tensor, ...] = (
     ("STOP_WORDS_IDS", "INT32", [2, -1], False),
     ("OUT_END_ID", "INT32", [1], False),
     ("OUT_PAD_ID", "INT32", [1], False),
-    # Identifies one client request to the single postprocessing instance,
-    # which keeps a streaming detokenizer per stream.
-    ("STREAM_ID", "UINT64", [1], False),
 )
+# Only tensorrt_llm's outputs: Triton refuses a step after a decoupled model
+# that also takes tensors of other origins ("inputs originated from
+# different decoupled models"), so the stream is keyed by the request id.
 POST_INPUTS: tuple[Tensor, ...] = (
     ("TOKENS_BATCH", "INT32", [-1, -1], False),
     ("SEQUENCE_LENGTH", "INT32", [-1], False),
-    ("STREAM_ID", "UINT64", [1], False),
-    ("REQUEST_INPUT_LEN", "INT32", [1], False),
-    ("REQUEST_OUTPUT_LEN", "INT32", [1], False),
-    ("STREAMING", "BOOL", [1], True),
 )
 POST_OUTPUTS: tuple[Tensor, ...] = (("OUTPUT", "STRING", [-1], False),)
 
@@ -245,7 +241,6 @@ def preprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
 
 def postprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
     params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "skip_special_tokens": True,
-              "max_seq_len": ctx.engine.build_config["max_seq_len"],
               "max_open_streams": 4096, "stream_idle_timeout_s": 600}
     # ONE instance: the streaming detokenizer state lives in it, and two
     # instances could reorder a stream's chunks (FACTS.md).
@@ -278,7 +273,7 @@ def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
           {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
            "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "BAD_WORDS_IDS": "_BAD_WORDS_IDS",
            "STOP_WORDS_IDS": "_STOP_WORDS_IDS", "OUT_END_ID": "_PREPROCESSOR_END_ID",
-           "OUT_PAD_ID": "_PREPROCESSOR_PAD_ID", "STREAM_ID": "_STREAM_ID"})
+           "OUT_PAD_ID": "_PREPROCESSOR_PAD_ID"})
     core_inputs = {
         "input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN",
         "request_output_len": "_REQUEST_OUTPUT_LEN", "end_id": "_PREPROCESSOR_END_ID",
@@ -294,9 +289,7 @@ def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
     core_outputs |= {name: name for name, *_ in PERF_OUTPUTS}
     _step(cfg, "tensorrt_llm", core_inputs, core_outputs)
     _step(cfg, "postprocessing",
-          {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH",
-           "STREAM_ID": "_STREAM_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
-           "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "STREAMING": "stream"},
+          {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
           {"OUTPUT": "text_output"})
     return cfg
 
