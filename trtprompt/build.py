@@ -35,10 +35,15 @@ class BuildRequest:
     kv_budget_gib: float | None = None
     force: bool = False
     progress: bool = True
+    tp_size: int = 1  # tensor / pipeline parallel ranks (trtllm target only)
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kv_budget_gib is not None and self.kv_budget_gib <= 0:
             raise ValueError(f"kv_budget_gib must be positive, got {self.kv_budget_gib}")
+        if (self.tp_size, self.pp_size) != (1, 1) and self.target != "trtllm":
+            raise ValueError(f"tp_size {self.tp_size} x pp_size {self.pp_size}: tensor/pipeline "
+                             "parallelism needs --target trtllm")
 
 
 def host_available_bytes() -> int | None:
@@ -132,15 +137,19 @@ def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: Bu
         if plan.target == "trtllm":
             from trtprompt.targets.trtllm_build import build_trtllm_engine
 
-            build_trtllm_engine(tmp, ckpt, profile, plan)
+            from trtprompt.targets.trtllm_config import Parallelism
+
+            build_trtllm_engine(tmp, ckpt, profile, plan, Parallelism(req.tp_size, req.pp_size))
         else:
             from trtprompt.targets.torch_build import write_weights
 
             write_weights(tmp, ckpt, ckpt.pretrained_config, plan.dtype, plan.quantization, req.progress)
         _copy_tokenizer(ckpt, tmp)
         write_json(tmp / "trtprompt.json", engine_meta(ckpt, profile, plan))
-        # Last, so a half-written directory never has a config.json.
-        write_json(tmp / "config.json", engine_config(ckpt, plan))
+        # Last, so a half-written directory never has a config.json. The trtllm build
+        # already holds TensorRT-LLM's own config.json (engine.save), which must stay.
+        if plan.target != "trtllm":
+            write_json(tmp / "config.json", engine_config(ckpt, plan))
     return Path(req.output)
 
 
