@@ -81,6 +81,46 @@ def inspect(engine_dir: Path, as_json: bool) -> None:
     click.echo(json.dumps(inspect_data(engine), indent=2) if as_json else inspect_text(engine))
 
 
+@main.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", "prompts", multiple=True, required=True,
+              help="Prompt text; repeat to run several prompts as one in-flight batch.")
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--temperature", type=float,
+              help="Sample at this temperature (alone: from the full distribution). Unset or 0: greedy.")
+@click.option("--top-k", type=int, help="Sample from the k most likely tokens (1: greedy).")
+@click.option("--top-p", type=float, help="Sample from the smallest set with this probability mass.")
+@click.option("--seed", type=int, help="Per-request sampling seed (default 0, reproducible).")
+@click.option("--stream", is_flag=True, help="Print text as it is generated.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object per prompt (text, output_ids, token counts, KV reuse, finish_reason).")
+def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temperature: float | None,
+             top_k: int | None, top_p: float | None, seed: int | None, stream: bool, as_json: bool) -> None:
+    """Generate offline with the embedded engine of ENGINE_DIR (no server)."""
+    from trtprompt.generate import generate as run, load, sampling_params
+    from trtprompt.engine.errors import EngineRequestError
+
+    try:
+        params = sampling_params(max_tokens, temperature, top_k, top_p, seed)
+        engine, tokenizer = load(engine_dir)
+        on_text = None
+        if stream and not as_json:
+            tag = len(prompts) > 1
+            on_text = lambda i, piece: click.echo(f"[{i}] {piece}" if tag else piece, nl=tag)  # noqa: E731
+        gens = run(engine, tokenizer, prompts, params, on_text)
+    except (UserError, ValueError, EngineRequestError) as exc:
+        raise _fail(exc) from exc
+    for g in gens:
+        if as_json:
+            click.echo(json.dumps(g.as_json(), ensure_ascii=False))
+        elif stream:
+            click.echo("")
+        else:
+            click.echo(g.text)
+        if g.final is not None and g.final.warning:
+            click.echo(f"warning: {g.final.warning}", err=True)
+
+
 
 @main.command()
 @click.argument("engine_dir", type=click.Path(path_type=Path))

@@ -62,6 +62,19 @@ def generate(engine: LLMEngine, tokenizer: Tokenizer, prompts: Sequence[str], pa
     return gens
 
 
+def sampling_params(max_tokens: int, temperature: float | None, top_k: int | None,
+                    top_p: float | None, seed: int | None) -> SamplingParams:
+    """CLI sampling flags: a temperature alone samples from the full distribution.
+
+    The engine keeps TensorRT-LLM's rule (greedy unless top_k/top_p ask for
+    sampling); a person typing --temperature 0.8 means "sample", so say so here.
+    """
+    if temperature and top_k is None and top_p is None:
+        top_p = 1.0
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
+                          top_k=top_k, top_p=top_p, seed=seed)
+
+
 def load(engine_dir: Path, **overrides) -> tuple[LLMEngine, Tokenizer]:
     engine = LLMEngine.from_engine_dir(engine_dir, **overrides)
     return engine, Tokenizer.from_dir(Path(engine_dir) / "tokenizer")
