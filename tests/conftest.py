@@ -39,3 +39,7 @@ def tiny_engine_dir(tiny_checkpoint_factory: Callable[..., Path],
     path = run_build(BuildRequest(tiny_checkpoint_factory("llama"), out, "cpu-dev", progress=False))
     assert path is not None
     return path
+
+
+# The serve tests share one tritonserver per session (tests/serve_fixtures.py).
+from serve_fixtures import oracle, served  # noqa: E402,F401

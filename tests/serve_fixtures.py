@@ -1,0 +1,208 @@
+"""Session fixtures for the serve tests: one real tritonserver (via `trtprompt serve`)
+over the tiny engine, started once, plus the in-process greedy oracle.
+
+Registered from conftest.py (pytest_plugins) so every test_serve_* module
+shares the same server.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from trtprompt.client import LLMClient, StreamResult, text_inputs, token_inputs
+from trtprompt.serve import protocol as P
+from trtprompt.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_TIMEOUT_S = 120.0
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass
+class Served:
+    """A running `trtprompt serve` and what the tests need to reach it."""
+
+    proc: subprocess.Popen
+    run_dir: Path
+    log_path: Path
+    grpc: int
+    http: int
+    metrics: int
+    engine_dir: Path
+    child_pids: list[int] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.grpc}"
+
+    @property
+    def socket_path(self) -> str:
+        return str(self.run_dir / "engine.sock")
+
+    def engine_stats(self) -> dict[str, Any]:
+        return P.call(self.socket_path, {"op": "stats", "since": 1 << 62})
+
+    def engine_info(self) -> dict[str, Any]:
+        return P.call(self.socket_path, {"op": "info"})
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5) as resp:
+            return resp.read().decode("utf-8")
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """Value of one series on /metrics (labels must match exactly those given)."""
+        for line in self.metrics_text().splitlines():
+            m = re.match(r"^([a-zA-Z_:][\w:]*)(\{([^}]*)\})?\s+(\S+)$", line)
+            if not m or m.group(1) != name:
+                continue
+            found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
+            if all(found.get(k) == v for k, v in labels.items()):
+                return float(m.group(4))
+        return None
+
+    def text(self, prompt: str | bytes, max_tokens: int, stream: bool = True, model: str = "ensemble",
+             timeout_s: float = 60.0, **optional: Any) -> StreamResult:
+        with LLMClient(self.url) as client:
+            return client.infer(model, text_inputs(prompt, max_tokens, stream, **optional), timeout_s)
+
+    def tokens(self, ids: list[int], max_tokens: int, streaming: bool = True,
+               **optional: Any) -> StreamResult:
+        with LLMClient(self.url) as client:
+            return client.infer("tensorrt_llm", token_inputs(ids, max_tokens, streaming, **optional), 60.0)
+
+    def assert_healthy(self) -> None:
+        assert self.proc.poll() is None, "the server process exited"
+        result = self.text("health check", 4, temperature=0.0)
+        assert result.error is None, result.error
+        assert result.finished
+
+
+def _children(pid: int) -> list[int]:
+    """All descendants of pid (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def start_server(engine_dir: Path, run_dir: Path, *extra: str) -> Served:
+    grpc, http, metrics = free_ports(3)
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    cmd = [sys.executable, "-m", "trtprompt.cli", "serve", str(engine_dir), "--run-dir", str(run_dir),
+           "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics),
+           "--stats-check-period-ms", "50", "--cancellation-check-period-ms", "20", *extra]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    served = Served(proc, run_dir, log_path, grpc, http, metrics, engine_dir)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while "trtprompt serve: ready" not in log_path.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(served)
+            pytest.fail(f"trtprompt serve did not become ready:\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.1)
+    served.child_pids = _children(proc.pid)
+    return served
+
+
+def stop_server(served: Served) -> int | None:
+    """SIGINT, as Ctrl-C does; returns the exit code (None if it had to be killed)."""
+    if served.proc.poll() is None:
+        served.proc.send_signal(signal.SIGINT)
+        try:
+            served.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            served.proc.kill()
+            served.proc.wait()
+            return None
+    return served.proc.returncode
+
+
+def check_stopped_cleanly(served: Served) -> None:
+    served.child_pids = _children(served.proc.pid)  # the engine may have been restarted
+    code = stop_server(served)
+    leftovers = [pid for pid in served.child_pids if _alive(pid)]
+    for pid in leftovers:
+        os.kill(pid, signal.SIGKILL)
+    assert code == 0, f"serve exited with {code}:\n{served.log_path.read_text(errors='replace')[-3000:]}"
+    assert not leftovers, f"child processes left after SIGINT: {leftovers}"
+
+
+@pytest.fixture(scope="session")
+def served(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`trtprompt serve` of the tiny engine (fused layout), shared by all serve tests."""
+    server = start_server(tiny_engine_dir, tmp_path_factory.mktemp("serve") / "run")
+    yield server
+    check_stopped_cleanly(server)
+
+
+class Oracle:
+    """The engine's own greedy output, in process (what `trtprompt generate` prints)."""
+
+    def __init__(self, engine_dir: Path) -> None:
+        from trtprompt.engine.engine import LLMEngine
+
+        self.engine = LLMEngine.from_engine_dir(engine_dir, linear_backend="onednn")
+        self.tokenizer = Tokenizer.from_dir(engine_dir / "tokenizer")
+        self._n = 0
+
+    def token_ids(self, prompt_ids: list[int], max_tokens: int, **params: Any) -> list[int]:
+        from trtprompt.engine.request import SamplingParams
+
+        self._n += 1
+        rid = f"oracle-{self._n}"
+        self.engine.add_request(rid, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, **params))
+        out: list[int] = []
+        while True:
+            for o in self.engine.step():
+                if o.request_id == rid:
+                    out += o.new_token_ids
+                    if o.finished:
+                        return out
+
+    def text(self, prompt: str, max_tokens: int) -> str:
+        ids = self.token_ids(self.tokenizer.encode(prompt), max_tokens)
+        return self.tokenizer.decode(ids)
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_engine_dir: Path) -> Oracle:
+    return Oracle(tiny_engine_dir)
