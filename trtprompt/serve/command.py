@@ -22,9 +22,6 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
     Raises ValueError for an engine or options that cannot be served.
     """
     engine = EngineInfo.read(engine_dir)
-    if engine.target != "torch":
-        raise ValueError(f"{engine.path} is a {engine.target!r} engine; this server runs torch-target "
-                         "engines (serve trtllm engines inside the tritonserver trtllm container)")
     options = resolve_options(engine, overrides)
     if repo_only is not None:
         root = Path(repo_only).resolve()
@@ -33,6 +30,10 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
         echo(f"model repository written to {path} ({', '.join(models)}); every config.pbtxt "
              "parsed with Triton's ModelConfig schema")
         return 0
+    if engine.target == "trtllm":  # Triton's tensorrtllm backend, in the NGC container
+        from trtprompt.serve.trtllm_launch import serve_trtllm
+
+        return serve_trtllm(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s, echo=echo)
     server = Server(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s,
                     restart_engine=restart, log=echo)
     return serve_forever(server)

@@ -281,7 +281,7 @@ def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
         "bad_words_list": "_BAD_WORDS_IDS", "streaming": "stream", "runtime_top_k": "top_k",
         "runtime_top_p": "top_p", "temperature": "temperature", "len_penalty": "length_penalty",
         "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-        "frequency_penalty": "frequency_penalty", "min_tokens": "min_tokens", "random_seed": "seed",
+        "frequency_penalty": "frequency_penalty", "min_tokens": "min_tokens", "seed": "seed",
         "beam_width": "beam_width", "exclude_input_in_output": "exclude_input_in_output",
         "return_log_probs": "return_log_probs", "return_perf_metrics": "return_perf_metrics",
     }
@@ -314,6 +314,11 @@ def _write_model(root: Path, cfg: mc.ModelConfig, source: str | None) -> None:
 
 def model_configs(ctx: RepoContext) -> list[tuple[mc.ModelConfig, str | None]]:
     """(config, python model file or None) for every model of the layout."""
+    if ctx.engine.target == "trtllm":  # upstream layout around the tensorrtllm C++ backend
+        from trtprompt.serve.trtllm_model_config import tensorrt_llm_model_config, params_for
+
+        return [(preprocessing_config(ctx), "preprocessing.py"), (tensorrt_llm_model_config(params_for(ctx)), None),
+                (postprocessing_config(ctx), "postprocessing.py"), (upstream_ensemble_config(ctx), None)]
     core = (tensorrt_llm_python_config(ctx), "tensorrt_llm.py")
     if ctx.options.layout == "fused":
         return [core, (fused_ensemble_config(ctx), "ensemble.py")]

@@ -11,8 +11,20 @@ python models (pre/postprocessing) do not collide.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
+
+from trtprompt.serve.launcher import LaunchError, Ports, log_tail
+from trtprompt.serve.options import EngineInfo, ServeOptions
 
 CORE_MODEL = "tensorrt_llm"
 MAX_PORT = 65535
@@ -73,3 +85,75 @@ def launch_command(spec: TrtllmLaunchSpec) -> list[str]:
             cmd.append(":")
         cmd += ["-n", "1", *rank_args(spec, rank)]
     return cmd
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the launcher's process group (mpirun forwards it to the ranks), SIGKILL after 30 s."""
+    for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def wait_ready(proc: subprocess.Popen, spec: TrtllmLaunchSpec, timeout_s: float, log_file: Path) -> None:
+    url = f"http://{'127.0.0.1' if spec.host in ('0.0.0.0', '::') else spec.host}:{spec.http_port}/v2/health/ready"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise LaunchError(f"tritonserver exited with code {proc.returncode} before it was ready; "
+                              f"last log lines:\n{log_tail(log_file)}")
+        if _ready(url):
+            return
+        time.sleep(0.5)
+    raise LaunchError(f"tritonserver was not ready within {timeout_s:.0f} s (engine load can take minutes: "
+                      f"raise --ready-timeout); last log lines:\n{log_tail(log_file)}")
+
+
+def serve_trtllm(engine: EngineInfo, options: ServeOptions, ports: Ports, run_dir: Path | None = None,
+                 ready_timeout_s: float = 600.0, echo: Callable[[str], None] = print) -> int:
+    """Check, write the repository, start tritonserver (under mpirun for tp x pp > 1), wait for SIGINT/SIGTERM."""
+    from trtprompt.serve.repository import RepoContext, write_repository
+    from trtprompt.targets.trtllm_checks import preflight
+
+    pf = preflight(engine.path, asdict(options))
+    run = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="trtprompt-trtllm-"))
+    repo = write_repository(run / "repository", RepoContext(engine, options, ""))
+    spec = TrtllmLaunchSpec(repo, pf.world_size, str(pf.tritonserver), host=ports.host, http_port=ports.http,
+                            grpc_port=ports.grpc, metrics_port=ports.metrics)
+    log_file = run / "tritonserver.log"
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with log_file.open("ab") as log:
+        proc = subprocess.Popen(launch_command(spec), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(proc, spec, ready_timeout_s, log_file)
+        echo(f"trtprompt serve: ready (TensorRT-LLM engine {engine.path.name}, {pf.world_size} rank(s))\n"
+             f"  gRPC {ports.host}:{ports.grpc}  HTTP {ports.host}:{ports.http}  "
+             f"metrics http://{ports.host}:{ports.metrics}/metrics\n  logs {log_file}")
+        while not stop.wait(1.0):
+            if proc.poll() is not None:
+                echo(f"trtprompt serve: tritonserver exited with code {proc.returncode}:\n{log_tail(log_file)}")
+                return 1
+        return 0
+    except LaunchError as exc:
+        echo(f"trtprompt serve: {exc}")
+        return 1
+    finally:
+        _stop(proc)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

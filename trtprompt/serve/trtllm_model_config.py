@@ -12,7 +12,7 @@ One parameter is left out when unset on purpose: `max_tokens_in_paged_kv_cache`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -216,3 +216,9 @@ def write_model(repo: str | Path, p: TrtllmModelParams) -> Path:
     path = model_dir / "config.pbtxt"
     path.write_text(config_text(p), encoding="utf-8")
     return path
+
+
+def params_for(ctx: Any) -> TrtllmModelParams:
+    """Params from a serve RepoContext (engine info + resolved ServeOptions)."""
+    return TrtllmModelParams.from_engine(ctx.engine.path, ctx.engine.pretrained_config, ctx.engine.build_config,
+                                         asdict(ctx.options))
