@@ -49,21 +49,42 @@ def _fail(exc: Exception) -> click.ClickException:
 @click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--tp-size", type=int, default=1, show_default=True, help="Tensor-parallel ranks (trtllm target).")
+@click.option("--pp-size", type=int, default=1, show_default=True, help="Pipeline-parallel ranks (trtllm target).")
+@click.option("--print-commands", is_flag=True,
+              help="trtllm: print the equivalent convert_checkpoint.py + trtllm-build commands; build nothing.")
 def build(checkpoint: Path, output: Path | None, profile: str | None, target: str, kv_budget_gib: float | None,
-          dry_run: bool, force: bool, no_progress: bool, **overrides: Any) -> None:
+          dry_run: bool, force: bool, no_progress: bool, tp_size: int, pp_size: int, print_commands: bool,
+          **overrides: Any) -> None:
     """Build an engine directory from a Hugging Face CHECKPOINT."""
     from trtprompt.build import BuildRequest, run_build
     from trtprompt.report import plan_table
 
-    if output is None and not dry_run:
+    if print_commands and target != "trtllm":
+        raise click.UsageError("--print-commands needs --target trtllm")
+    if output is None and not (dry_run or print_commands):
         raise click.UsageError("missing -o/--output (or pass --dry-run)")
     try:
-        req = BuildRequest(checkpoint, output, profile, target, overrides, kv_budget_gib, force, not no_progress)
+        req = BuildRequest(checkpoint, output, profile, target, overrides, kv_budget_gib, force, not no_progress,
+                           tp_size=tp_size, pp_size=pp_size)
+        if print_commands:
+            _print_trtllm_commands(req)
+            return
         path = run_build(req, dry_run, on_plan=lambda c, p, plan: click.echo(plan_table(c, p, plan)))
     except (UserError, ValueError) as exc:
         raise _fail(exc) from exc
     if path is not None:
         click.echo(f"engine written to {path}")
+
+
+def _print_trtllm_commands(req: Any) -> None:
+    from trtprompt.build import run_build
+    from trtprompt.targets.trtllm_config import Parallelism, commands_for_plan
+
+    out = req.output or Path("engines") / Path(req.checkpoint).name
+    parallel = Parallelism(req.tp_size, req.pp_size)
+    run_build(req, dry_run=True, on_plan=lambda c, p, plan: click.echo(
+        commands_for_plan(c.path, c.architecture, c.tokenizer_files, plan, out, parallel), nl=False))
 
 
 @main.command()

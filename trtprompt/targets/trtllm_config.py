@@ -184,8 +184,12 @@ def trtllm_build_command(args: TrtllmBuildArgs, trt_checkpoint: Path, out_dir: P
 
 def _shell(cmd: list[str]) -> str:
     # $TRTLLM_EXAMPLES must stay expandable; everything else is quoted.
-    parts = [f'"{c}"' if c.startswith("$TRTLLM_EXAMPLES/") else shlex.quote(c) for c in cmd]
-    return " \\\n    ".join(" ".join(parts[i:i + 2]) for i in range(0, len(parts), 2))
+    lines: list[list[str]] = []
+    for c in cmd:
+        if not lines or c.startswith("--"):  # one option (and its value) per line
+            lines.append([])
+        lines[-1].append(f'"{c}"' if c.startswith("$TRTLLM_EXAMPLES/") else shlex.quote(c))
+    return " \\\n    ".join(" ".join(line) for line in lines)
 
 
 def format_commands(args: TrtllmBuildArgs, checkpoint: Path, out_dir: Path,
@@ -204,3 +208,10 @@ def format_commands(args: TrtllmBuildArgs, checkpoint: Path, out_dir: Path,
         "# `trtprompt build --target trtllm` writes; these lines are for users of the plain CLI.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def commands_for_plan(checkpoint: Path, architecture: str, tokenizer_files: Sequence[Path], plan: BuildPlan,
+                      out_dir: Path, parallel: Parallelism = Parallelism()) -> str:
+    """`trtprompt build --target trtllm --print-commands`: the plan as TensorRT-LLM CLI lines."""
+    args = trtllm_build_args(plan, architecture, parallel)
+    return format_commands(args, Path(checkpoint).absolute(), Path(out_dir).absolute(), tokenizer_files)
