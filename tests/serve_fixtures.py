@@ -175,32 +175,25 @@ def served(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 class Oracle:
-    """The engine's own greedy output, in process (what `trtprompt generate` prints)."""
+    """`trtprompt generate`'s greedy output for the same engine, in process."""
 
     def __init__(self, engine_dir: Path) -> None:
-        from trtprompt.engine.engine import LLMEngine
+        from trtprompt.generate import load
 
-        self.engine = LLMEngine.from_engine_dir(engine_dir, linear_backend="onednn")
-        self.tokenizer = Tokenizer.from_dir(engine_dir / "tokenizer")
-        self._n = 0
+        self.engine, self.tokenizer = load(engine_dir)
 
-    def token_ids(self, prompt_ids: list[int], max_tokens: int, **params: Any) -> list[int]:
+    def run(self, prompt: str, max_tokens: int) -> Any:
         from trtprompt.engine.request import SamplingParams
+        from trtprompt.generate import generate
 
-        self._n += 1
-        rid = f"oracle-{self._n}"
-        self.engine.add_request(rid, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, **params))
-        out: list[int] = []
-        while True:
-            for o in self.engine.step():
-                if o.request_id == rid:
-                    out += o.new_token_ids
-                    if o.finished:
-                        return out
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        return generate(self.engine, self.tokenizer, [prompt], params)[0]
 
     def text(self, prompt: str, max_tokens: int) -> str:
-        ids = self.token_ids(self.tokenizer.encode(prompt), max_tokens)
-        return self.tokenizer.decode(ids)
+        return self.run(prompt, max_tokens).text
+
+    def token_ids(self, prompt: str, max_tokens: int) -> list[int]:
+        return self.run(prompt, max_tokens).output_ids
 
 
 @pytest.fixture(scope="session")

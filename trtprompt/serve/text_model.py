@@ -26,7 +26,9 @@ class _TextRow:
         self.params = dict(item.params)
         if item.stop_words:
             self.params["stop_token_ids"] = [tok.encode(w, add_special_tokens=False) for w in item.stop_words]
-        self.detok = tok.stream(skip_special_tokens=model.skip_special_tokens) if item.stream else None
+        # Detokenized in the prompt's context, so the first word keeps its
+        # leading space (Metaspace), exactly as `trtprompt generate` prints it.
+        self.detok = tok.stream(self.prompt_ids, skip_special_tokens=model.skip_special_tokens)
         self.output_ids: list[int] = []
 
     def submit(self) -> EngineRequest:
@@ -36,16 +38,18 @@ class _TextRow:
     def response(self, frame: dict[str, Any]) -> list[Any] | None:
         """Output tensors for this frame, or None when it adds nothing to send."""
         new, finished = frame["new_token_ids"], frame["finished"]
-        if self.detok is not None:
+        self.output_ids.extend(new)
+        if self.item.stream:
             text = self.detok.step(new) + (self.detok.flush() if finished else "")
             if not text and not finished:
                 return None
-        else:
-            self.output_ids.extend(new)
-            if not finished:
-                return None
-            ids = self.output_ids if self.item.exclude_input_in_output else self.prompt_ids + self.output_ids
-            text = self.model.tokenizer.decode(ids, skip_special_tokens=self.model.skip_special_tokens)
+        elif not finished:
+            return None
+        elif self.item.exclude_input_in_output:
+            text = self.detok.step(self.output_ids) + self.detok.flush()
+        else:  # TensorRT-LLM returns prompt + output, decoded together
+            text = self.model.tokenizer.decode(self.prompt_ids + self.output_ids,
+                                               skip_special_tokens=self.model.skip_special_tokens)
         return self._tensors(text, frame)
 
     def _tensors(self, text: str, frame: dict[str, Any]) -> list[Any]:
