@@ -71,8 +71,11 @@ def build(model: Any, build_config: BuildConfig) -> "Engine":
            plugin_config=build_config.plugin_config.to_dict())
     cfg = copy.deepcopy(build_config)
     cfg.plugin_config.dtype = model.config["dtype"]
+    # BuildConfig.update_kv_cache_type: kv_cache_type and the deprecated paged_kv_cache agree afterwards.
     if cfg.kv_cache_type is None:
-        cfg.kv_cache_type = KVCacheType.PAGED
+        cfg.kv_cache_type = KVCacheType.PAGED if cfg.plugin_config.paged_kv_cache is not False else KVCacheType.CONTINUOUS
+    if cfg.plugin_config.paged_kv_cache is None:
+        cfg.plugin_config.paged_kv_cache = cfg.kv_cache_type == KVCacheType.PAGED
     _bounds(cfg, model.config)
     _paged_context_fmha(cfg, model.config["quantization"])
     if cfg.plugin_config.gemm_plugin == "auto":
