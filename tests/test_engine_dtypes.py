@@ -75,3 +75,16 @@ def test_engine_without_paged_context_fmha_refuses_chunking_and_reuse(tiny_engin
     # With the flags left to the engine's stored policy, both are simply off.
     engine = LLMEngine.from_engine_dir(copy)
     assert not engine.scheduler_config.enable_chunked_context and not engine.kv.enable_block_reuse
+
+
+def test_unfinished_or_foreign_engine_dirs_are_refused(tiny_engine_dir, tmp_path):
+    import shutil
+    from trtprompt.engine_dir import PARTIAL_MARKER
+    from trtprompt.errors import EngineDirError
+    partial = tmp_path / "partial"
+    shutil.copytree(tiny_engine_dir, partial)
+    (partial / PARTIAL_MARKER).write_text("")
+    with pytest.raises(EngineDirError, match="unfinished build"):
+        LLMEngine.from_engine_dir(partial)
+    with pytest.raises(EngineDirError, match="does not exist"):
+        LLMEngine.from_engine_dir(tmp_path / "missing")

@@ -13,7 +13,8 @@ from trtprompt.engine.attention import allocate_kv_cache
 from trtprompt.engine.config import EngineConfig
 from trtprompt.engine.errors import DuplicateRequestError, QueueFullError
 from trtprompt.engine.kv_cache import KVCacheManager
-from trtprompt.engine.loader import EngineFiles, engine_config, read_engine_files
+from trtprompt.engine.loader import engine_config, read_engine_files
+from trtprompt.engine_dir import EngineDir
 from trtprompt.engine.model import DecoderModel
 from trtprompt.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from trtprompt.engine.runner import ModelRunner
@@ -69,7 +70,7 @@ class LLMEngine:
         self.iteration_counter = 0
         self._pending: list[RequestOutput] = []
         self._last_step = SchedulerOutput()
-        self.files: EngineFiles | None = None
+        self.files: EngineDir | None = None
 
     @staticmethod
     def _num_blocks(config: EngineConfig, dtype: torch.dtype) -> int:

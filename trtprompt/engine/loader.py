@@ -7,14 +7,14 @@ built with paged context FMHA.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from trtprompt.engine.config import EngineConfig, KvCacheConfig, ModelConfig, SchedulerConfig
+from trtprompt.engine_dir import EngineDir, read_engine_dir
+from trtprompt.errors import EngineDirError
 
 RUNTIME_KEYS = ("enable_chunked_context", "enable_kv_cache_reuse", "batch_scheduler_policy",
                 "kv_cache_free_gpu_mem_fraction", "max_tokens_in_paged_kv_cache", "max_queue_size")
@@ -22,33 +22,13 @@ LOWERABLE_BOUNDS = ("max_batch_size", "max_num_tokens")
 OTHER_KEYS = ("linear_backend", "device", "memory_budget_bytes")
 
 
-@dataclass(frozen=True)
-class EngineFiles:
-    root: Path
-    pretrained_config: Mapping[str, Any]
-    build_config: Mapping[str, Any]
-    meta: Mapping[str, Any]
-
-    @property
-    def weights_path(self) -> Path:
-        return self.root / "rank0.safetensors"
-
-    @property
-    def tokenizer_dir(self) -> Path:
-        return self.root / "tokenizer"
-
-
-def read_engine_files(path: str | Path) -> EngineFiles:
-    root = Path(path)
-    for name in ("config.json", "trtprompt.json", "rank0.safetensors"):
-        if not (root / name).is_file():
-            raise ValueError(f"{root} is not a torch-target engine directory: {name} is missing")
-    cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
-    meta = json.loads((root / "trtprompt.json").read_text(encoding="utf-8"))
-    if meta.get("target") != "torch":
-        raise ValueError(f"{root} was built for target {meta.get('target')!r}; "
-                         "the embedded engine runs torch-target engines")
-    return EngineFiles(root, cfg["pretrained_config"], cfg["build_config"], meta)
+def read_engine_files(path: str | Path) -> EngineDir:
+    """The validated engine directory (refuses unfinished builds and missing files)."""
+    engine = read_engine_dir(path)
+    if engine.target != "torch":
+        raise EngineDirError(f"{engine.path} was built for target {engine.target!r}; "
+                             "the embedded engine runs torch-target engines")
+    return engine
 
 
 def _check_overrides(overrides: Mapping[str, Any], build: Mapping[str, Any]) -> None:
@@ -80,7 +60,7 @@ def available_memory_bytes(device: str) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def engine_config(files: EngineFiles, overrides: Mapping[str, Any]) -> EngineConfig:
+def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfig:
     build = files.build_config
     _check_overrides(overrides, build)
     runtime = {k: v for k, v in dict(files.meta.get("runtime", {})).items() if k in RUNTIME_KEYS}
