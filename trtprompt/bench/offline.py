@@ -58,10 +58,11 @@ def warm(engine: LLMEngine, vocab: int) -> None:
 
 
 def prefix_reuse(engine_dir: Path, n: int = 64, prefix_len: int = 1024, suffix_len: int = 32,
-                 out_len: int = 16) -> dict[str, Any]:
-    results = {}
+                 out_len: int = 16, max_num_tokens: int = 2048) -> dict[str, Any]:
+    results: dict[str, Any] = {"max_num_tokens": max_num_tokens}
     for reuse in (True, False):
-        engine = LLMEngine.from_engine_dir(engine_dir, enable_kv_cache_reuse=reuse)
+        engine = LLMEngine.from_engine_dir(engine_dir, enable_kv_cache_reuse=reuse,
+                                           max_num_tokens=max_num_tokens)
         vocab = engine.model_config.vocab_size
         warm(engine, vocab)
         prefix = token_workload(1, vocab, [prefix_len])[0]
