@@ -3,8 +3,9 @@
 On our CPUs oneDNN with a weight reordered once into its blocked layout runs
 2.4-4.4x faster than torch's default (MKL) path (FACTS.md). It applies only on
 CPU for dtypes the CPU's oneDNN supports; everywhere else the reference path
-runs. W8A16 weights (int8 + per-output-channel scale) use torch's int8
-weight-only matmul where it exists, else they are dequantized once.
+runs. W8A16 weights (int8 + per-output-channel scale) are dequantized once
+at load: torch's int8 weight-only matmul (`_weight_int8pack_mm`) ran at
+~2 GFLOP/s on our AVX2 CPUs, 30x slower than a dense fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -73,41 +74,14 @@ class OneDnnLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def int8_matmul_available(dtype: torch.dtype, device: torch.device) -> bool:
-    try:
-        x = torch.ones(2, 32, dtype=dtype, device=device)
-        w = torch.ones(8, 32, dtype=torch.int8, device=device)
-        y = torch.ops.aten._weight_int8pack_mm(x, w, torch.ones(8, dtype=dtype, device=device))
-    except (RuntimeError, NotImplementedError):
-        return False
-    return bool(torch.all(y == 32))
-
-
-class Int8Linear(torch.nn.Module):
-    """W8A16: int8 [out, in] weight times a per-output-channel scale, activations in dtype."""
-
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype) -> None:
-        super().__init__()
-        self.qweight = qweight.contiguous()
-        self.scale = scale.to(dtype)
-        self.bias = bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale)
-        return y if self.bias is None else y + self.bias
-
-
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (qweight.float() * scale.float()[:, None]).to(dtype)
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, dtype: torch.dtype,
-                scale: torch.Tensor | None = None, int8_matmul: bool = False) -> torch.nn.Module:
+                scale: torch.Tensor | None = None) -> torch.nn.Module:
     """A linear for `weight` [out, in] (int8 when `scale` is given) on an already resolved backend."""
     if scale is not None:
-        if int8_matmul:
-            return Int8Linear(weight, scale, bias, dtype)
         weight = dequantize(weight, scale, dtype)
     if backend == "onednn":
         return OneDnnLinear(weight, bias)

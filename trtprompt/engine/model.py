@@ -22,7 +22,7 @@ from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model'
     paged_attention,
 )
 from trtprompt.engine.config import ModelConfig
-from trtprompt.engine.linear import int8_matmul_available, make_linear, resolve_backend
+from trtprompt.engine.linear import make_linear, resolve_backend
 from trtprompt.engine.rope import RotaryEmbedding, apply_rotary
 from trtprompt.engine.weights import LinearWeights, check_quant_algo, fuse_linears, take_linear, take_tensor
 
@@ -107,14 +107,14 @@ class DecoderModel(torch.nn.Module):
 
     # -- weights -----------------------------------------------------------------
 
-    def _linear(self, lw: LinearWeights, int8_matmul: bool) -> torch.nn.Module:
-        return make_linear(lw.weight, lw.bias, self.linear_backend, self.dtype, lw.scale, int8_matmul)
+    def _linear(self, lw: LinearWeights) -> torch.nn.Module:
+        return make_linear(lw.weight, lw.bias, self.linear_backend, self.dtype, lw.scale)
 
     def _norm(self, tensors: Mapping[str, torch.Tensor], name: str, size: int) -> RMSNorm:
         weight = take_tensor(tensors, name, (size,), self.dtype, self.device)
         return RMSNorm(weight, self.cfg.norm_epsilon)
 
-    def _layer(self, tensors: Mapping[str, torch.Tensor], i: int, quantized: bool, int8_mm: bool) -> DecoderLayer:
+    def _layer(self, tensors: Mapping[str, torch.Tensor], i: int, quantized: bool) -> DecoderLayer:
         c, p = self.cfg, f"model.layers.{i}."
         d, h = c.head_size, c.hidden_size
 
@@ -127,10 +127,10 @@ class DecoderModel(torch.nn.Module):
         o_proj = lin("self_attn.o_proj", h, c.num_attention_heads * d)
         q_norm = self._norm(tensors, p + "self_attn.q_norm.weight", d) if c.qk_layernorm else None
         k_norm = self._norm(tensors, p + "self_attn.k_norm.weight", d) if c.qk_layernorm else None
-        attn = Attention(c, self._linear(qkv, int8_mm), self._linear(o_proj, int8_mm), q_norm, k_norm)
+        attn = Attention(c, self._linear(qkv), self._linear(o_proj), q_norm, k_norm)
         gate_up = fuse_linears([lin("mlp.gate_proj", c.intermediate_size, h), lin("mlp.up_proj", c.intermediate_size, h)])
         down = lin("mlp.down_proj", h, c.intermediate_size)
-        mlp = MLP(self._linear(gate_up, int8_mm), self._linear(down, int8_mm), c.intermediate_size)
+        mlp = MLP(self._linear(gate_up), self._linear(down), c.intermediate_size)
         return DecoderLayer(attn, mlp, self._norm(tensors, p + "input_layernorm.weight", h),
                             self._norm(tensors, p + "post_attention_layernorm.weight", h))
 
@@ -139,10 +139,9 @@ class DecoderModel(torch.nn.Module):
         check_quant_algo(quant_algo)
         c = self.cfg
         quantized = quant_algo == "W8A16"
-        int8_mm = quantized and int8_matmul_available(self.dtype, self.device)
         embed_shape = (c.vocab_size, c.hidden_size)
         self.embed_tokens = take_tensor(tensors, "model.embed_tokens.weight", embed_shape, self.dtype, self.device)
-        self.layers = torch.nn.ModuleList(self._layer(tensors, i, quantized, int8_mm)
+        self.layers = torch.nn.ModuleList(self._layer(tensors, i, quantized)
                                           for i in range(c.num_hidden_layers))
         self.norm = self._norm(tensors, "model.norm.weight", c.hidden_size)
         if c.tie_word_embeddings:
@@ -164,6 +163,8 @@ class DecoderModel(torch.nn.Module):
                 f"input_ids ({input_ids.shape[0]}) and positions ({positions.shape[0]}) must both "
                 f"hold the metadata's {meta.num_tokens} tokens"
             )
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {len(self.layers)}")
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
