@@ -21,7 +21,7 @@ from trtprompt.plan import BuildPlan, make_plan
 from trtprompt.profile import Profile, load_profile
 
 DEFAULT_PROFILES: dict[str, str] = {"torch": "cpu-dev", "trtllm": "chat"}
-VERSIONED_PACKAGES: tuple[str, ...] = ("torch", "transformers", "tokenizers", "safetensors", "numpy")
+VERSIONED_PACKAGES: tuple[str, ...] = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "tensorrt_llm")
 GIB = 1 << 30
 
 

@@ -60,7 +60,8 @@ def make_build_config(trtllm: ModuleType, args: TrtllmBuildArgs) -> Any:
     values["kv_cache_type"] = _kv_cache_type(str(values["kv_cache_type"]))
     build_config = trtllm.BuildConfig(**values)
     for key, value in args.plugin_config.items():
-        setattr(build_config.plugin_config, key, value)
+        if value is not None:  # None: keep TensorRT-LLM's default (e.g. gemm plugin off for float32)
+            setattr(build_config.plugin_config, key, value)
     return build_config
 
 
