@@ -5,6 +5,7 @@ post-build check refusing an engine whose paged context FMHA the builder switche
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Callable
@@ -17,6 +18,7 @@ from trtprompt.cli import main
 from trtprompt.serve.trtllm_model_config import parse_config_text
 
 
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="TensorRT-LLM is installed here")
 def test_without_tensorrt_llm_one_clear_message(tiny_checkpoint_factory: Callable[..., Path],
                                                 tmp_path: Path) -> None:
     out = tmp_path / "engine"
