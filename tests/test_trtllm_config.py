@@ -4,7 +4,6 @@ and the equivalent convert_checkpoint.py + trtllm-build command lines."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import shlex
 from pathlib import Path
@@ -65,18 +64,37 @@ def test_build_args_per_profile(profile: str) -> None:
     assert args.dtype == ("float32" if profile == "cpu-dev" else "bfloat16")
 
 
-@pytest.mark.parametrize("profile", sorted(EXPECTED))
-def test_api_receives_profile_values(profile: str, fake_trtllm: Path) -> None:
-    """What BuildConfig/PluginConfig hold when tensorrt_llm.build is called, per shipped profile."""
-    from trtprompt.targets.trtllm_build import make_build_config
+@pytest.fixture(scope="module")
+def llama_8b_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An HF config.json of the LLAMA shape (the fake converter reads only config.json)."""
+    d = tmp_path_factory.mktemp("llama-8b-shape")
+    hf = {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+          **{k: LLAMA[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}}
+    (d / "config.json").write_text(json.dumps(hf))
+    return d
 
-    trtllm = importlib.import_module("tensorrt_llm")
-    args = trtllm_build_args(_plan(profile), "LlamaForCausalLM")
-    cfg = make_build_config(trtllm, args)
+
+@pytest.mark.parametrize("profile", sorted(EXPECTED))
+def test_api_receives_profile_values(profile: str, fake_trtllm: Path, llama_8b_dir: Path,  # noqa: F811
+                                     tmp_path: Path) -> None:
+    """The recorded tensorrt_llm calls of a whole build, per shipped profile: Mapping and QuantConfig at
+    conversion, BuildConfig and PluginConfig at tensorrt_llm.build."""
+    from trtprompt.checkpoint import Checkpoint
+    from trtprompt.targets.trtllm_build import build_trtllm_engine
+
+    plan = _plan(profile)
+    ckpt = Checkpoint(llama_8b_dir, {}, LLAMA, (), (), "bfloat16")
+    build_trtllm_engine(tmp_path, ckpt, load_profile(profile), plan)
+    (convert,) = calls(fake_trtllm, "from_hugging_face")
+    assert (convert["model_class"], convert["dtype"], convert["quant_config"]) == (
+        "LLaMAForCausalLM", plan.dtype, None)
+    assert convert["mapping"] == {"world_size": 1, "rank": 0, "tp_size": 1, "pp_size": 1, "gpus_per_node": 8}
+    (built,) = calls(fake_trtllm, "build")
     build, plugin = EXPECTED[profile]
-    got = cfg.to_dict()
-    assert {k: got[k] for k in build | FIXED_BUILD} == build | FIXED_BUILD
-    assert {k: got["plugin_config"][k] for k in plugin | FIXED_PLUGIN} == plugin | FIXED_PLUGIN
+    assert {k: built["build_config"][k] for k in build | FIXED_BUILD} == build | FIXED_BUILD
+    assert {k: built["plugin_config"][k] for k in plugin | FIXED_PLUGIN} == plugin | FIXED_PLUGIN
+    assert json.loads((tmp_path / "config.json").read_text())["build_config"]["max_seq_len"] == build["max_seq_len"]
 
 
 @pytest.mark.parametrize(("quantization", "algo", "group"), [
