@@ -114,6 +114,9 @@ def test_runtime_flags_engine_cannot_honour(tmp_path: Path) -> None:
     with pytest.raises(EngineDirError, match="holds 127 blocks of 32 tokens, fewer than one max_seq_len 4096 "
                                              "sequence needs \\(128\\)"):
         check_runtime_flags(engine, {"max_tokens_in_paged_kv_cache": 4064})
+    with pytest.raises(EngineDirError, match="max_num_tokens=4096: the tensorrtllm backend cannot change "
+                                             "max_num_tokens at runtime; the engine was built with 8192"):
+        check_runtime_flags(engine, {"max_num_tokens": 4096})
     check_runtime_flags(engine, {"max_tokens_in_paged_kv_cache": 4096, "max_num_tokens": 8192})
 
 

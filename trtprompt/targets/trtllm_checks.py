@@ -144,8 +144,17 @@ def _bound_problems(engine: TrtllmEngineConfig, flags: Mapping[str, Any]) -> lis
     return problems
 
 
+def _backend_problems(engine: TrtllmEngineConfig, flags: Mapping[str, Any]) -> list[str]:
+    """Values the tensorrtllm backend has no parameter for: silently ignoring them would be worse."""
+    value, built = flags.get("max_num_tokens"), engine.build_config.get("max_num_tokens")
+    if value is not None and value != built:
+        return [f"max_num_tokens={value}: the tensorrtllm backend cannot change max_num_tokens at runtime; "
+                f"the engine was built with {built} (rebuild with --max-num-tokens {value})"]
+    return []
+
+
 def check_runtime_flags(engine: TrtllmEngineConfig, flags: Mapping[str, Any]) -> None:
-    problems = flag_problems(engine, flags) + _bound_problems(engine, flags)
+    problems = flag_problems(engine, flags) + _bound_problems(engine, flags) + _backend_problems(engine, flags)
     if problems:
         raise EngineDirError(f"{engine.path} cannot be served with these runtime flags: " + "; ".join(problems))
 
