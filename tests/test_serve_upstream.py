@@ -1,0 +1,66 @@
+"""The GPU target's upstream layout (preprocessing -> tensorrt_llm -> postprocessing
+behind a Triton ensemble), exercised on CPU over the torch `tensorrt_llm` model."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from serve_fixtures import Oracle, Served, _alive, _children, check_stopped_cleanly, start_server
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def upstream(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    server = start_server(tiny_engine_dir, tmp_path_factory.mktemp("upstream") / "run",
+                          "--layout", "upstream", "--no-restart")
+    yield server
+    if server.proc.poll() is None:  # the last test stops it by killing the engine
+        check_stopped_cleanly(server)
+
+
+def test_streams_whole_characters_per_request_id(upstream: Served, oracle: Oracle) -> None:
+    for prompt in ("Grüße aus Köln, 世界! 🚀", "The quick brown fox"):
+        gen = oracle.run(prompt, 24)
+        result = upstream.text(prompt, 24, temperature=0.0)
+        assert result.error is None, result.error
+        # The postprocessing keeps one detokenizer per request id (the client
+        # sends one), so the chunks concatenate to the decoded output, except
+        # that it cannot see a stream's end to flush a dangling partial
+        # character (Triton shows it only tensorrt_llm's tensors).
+        full = oracle.tokenizer.decode(gen.output_ids)
+        assert full.startswith(result.text)
+        assert set(full[len(result.text):]) <= {"\ufffd"}
+        assert "\ufffd" not in "".join(p[-1:] for p in result.pieces if p)
+        assert len(result.responses) >= 20
+
+
+def test_non_streaming_and_perf_metrics_through_the_ensemble(upstream: Served, oracle: Oracle) -> None:
+    prompt = "shared prefix for the upstream layout " * 4
+    gen = oracle.run(prompt, 12)
+    first = upstream.text(prompt, 12, stream=False, exclude_input_in_output=True, return_perf_metrics=True)
+    assert first.error is None, first.error
+    assert len(first.responses) == 1
+    assert first.text == oracle.tokenizer.decode(gen.output_ids)
+    again = upstream.text(prompt, 12, stream=False, exclude_input_in_output=True, return_perf_metrics=True)
+    assert again.last("kv_cache_reused_blocks") > 0
+    assert again.last("kv_cache_alloc_total_blocks") == first.last("kv_cache_alloc_total_blocks")
+
+
+def test_errors_reach_the_client_and_the_server_keeps_serving(upstream: Served) -> None:
+    assert "input 'text_input' is empty" in (upstream.text("", 4).error or "")
+    assert "beam_width=2 is not supported" in (upstream.text("hi", 4, beam_width=2).error or "")
+    upstream.assert_healthy()
+
+
+def test_no_restart_stops_the_server_when_the_engine_dies(upstream: Served) -> None:
+    children = _children(upstream.proc.pid)
+    os.kill(upstream.engine_info()["pid"], signal.SIGKILL)
+    assert upstream.proc.wait(60) == 1
+    assert "--no-restart: stopping the server" in upstream.log_path.read_text()
+    assert [pid for pid in children if _alive(pid)] == []
