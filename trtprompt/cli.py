@@ -198,5 +198,30 @@ def infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool, temp
     raise SystemExit(run_infer(prompt, url, model, max_tokens, stream, temperature, as_json))
 
 
+@main.command()
+@click.argument("file", type=click.Path(path_type=Path))
+@click.option("--engine", "engine_dir", type=click.Path(path_type=Path),
+              help="Engine dir: its tokenizer and tokens_per_block.")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path), help="Tokenizer dir (without --engine).")
+@click.option("--tokens-per-block", type=int, help="KV block size with --tokenizer (default 32).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@click.option("--fail-under", type=click.FloatRange(0.0, 1.0),
+              help="Exit 1 when the reusable fraction is below this (for CI).")
+@click.option("--samples", default=8, show_default=True, help="Instances made of a template file.")
+@click.option("--write-reordered", type=click.Path(path_type=Path),
+              help="Write the suggested (reordered) prompts here as JSONL.")
+def lint(file: Path, engine_dir: Path | None, tokenizer_dir: Path | None, tokens_per_block: int | None,
+         as_json: bool, fail_under: float | None, samples: int, write_reordered: Path | None) -> None:
+    """Report how much of FILE's prefill KV-block reuse can skip (JSONL prompts or a {template})."""
+    from trtprompt.prompt.lint_report import run_lint
+
+    try:
+        code = run_lint(file, engine_dir, tokenizer_dir, tokens_per_block, as_json, fail_under, samples,
+                        write_reordered, click.echo, lambda m: click.echo(m, err=True))
+    except (UserError, ValueError) as exc:
+        raise _fail(exc) from exc
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
     main()
