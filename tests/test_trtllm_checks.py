@@ -99,6 +99,9 @@ def test_version_mismatch_and_missing(tmp_path: Path, backend_dir: Path) -> None
     engine = make_engine_dir("good", tmp_path / "e")
     with pytest.raises(EngineDirError, match="built by TensorRT-LLM 1.2.1, but 1.3.0 is installed"):
         _preflight(engine, BOTH, backend_dir, installed_version=lambda: "1.3.0")
+    check_version(TrtllmEngineConfig.read(engine), "1.2.1+cu130")
+    with pytest.raises(EngineDirError, match="built by TensorRT-LLM 1.2.1, but 1.2.1rc1 is installed"):
+        check_version(TrtllmEngineConfig.read(engine), "1.2.1rc1")
     with pytest.raises(TargetUnavailableError, match=f"Serve it inside the {CONTAINER} container"):
         check_version(TrtllmEngineConfig.read(engine), None)
 

@@ -190,7 +190,8 @@ def check_version(engine: TrtllmEngineConfig, installed: str | None) -> None:
         raise TargetUnavailableError(
             f"TensorRT-LLM is not installed here, so the engine in {engine.path} (built by TensorRT-LLM "
             f"{engine.version}) cannot be served. Serve it inside the {CONTAINER} container.")
-    if engine.version.strip() != installed.strip():
+    # A local build tag ("+cu130") names the same release; anything else must match exactly.
+    if engine.version.strip().split("+")[0] != installed.strip().split("+")[0]:
         raise EngineDirError(
             f"{engine.path} was built by TensorRT-LLM {engine.version}, but {installed} is installed; "
             "TensorRT engines only load with the version that built them. Rebuild it here with "
