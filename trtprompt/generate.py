@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 from trtprompt.engine.engine import LLMEngine
 from trtprompt.engine.request import RequestOutput, SamplingParams
+from trtprompt.prompt.budget import PromptBudget, budget_for_engine
 from trtprompt.tokenizer import StreamDetokenizer, Tokenizer
 
 
@@ -22,6 +23,7 @@ class Generation:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     final: RequestOutput | None = None
+    prompt_truncated_tokens: int = 0
 
     def as_json(self) -> dict:
         f = self.final
@@ -30,6 +32,7 @@ class Generation:
             "text": self.text,
             "output_ids": self.output_ids,
             "num_input_tokens": f.num_input_tokens,
+            "prompt_truncated_tokens": self.prompt_truncated_tokens,
             "num_output_tokens": f.num_output_tokens,
             "kv_cache_reused_blocks": f.stats.kv_cache_reused_blocks,
             "kv_cache_alloc_new_blocks": f.stats.kv_cache_alloc_new_blocks,
@@ -39,9 +42,16 @@ class Generation:
 
 
 def generate(engine: LLMEngine, tokenizer: Tokenizer, prompts: Sequence[str], params: SamplingParams,
-             on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
-    """Run all prompts as one batch; on_text(index, piece) sees each new piece of text."""
-    gens = [Generation(p, tokenizer.encode(p)) for p in prompts]
+             on_text: Callable[[int, str], None] | None = None,
+             budget: PromptBudget | None = None) -> list[Generation]:
+    """Run all prompts as one batch; on_text(index, piece) sees each new piece of text.
+
+    Each prompt first passes the length budget (default: the engine dir's prompt policy)."""
+    budget = budget or budget_for_engine(engine, tokenizer)
+    gens = []
+    for p in prompts:
+        fitted = budget.fit(tokenizer.encode(p), params.max_tokens)
+        gens.append(Generation(p, fitted.ids, prompt_truncated_tokens=fitted.prompt_truncated_tokens))
     detoks: dict[str, tuple[int, StreamDetokenizer]] = {}
     for i, g in enumerate(gens):
         rid = f"gen-{i}"

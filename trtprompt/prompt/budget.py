@@ -163,3 +163,10 @@ class PromptBudget:
         head = keep // 2
         tail = keep - head
         return [*ids[:head], *self.separator_ids, *ids[len(ids) - tail:]], keep
+
+
+def budget_for_engine(engine: Any, tokenizer: Any) -> PromptBudget:
+    """The budget of an LLMEngine loaded from an engine dir (its trtprompt.json policy, its limits)."""
+    files = getattr(engine, "files", None)
+    policy = PromptPolicy.from_mapping(files.prompt) if files is not None else PromptPolicy()
+    return PromptBudget.for_engine(policy, engine.max_input_len, engine.scheduler_config.max_seq_len, tokenizer)
