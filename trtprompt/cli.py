@@ -223,5 +223,53 @@ def lint(file: Path, engine_dir: Path | None, tokenizer_dir: Path | None, tokens
     raise SystemExit(code)
 
 
+@main.command()
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--workload", type=click.Choice(["random", "shared-prefix", "multi-turn", "long-context", "template",
+                                               "file"]), default="random", show_default=True)
+@click.option("--num-requests", type=int, help="Measured requests per run (default 64).")
+@click.option("--warmup", default=2, show_default=True, help="Requests sent first and left out of the results.")
+@click.option("--duration", type=float, help="Stop sending new requests after this many seconds.")
+@click.option("--concurrency", help="Requests in flight; a list (1,4,8) runs each level. Default 4.")
+@click.option("--rate", type=float, help="Poisson arrivals at this many requests/s (instead of fixed concurrency).")
+@click.option("--seed", type=int, help="Workload seed (default 0).")
+@click.option("--output-len", type=int, help="Tokens generated per request (default 32).")
+@click.option("--allow-eos", is_flag=True, help="Let requests end at EOS (default: exactly --output-len tokens).")
+@click.option("--input-len", type=int, help="random/long-context: prompt tokens, BOS included (default 128).")
+@click.option("--input-spread", type=float, help="random: lengths uniform in input-len * [1-s, 1+s].")
+@click.option("--num-prefixes", type=int, help="shared-prefix: distinct system prompts (default 4).")
+@click.option("--prefix-len", type=int, help="shared-prefix / template: shared tokens, BOS included (default 512).")
+@click.option("--suffix-len", type=int, help="shared-prefix: unique tokens per request (default 64).")
+@click.option("--turns", type=int, help="multi-turn: turns per conversation (default 4).")
+@click.option("--user-len", type=int, help="multi-turn: tokens per user message (default 64).")
+@click.option("--answer-len", type=int, help="multi-turn: tokens per assistant answer (default: output-len).")
+@click.option("--long-len", type=int, help="long-context: tokens of the long prompts (default 1536).")
+@click.option("--long-fraction", type=float, help="long-context: share of long prompts (default 0.125).")
+@click.option("--num-fields", type=int, help="template: variable fields (default 3).")
+@click.option("--field-len", type=int, help="template: tokens per field (default 16).")
+@click.option("--file", type=click.Path(path_type=Path), help='file: JSONL of {"prompt"} or {"messages"}.')
+@click.option("--compare", help="A/B variants, e.g. reuse=on,off  chunked=on,off  policy=guaranteed_no_evict,"
+                                "max_utilization  profile=cpu-dev,chat (';' combines axes).")
+@click.option("--url", help="Bench a running server at this gRPC address instead of starting one.")
+@click.option("--metrics-url", help="Its /metrics (default: the --url host, port 8002).")
+@click.option("--baseline", type=click.Choice(["none", "transformers"]), default="none", show_default=True,
+              help="Also run the workload in-process with transformers generate and generate_batch.")
+@click.option("--hf-checkpoint", type=click.Path(path_type=Path),
+              help="Checkpoint for the baseline (default: the engine's recorded source).")
+@click.option("--out", type=click.Path(path_type=Path), help="Output directory (default bench-results/WORKLOAD).")
+@click.option("--timeout", default=300.0, show_default=True, help="Seconds one request may take.")
+@click.option("--no-progress", is_flag=True)
+@click.option("--no-plots", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON.")
+def bench(engine_dir: Path, workload: str, as_json: bool, **options: Any) -> None:
+    """Benchmark ENGINE_DIR behind Triton: TTFT, ITL, throughput and KV reuse (A/B with --compare)."""
+    from trtprompt.bench.command import run_bench_command
+
+    try:
+        run_bench_command(engine_dir, workload, options, lambda m: click.echo(m, err=True), as_json)
+    except (UserError, ValueError) as exc:
+        raise _fail(exc) from exc
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,256 @@
+"""`trtprompt bench`: run one seeded workload against one or more server variants.
+
+A variant is a set of serve overrides (`reuse=on,off`, `chunked=on,off`,
+`policy=guaranteed_no_evict,max_utilization`) or a build profile
+(`profile=cpu-dev,chat`: an engine is built per profile from the engine's
+source checkpoint). Variants run one after another, each on a fresh server
+started through the serve launcher, so each starts with a cold KV cache;
+with --url a single variant runs against an already running server. Each
+concurrency level gets its own seed (seed + level), so a later level never
+hits the cache an earlier one filled, while every variant sees exactly the
+same requests at the same level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from trtprompt.bench import report
+from trtprompt.bench.runner import LoadSpec, RunResult, run_load
+from trtprompt.bench.workloads import Workload, WorkloadSpec, make_workload
+
+_BOOL = {"on": True, "off": False, "true": True, "false": False}
+COMPARE_KEYS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "reuse": ("enable_kv_cache_reuse", lambda v: _BOOL[v]),
+    "chunked": ("enable_chunked_context", lambda v: _BOOL[v]),
+    "policy": ("batch_scheduler_policy", str),
+    "max_num_tokens": ("max_num_tokens", int),
+    "max_batch_size": ("max_batch_size", int),
+    "profile": ("profile", str),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: tuple[tuple[str, Any], ...] = ()
+    profile: str | None = None
+
+    @property
+    def serve_overrides(self) -> dict[str, Any]:
+        return dict(self.overrides)
+
+
+def parse_compare(spec: str | None) -> list[Variant]:
+    """'reuse=on,off' -> two variants; 'reuse=on,off;chunked=on,off' -> their four combinations."""
+    if not spec:
+        return [Variant("default")]
+    axes = []
+    for part in (p.strip() for p in spec.split(";") if p.strip()):
+        key, sep, values = part.partition("=")
+        if not sep or key not in COMPARE_KEYS or not values:
+            raise ValueError(f"--compare expects KEY=V1,V2 with KEY in {', '.join(COMPARE_KEYS)}, got {part!r}")
+        name, cast = COMPARE_KEYS[key]
+        try:
+            axes.append([(key, name, v, cast(v)) for v in values.split(",")])
+        except (KeyError, ValueError):
+            raise ValueError(f"--compare {key}: values must be {'on/off' if key in ('reuse', 'chunked') else 'valid'}, "
+                             f"got {values!r}") from None
+    variants = []
+    for combo in itertools.product(*axes):
+        label = " ".join(f"{k}={raw}" for k, _n, raw, _v in combo)
+        profile = next((v for k, _n, _r, v in combo if k == "profile"), None)
+        overrides = tuple((n, v) for k, n, _r, v in combo if k != "profile")
+        variants.append(Variant(label, overrides, profile))
+    return variants
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@contextlib.contextmanager
+def served(engine_dir: Path, overrides: Mapping[str, Any], log: Callable[[str], None],
+           ready_timeout_s: float = 180.0) -> Iterator[tuple[str, str]]:
+    """A fresh server for engine_dir on free local ports; yields (grpc url, metrics url)."""
+    from trtprompt.serve.launcher import Ports, Server
+    from trtprompt.serve.options import EngineInfo, resolve_options
+
+    engine = EngineInfo.read(engine_dir)
+    options = resolve_options(engine, overrides)
+    grpc, http, metrics = _free_ports(3)
+    server = Server(engine, options, Ports("127.0.0.1", grpc, http, metrics), ready_timeout_s=ready_timeout_s,
+                    restart_engine=False, log=log)
+    server.start()
+    try:
+        yield f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics"
+    finally:
+        server.stop()
+
+
+def engine_for_profile(engine_dir: Path, profile: str, work_dir: Path) -> Path:
+    """Build the engine's source checkpoint with another profile (torch target)."""
+    from trtprompt.build import BuildRequest, run_build
+    from trtprompt.engine_dir import read_engine_dir
+
+    source = read_engine_dir(engine_dir).meta.get("source", {}).get("path")
+    if not source or not Path(source).is_dir():
+        raise ValueError(f"profile=...: {engine_dir} does not record a source checkpoint that exists "
+                         f"(got {source!r}); build the profiles' engines and bench them one by one")
+    out = work_dir / "engines" / f"{engine_dir.name}-{report.safe_name(profile)}"
+    path = run_build(BuildRequest(Path(source), out, profile, force=True, progress=False))
+    assert path is not None  # not a dry run
+    return path
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    engine_dir: Path
+    workload: WorkloadSpec
+    loads: Sequence[LoadSpec]
+    variants: Sequence[Variant] = (Variant("default"),)
+    out_dir: Path = Path("bench-results")
+    url: str | None = None  # a running server (single variant only)
+    metrics_url: str | None = None
+    baseline: bool = False
+    hf_checkpoint: Path | None = None
+    progress: bool = True
+    plots: bool = True
+    model: str = "ensemble"
+
+    def __post_init__(self) -> None:
+        if not self.loads:
+            raise ValueError("loads must not be empty")
+        if self.url is not None and (len(self.variants) != 1 or self.variants[0].name != "default"):
+            raise ValueError("--url runs against one running server: --compare needs bench to start the servers")
+
+
+@dataclass
+class BenchOutcome:
+    plan: BenchPlan
+    summaries: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)  # level -> run -> summary
+    runs: dict[str, dict[str, RunResult]] = field(default_factory=dict)  # level -> run -> result
+    files: list[Path] = field(default_factory=list)
+
+
+def level_workload(plan: BenchPlan, level: int, tokenizer: Any, max_input_len: int | None) -> Workload:
+    load = plan.loads[level]
+    n = load.warmup + (load.num_requests or plan.workload.num_requests)
+    spec = dataclasses.replace(plan.workload, seed=plan.workload.seed + level, num_requests=n)
+    return make_workload(spec, tokenizer, max_input_len)
+
+
+def _engine_limits(engine_dir: Path) -> tuple[Any, int | None, int | None]:
+    from trtprompt.serve.options import EngineInfo
+    from trtprompt.tokenizer import Tokenizer
+
+    info = EngineInfo.read(engine_dir)
+    build = info.build_config
+    max_seq = build.get("max_seq_len")
+    chunked = bool(info.runtime.get("enable_chunked_context"))
+    max_input = None if max_seq is None else (max_seq - 1 if chunked else min(max_seq - 1, build["max_num_tokens"]))
+    tpb = (build.get("plugin_config") or {}).get("tokens_per_block")
+    return Tokenizer.from_dir(info.tokenizer_dir), max_input, tpb
+
+
+def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> BenchOutcome:
+    tokenizer, max_input, tpb = _engine_limits(plan.engine_dir)
+    workloads = [level_workload(plan, i, tokenizer, max_input) for i in range(len(plan.loads))]
+    outcome = BenchOutcome(plan)
+    for variant in plan.variants:
+        for label, result in _run_variant(plan, variant, workloads, echo).items():
+            outcome.runs.setdefault(label, {})[variant.name] = result
+    if plan.baseline:
+        _run_baselines(plan, tokenizer, workloads, outcome, echo)
+    for label, runs in outcome.runs.items():
+        outcome.summaries[label] = {name: report.summarize(r, tpb) for name, r in runs.items()}
+    outcome.files = write_outputs(outcome)
+    return outcome
+
+
+def _run_variant(plan: BenchPlan, variant: Variant, workloads: Sequence[Workload],
+                 echo: Callable[[str], None]) -> dict[str, RunResult]:
+    def run_all(url: str, metrics_url: str | None) -> dict[str, RunResult]:
+        out = {}
+        for load, workload in zip(plan.loads, workloads):
+            echo(f"bench: {variant.name}: {workload.name}, {load.label}")
+            out[load.label] = run_load(url, workload, load, metrics_url, plan.model, plan.progress)
+        return out
+
+    if plan.url is not None:
+        return run_all(plan.url, plan.metrics_url)
+    engine_dir = plan.engine_dir
+    if variant.profile is not None:
+        echo(f"bench: building {engine_dir.name} with profile {variant.profile}")
+        engine_dir = engine_for_profile(plan.engine_dir, variant.profile, plan.out_dir)
+    echo(f"bench: starting a server for {variant.name}")
+    with served(engine_dir, variant.serve_overrides, log=lambda m: None) as (url, metrics_url):
+        return run_all(url, metrics_url)
+
+
+def _run_baselines(plan: BenchPlan, tokenizer: Any, workloads: Sequence[Workload], outcome: BenchOutcome,
+                   echo: Callable[[str], None]) -> None:
+    from trtprompt.bench.baselines import run_baselines
+    from trtprompt.engine_dir import read_engine_dir
+
+    checkpoint = plan.hf_checkpoint or read_engine_dir(plan.engine_dir).meta.get("source", {}).get("path")
+    if not checkpoint or not Path(checkpoint).is_dir():
+        raise ValueError(f"--baseline transformers needs the Hugging Face checkpoint: {plan.engine_dir} records "
+                         f"{checkpoint!r}; pass --hf-checkpoint")
+    for load, workload in zip(plan.loads, workloads):
+        echo(f"bench: transformers baselines: {workload.name}, {load.label} requests")
+        measured = workload.requests[load.warmup:]
+        for name, result in run_baselines(Path(checkpoint), tokenizer, workload, measured).items():
+            outcome.runs[load.label][name] = result
+
+
+def write_outputs(outcome: BenchOutcome) -> list[Path]:
+    out = Path(outcome.plan.out_dir)
+    files = [report.write_json(out / "results.json", results_payload(outcome))]
+    for label, runs in outcome.runs.items():
+        for name, result in runs.items():
+            files.append(report.write_json(out / "records" / report.safe_name(f"{name}__{label}.json"),
+                                           report.records_json(result)))
+    (out / "report.md").write_text(markdown_report(outcome), encoding="utf-8")
+    files.append(out / "report.md")
+    if outcome.plan.plots:
+        from trtprompt.bench import plots
+
+        files += plots.write_plots(outcome.runs, outcome.summaries, out)
+    return files
+
+
+def results_payload(outcome: BenchOutcome) -> dict[str, Any]:
+    plan = outcome.plan
+    return {"engine_dir": str(plan.engine_dir), "workload": dataclasses.asdict(plan.workload),
+            "loads": [dataclasses.asdict(x) for x in plan.loads],
+            "variants": [v.name for v in plan.variants], "url": plan.url,
+            "summaries": outcome.summaries}
+
+
+def markdown_report(outcome: BenchOutcome) -> str:
+    parts = []
+    for label, summaries in outcome.summaries.items():
+        first = next(iter(summaries.values()))
+        wl = first["workload"]
+        parts.append(f"### {wl['kind']}, {label} ({first['requests']} measured requests, prompts "
+                     f"{wl['prompt_len_min']}-{wl['prompt_len_max']} tokens, {wl['output_len']} output tokens)\n")
+        parts.append(report.markdown_table(summaries) + "\n")
+        for name, s in summaries.items():
+            table = report.tag_table(s)
+            if table:
+                parts.append(f"By request class ({name}):\n\n{table}\n")
+    return "\n".join(parts)

@@ -1,0 +1,247 @@
+"""Load generator over Triton gRPC streaming against the `ensemble` model.
+
+Each worker thread owns one gRPC stream (trtprompt.client.LLMClient): a
+stream error carries no request id, so one request in flight per stream is
+what lets every error be pinned on its request. Fixed concurrency = that
+many workers pulling requests; Poisson arrivals = a scheduler thread
+releasing requests at seeded exponential gaps to a pool of workers. A
+request that must follow another (multi-turn) waits for it to finish.
+Warm-up requests run first and are left out of the records and of the
+/metrics window.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from trtprompt.bench.workloads import BenchRequest, Workload
+from trtprompt.client import PERF_OUTPUTS, LLMClient, StreamResult, text_inputs
+
+METRIC_PREFIXES = ("nv_trt_llm_", "trtprompt_", "nv_inference_")
+_SERIES = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)$")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """How to send a workload. concurrency and/or rate; count and/or duration bound it."""
+
+    concurrency: int | None = 4
+    rate: float | None = None  # requests/s, Poisson arrivals
+    num_requests: int | None = None  # measured requests (None: the whole workload after warm-up)
+    duration_s: float | None = None  # stop sending new requests after this long
+    warmup: int = 2
+    seed: int = 0
+    timeout_s: float = 300.0
+    ignore_eos: bool = True  # min_tokens = max_tokens: every request yields exactly max_tokens tokens
+    max_inflight: int = 64  # worker pool for Poisson arrivals when concurrency is None
+
+    def __post_init__(self) -> None:
+        if self.concurrency is None and self.rate is None:
+            raise ValueError("concurrency or rate is required")
+        for name in ("concurrency", "num_requests", "max_inflight"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("rate", "duration_s", "timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+
+    @property
+    def workers(self) -> int:
+        return self.concurrency if self.concurrency is not None else self.max_inflight
+
+    @property
+    def label(self) -> str:
+        return f"rate={self.rate:g}/s" if self.rate is not None else f"concurrency={self.concurrency}"
+
+
+@dataclass
+class RequestRecord:
+    """What one measured request did, as the client saw it plus the server's perf outputs."""
+
+    index: int
+    tag: str
+    prompt_len: int
+    max_tokens: int
+    start_s: float  # send time, from the start of the measured phase
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # gaps between streamed responses
+    e2e_s: float | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    perf: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ttft_s is not None
+
+
+@dataclass
+class RunResult:
+    load: LoadSpec
+    workload: dict[str, Any]
+    records: list[RequestRecord]
+    wall_s: float
+    metrics_before: dict[str, float] = field(default_factory=dict)
+    metrics_after: dict[str, float] = field(default_factory=dict)
+    not_sent: int = 0  # left unsent by the duration bound
+
+
+def scrape_metrics(url: str | None, timeout_s: float = 5.0) -> dict[str, float]:
+    """Triton's /metrics as {'name{labels}': value}, limited to the serving families."""
+    if url is None:
+        return {}
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            text = resp.read().decode("utf-8")
+    except (urllib.error.URLError, OSError):
+        return {}
+    out = {}
+    for line in text.splitlines():
+        m = _SERIES.match(line)
+        if m and m.group(1).startswith(METRIC_PREFIXES):
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def _record(req: BenchRequest, start_s: float, result: StreamResult | None, error: str | None) -> RequestRecord:
+    rec = RequestRecord(req.index, req.tag, req.prompt_len, req.max_tokens, start_s, error=error)
+    if result is None:
+        return rec
+    rec.error = result.error
+    if result.times:
+        rec.ttft_s, rec.e2e_s = result.times[0], result.times[-1]
+        rec.itl_s = [b - a for a, b in zip(result.times, result.times[1:])]
+    rec.num_input_tokens = result.last("num_input_tokens")
+    rec.num_output_tokens = result.last("num_output_tokens")
+    rec.perf = {k: v for k in PERF_OUTPUTS if (v := result.last(k)) is not None}
+    return rec
+
+
+class _Phase:
+    """One batch of requests sent under one LoadSpec; workers share it."""
+
+    def __init__(self, url: str, model: str, load: LoadSpec, requests: Sequence[BenchRequest],
+                 done: dict[int, threading.Event], on_done: Callable[[], None]) -> None:
+        self.url, self.model, self.load, self.requests = url, model, load, requests
+        self.done, self.on_done = done, on_done
+        self.jobs: queue.Queue[BenchRequest | None] = queue.Queue()
+        self.records: list[RequestRecord] = []
+        self.lock = threading.Lock()
+        self.t0 = time.perf_counter()
+        self.deadline = None if load.duration_s is None else self.t0 + load.duration_s
+        self.not_sent = 0
+
+    def inputs(self, req: BenchRequest) -> list[Any]:
+        return text_inputs(req.prompt, req.max_tokens, stream=True, temperature=0.0,
+                           min_tokens=req.max_tokens if self.load.ignore_eos else None,
+                           exclude_input_in_output=True, return_perf_metrics=True,
+                           return_num_input_tokens=True, return_num_output_tokens=True)
+
+    def send(self, client: LLMClient, req: BenchRequest) -> tuple[LLMClient, RequestRecord]:
+        start = time.perf_counter() - self.t0
+        try:
+            result = client.infer(self.model, self.inputs(req), self.load.timeout_s, request_id=uuid.uuid4().hex)
+            return client, _record(req, start, result, None)
+        except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
+            # Late responses of this request would confuse the next one on this stream.
+            client.close(cancel=True)
+            return LLMClient(self.url), _record(req, start, None, f"{type(exc).__name__}: {exc}")
+
+    def worker(self) -> None:
+        client = LLMClient(self.url)
+        try:
+            while (req := self.jobs.get()) is not None:
+                if self.deadline is not None and time.perf_counter() > self.deadline:
+                    with self.lock:
+                        self.not_sent += 1
+                    self.done[req.index].set()
+                    continue
+                if req.after is not None:
+                    self.done[req.after].wait()
+                client, rec = self.send(client, req)
+                with self.lock:
+                    self.records.append(rec)
+                self.done[req.index].set()
+                self.on_done()
+        finally:
+            client.close()
+
+    def feed(self) -> None:
+        """Release requests: all at once (concurrency) or at Poisson arrival times (rate)."""
+        rng = random.Random(f"arrivals:{self.load.seed}")
+        at = 0.0
+        for req in self.requests:
+            if self.load.rate is not None:
+                at += rng.expovariate(self.load.rate)
+                delay = self.t0 + at - time.perf_counter()
+                if self.deadline is not None and self.t0 + at > self.deadline:
+                    self.not_sent += 1
+                    self.done[req.index].set()
+                    continue
+                if delay > 0:
+                    time.sleep(delay)
+            self.jobs.put(req)
+        for _ in range(self.load.workers):
+            self.jobs.put(None)
+
+    def run(self) -> float:
+        workers = [threading.Thread(target=self.worker, name=f"bench-worker-{i}", daemon=True)
+                   for i in range(min(self.load.workers, max(1, len(self.requests))))]
+        self.t0 = time.perf_counter()
+        if self.load.duration_s is not None:
+            self.deadline = self.t0 + self.load.duration_s
+        for w in workers:
+            w.start()
+        self.feed()
+        for w in workers:
+            w.join()
+        return time.perf_counter() - self.t0
+
+
+def run_load(url: str, workload: Workload, load: LoadSpec, metrics_url: str | None = None,
+             model: str = "ensemble", progress: bool = True, settle_s: float = 0.35) -> RunResult:
+    """Warm up, scrape /metrics, send the measured requests, scrape again.
+
+    settle_s: the server publishes engine stats every stats_check_period_ms
+    (100 ms by default); waiting a few periods lets /metrics catch up.
+    """
+    from tqdm import tqdm
+
+    warm = workload.requests[:load.warmup]
+    rest = workload.requests[load.warmup:]
+    measured = rest if load.num_requests is None else rest[:load.num_requests]
+    if not measured:
+        raise ValueError(f"the workload has {len(workload.requests)} requests: none left after "
+                         f"{load.warmup} warm-up request(s)")
+    done = {r.index: threading.Event() for r in workload.requests}
+    if warm:
+        warm_load = LoadSpec(concurrency=min(load.workers, len(warm)), warmup=0, timeout_s=load.timeout_s,
+                             ignore_eos=load.ignore_eos)
+        _Phase(url, model, warm_load, warm, done, lambda: None).run()
+    if metrics_url is not None:
+        time.sleep(settle_s)
+    before = scrape_metrics(metrics_url)
+    bar = tqdm(total=len(measured), desc=f"{workload.name} {load.label}", unit="req",
+               disable=not progress, leave=False)
+    phase = _Phase(url, model, load, measured, done, lambda: bar.update(1))
+    wall = phase.run()
+    bar.close()
+    if metrics_url is not None:
+        time.sleep(settle_s)
+    after = scrape_metrics(metrics_url)
+    records = sorted(phase.records, key=lambda r: r.index)
+    return RunResult(load, workload.describe(), records, wall, before, after, phase.not_sent)
