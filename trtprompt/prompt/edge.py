@@ -1,0 +1,61 @@
+"""The prompt edge of a text model: text or chat `messages` in, budgeted prompt ids out.
+
+Used by the serving layer's `ensemble` model (and usable by any front end):
+it renders `messages` with the checkpoint's chat template and applies the
+sliding window, or encodes `text_input`, then applies the overflow policy
+(the request's `overflow` may only be stricter), and enforces
+`require_cache_salt`. Every refusal is a PromptError whose message goes
+to the client as INVALID_ARG.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from trtprompt.prompt.budget import PromptBudget, PromptError, PromptPolicy
+from trtprompt.prompt.chat import fit_chat, parse_messages
+
+
+@dataclass(frozen=True)
+class EdgePrompt:
+    ids: list[int]
+    prompt_truncated_tokens: int = 0
+    dropped_turns: int = 0
+
+
+class PromptEdge:
+    """limits() returns (max_input_len, max_seq_len); it is asked once, on first use, because
+    a serving model may load before the engine it asks is up."""
+
+    def __init__(self, policy: PromptPolicy, tokenizer: Any, add_special_tokens: bool,
+                 limits: Callable[[], tuple[int, int]]) -> None:
+        self.policy = policy
+        self._tokenizer = tokenizer
+        self._add_special_tokens = add_special_tokens
+        self._limits = limits
+        self._budget: PromptBudget | None = None
+        self._lock = threading.Lock()
+
+    def budget(self) -> PromptBudget:
+        with self._lock:
+            if self._budget is None:
+                max_input_len, max_seq_len = self._limits()
+                self._budget = PromptBudget.for_engine(self.policy, max_input_len, max_seq_len, self._tokenizer)
+            return self._budget
+
+    def prepare(self, text: str | None, messages: str | bytes | None, overflow: str | None,
+                cache_salt: str | None, max_tokens: int | None) -> EdgePrompt:
+        self.policy.check_salt(cache_salt)
+        budget = self.budget()
+        overflow = overflow or None
+        if messages is not None:
+            if text:
+                raise PromptError("give either 'text_input' or 'messages': with 'messages', send "
+                                  "'text_input' empty")
+            fitted = fit_chat(parse_messages(messages), self._tokenizer, budget, max_tokens, overflow)
+            return EdgePrompt(fitted.ids, 0, fitted.dropped_turns)
+        ids = self._tokenizer.encode(text or "", add_special_tokens=self._add_special_tokens)
+        cut = budget.fit(ids, max_tokens, overflow)
+        return EdgePrompt(cut.ids, cut.prompt_truncated_tokens, 0)
