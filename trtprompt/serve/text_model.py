@@ -12,7 +12,6 @@ from typing import Any
 
 from trtprompt.serve import inputs, triton_io as io
 from trtprompt.serve.protocol import EngineRequest
-from trtprompt.serve.relay import abort_all, relay
 from trtprompt.tokenizer import Tokenizer
 
 
@@ -86,26 +85,13 @@ class TextModel:
         return None
 
     def _handle(self, tensors: dict[str, Any], sender: Any) -> None:
-        submitted: list[EngineRequest] = []
         try:
             n = inputs.batch_size(tensors, "text_input")
-            rows = [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default))
-                    for i in range(n)]
-            for row in rows:
-                submitted.append(row.submit())
-            remaining = [n]
-
-            def on_frame(i: int, frame: dict[str, Any]) -> None:
-                if frame["finished"]:
-                    remaining[0] -= 1
-                out = rows[i].response(frame)
-                if out is not None:
-                    io.send(sender, out, final=remaining[0] == 0)
-
-            relay(submitted, on_frame, sender.is_cancelled, self.check_period_s)
-        except BaseException as exc:  # noqa: BLE001 - every request ends with a final response
-            abort_all(submitted)
+            rows = [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default)) for i in range(n)]
+        except Exception as exc:  # noqa: BLE001 - reported to the client
             io.send_error(sender, exc)
+            return
+        io.serve_rows(rows, sender, self.check_period_s)
 
     def finalize(self) -> None:
         self.workers.join(5.0)

@@ -17,7 +17,6 @@ import triton_python_backend_utils as pb_utils
 from trtprompt.serve import inputs, triton_io as io
 from trtprompt.serve.metrics import MetricsPublisher
 from trtprompt.serve.protocol import EngineRequest
-from trtprompt.serve.relay import abort_all, relay
 
 
 class _TokenRow:
@@ -75,26 +74,13 @@ class TokenModel:
         return None
 
     def _handle(self, tensors: dict[str, Any], sender: Any) -> None:
-        submitted: list[EngineRequest] = []
         try:
             n = inputs.batch_size(tensors, "input_ids")
-            rows = [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default))
-                    for i in range(n)]
-            for row in rows:
-                submitted.append(row.submit())
-            remaining = [n]
-
-            def on_frame(i: int, frame: dict[str, Any]) -> None:
-                if frame["finished"]:
-                    remaining[0] -= 1
-                out = rows[i].response(frame)
-                if out is not None:
-                    io.send(sender, out, final=remaining[0] == 0)
-
-            relay(submitted, on_frame, sender.is_cancelled, self.check_period_s)
-        except BaseException as exc:  # noqa: BLE001 - every request ends with a final response
-            abort_all(submitted)
+            rows = [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default)) for i in range(n)]
+        except Exception as exc:  # noqa: BLE001 - reported to the client
             io.send_error(sender, exc)
+            return
+        io.serve_rows(rows, sender, self.check_period_s)
 
     def finalize(self) -> None:
         self.metrics.stop()

@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtprompt.serve import protocol as P
 from trtprompt.serve.inputs import InputError
-from trtprompt.serve.relay import Cancelled
+from trtprompt.serve.protocol import EngineRequest
+from trtprompt.serve.relay import Cancelled, abort_all, relay
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SOCKET_ENV = "TRTPROMPT_ENGINE_SOCKET"
@@ -79,6 +80,41 @@ def send_error(sender: Any, exc: BaseException) -> None:
 
 def send(sender: Any, tensors: list[Any], final: bool) -> None:
     sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+
+
+class Row(Protocol):
+    """One batch row of a request: submits itself, turns frames into output tensors."""
+
+    def submit(self) -> EngineRequest: ...
+
+    def response(self, frame: dict[str, Any]) -> list[Any] | None: ...
+
+
+def serve_rows(rows: Sequence[Row], sender: Any, check_period_s: float) -> None:
+    """Submit every row, stream their responses; the last one carries the final flag.
+
+    Any failure (the client's cancellation included) aborts the other rows and
+    ends the request with one error response flagged final.
+    """
+    submitted: list[EngineRequest] = []
+    remaining = [len(rows)]
+
+    def on_frame(i: int, frame: dict[str, Any]) -> None:
+        if frame["finished"]:
+            remaining[0] -= 1
+            if frame.get("warning"):
+                pb_utils.Logger.log_warn(frame["warning"])
+        out = rows[i].response(frame)
+        if out is not None:
+            send(sender, out, final=remaining[0] == 0)
+
+    try:
+        for row in rows:
+            submitted.append(row.submit())
+        relay(submitted, on_frame, sender.is_cancelled, check_period_s)
+    except BaseException as exc:  # noqa: BLE001 - every request ends with a final response
+        abort_all(submitted)
+        send_error(sender, exc)
 
 
 class Workers:

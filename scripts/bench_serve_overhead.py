@@ -1,0 +1,174 @@
+"""Serving overhead: TTFT and inter-token latency through Triton vs the in-process engine.
+
+Same engine directory, same prompts (distinct, so no prefix reuse), same
+max_tokens (min_tokens = max_tokens, so every request makes the same number
+of tokens), on an in-process LLMEngine + EngineLoop and through `trtprompt
+serve` (real tritonserver, `ensemble` model, gRPC streaming). Both are up
+for the whole run but never busy at the same time; rounds alternate.
+
+    python scripts/bench_serve_overhead.py engines/demo --requests 16 --concurrency 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from trtprompt.tokenizer import Tokenizer  # noqa: E402
+
+WORDS = ("the cache keeps blocks of keys and values so a shared prefix is computed once while "
+         "the scheduler packs context chunks and generation steps under a token budget").split()
+
+
+def make_prompts(tok: Tokenizer, n: int, prompt_tokens: int) -> list[str]:
+    prompts = []
+    for i in range(n):
+        words = [f"Request {i}:"]
+        k = i
+        while len(tok.encode(" ".join(words))) < prompt_tokens:
+            words.append(WORDS[k % len(WORDS)])
+            k = k * 7 + 3
+        prompts.append(" ".join(words))
+    return prompts
+
+
+def summarize(samples: list[tuple[float, float]], max_tokens: int) -> dict[str, float]:
+    """samples: (first, last token arrival s) per request -> ms statistics.
+
+    Inter-token latency is (last - first) / (max_tokens - 1) per request: a
+    streamed response may carry several tokens (a held-back partial
+    character), so gaps between responses would not compare.
+    """
+    ttfts = sorted(first for first, _ in samples)
+    itls = sorted((last - first) / (max_tokens - 1) for first, last in samples)
+    q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1000  # noqa: E731
+    return {"ttft_p50_ms": q(ttfts, 0.5), "ttft_p90_ms": q(ttfts, 0.9),
+            "ttft_mean_ms": statistics.mean(ttfts) * 1000,
+            "itl_mean_ms": statistics.mean(itls) * 1000, "itl_p90_ms": q(itls, 0.9)}
+
+
+def run_pool(n: int, concurrency: int, one: Callable[[int], Any]) -> list:
+    results: list = [None] * n
+    lock, todo = threading.Lock(), list(range(n))
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            results[i] = one(i)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+class InProcess:
+    """LLMEngine + EngineLoop in this process."""
+
+    def __init__(self, engine_dir: Path, max_tokens: int) -> None:
+        from trtprompt.engine.engine import LLMEngine
+        from trtprompt.engine.loop import EngineLoop
+        from trtprompt.engine.request import SamplingParams
+
+        self.tok = Tokenizer.from_dir(engine_dir / "tokenizer")
+        self.loop = EngineLoop(LLMEngine.from_engine_dir(engine_dir)).start()
+        self.params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
+
+    def one(self, text: str) -> tuple[float, float]:
+        ids = self.tok.encode(text)
+        t0 = time.perf_counter()
+        times = [time.perf_counter() - t0 for o in self.loop.submit(text, ids, self.params) if o.new_token_ids]
+        return times[0], times[-1]
+
+    def close(self) -> None:
+        self.loop.stop()
+
+
+class ThroughTriton:
+    """`trtprompt serve` (real tritonserver), the `ensemble` model over gRPC streaming."""
+
+    def __init__(self, engine_dir: Path, max_tokens: int) -> None:
+        from trtprompt.serve.launcher import Ports, Server
+        from trtprompt.serve.options import EngineInfo, resolve_options
+
+        engine = EngineInfo.read(engine_dir)
+        self.max_tokens = max_tokens
+        self.server = Server(engine, resolve_options(engine, {}), Ports(grpc=18401, http=18400, metrics=18402),
+                             log=lambda m: None)
+        self.server.start()
+
+    def one(self, text: str) -> tuple[float, float]:
+        from trtprompt.client import LLMClient, text_inputs
+
+        with LLMClient("127.0.0.1:18401") as client:
+            r = client.infer("ensemble", text_inputs(text, self.max_tokens, True, min_tokens=self.max_tokens,
+                                                     temperature=0.0))
+        if r.error:
+            raise RuntimeError(r.error)
+        return r.times[0], r.times[-1]
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def bench(engine_dir: Path, prompts: list[str], max_tokens: int, levels: list[int], rounds: int) -> dict:
+    """Rounds alternate between the two paths, so machine-load drift hits both alike."""
+    paths = {"in_process": InProcess(engine_dir, max_tokens), "triton": ThroughTriton(engine_dir, max_tokens)}
+    samples: dict[str, dict[str, list]] = {name: {f"c{c}": [] for c in levels} for name in paths}
+    try:
+        for name, path in paths.items():
+            path.one(f"warm-up {name}")
+        for r in range(rounds):
+            for level in levels:
+                for name, path in paths.items():
+                    tag = f"r{r}c{level}{name}"
+                    samples[name][f"c{level}"] += run_pool(
+                        len(prompts), level, lambda i, p=path, t=tag: p.one(f"[{t}] " + prompts[i]))
+    finally:
+        for path in paths.values():
+            path.close()
+    return {name: {c: summarize(s, max_tokens) for c, s in per.items()} for name, per in samples.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("engine_dir", type=Path)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("bench-results/serve_overhead.json"))
+    args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    tok = Tokenizer.from_dir(args.engine_dir / "tokenizer")
+    prompts = make_prompts(tok, args.requests, args.prompt_tokens)
+    result = {"engine": str(args.engine_dir), "requests_per_round": args.requests, "rounds": args.rounds,
+              "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+              **bench(args.engine_dir, prompts, args.max_tokens, levels, args.rounds)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print("| concurrency | path | TTFT p50 ms | TTFT p90 ms | ITL mean ms | ITL p90 ms |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for level in levels:
+        for path in ("in_process", "triton"):
+            s = result[path][f"c{level}"]
+            print(f"| {level} | {path} | {s['ttft_p50_ms']:.1f} | {s['ttft_p90_ms']:.1f} | "
+                  f"{s['itl_mean_ms']:.2f} | {s['itl_p90_ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
