@@ -9,8 +9,8 @@ intermediate 1376, vocab 8000) with random weights built in-process.
 from __future__ import annotations
 
 import argparse
+import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,17 +53,6 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tens
     return t
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Best of `repeats` calls after one warm-up (the machine is shared; the minimum is the least noisy)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def decode_step(model: DecoderModel, kv: list, batch: int, context: int) -> Callable[[], object]:
     gen = random.Random(0)
     blocks_per_seq = (context + 64) // TPB + 1
@@ -93,28 +82,46 @@ def prefill(model: DecoderModel, kv: list, tokens: int, context: int = 0) -> Cal
     return run
 
 
+def best_times(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Best seconds per case; cases run interleaved so every one sees the same machine load."""
+    for fn in cases.values():
+        fn()  # warm-up
+    best = {name: float("inf") for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--backends", default="onednn,reference")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     weights = random_weights(SMALL, dtype)
-    print(f"small Llama, {args.dtype}, {args.threads} threads, tokens_per_block {TPB}")
+    cases: dict[str, Callable[[], object]] = {}
     for backend in args.backends.split(","):
         model = DecoderModel(SMALL, dtype, torch.device("cpu"), backend)
         model.load_weights(weights)
         kv = allocate_kv_cache(SMALL, 256, TPB, dtype, torch.device("cpu"))
-        dec = timed(decode_step(model, kv, 32, 160), args.repeats)
-        pre = timed(prefill(model, kv, 2048), max(2, args.repeats // 4))
-        chunk = timed(prefill(model, kv, 512, context=1536), max(2, args.repeats // 2))
-        print(f"{backend:>9} (runs {model.linear_backend}): "
-              f"decode b32 ctx~160 {dec * 1e3:7.2f} ms = {32 / dec:8.0f} tok/s | "
-              f"prefill 2048 {pre * 1e3:7.1f} ms = {2048 / pre:6.0f} tok/s | "
-              f"chunk 512 after 1536 {chunk * 1e3:6.1f} ms = {512 / chunk:6.0f} tok/s")
+        cases[f"{backend}/decode"] = decode_step(model, kv, 32, 160)
+        cases[f"{backend}/prefill"] = prefill(model, kv, 2048)
+        cases[f"{backend}/chunk"] = prefill(model, kv, 512, context=1536)
+        print(f"{backend}: runs {model.linear_backend}")
+    best = best_times(cases, args.rounds)
+    print(f"small Llama, {args.dtype}, {args.threads} threads, tokens_per_block {TPB}, "
+          f"best of {args.rounds}, load average {os.getloadavg()[0]:.2f}")
+    for backend in args.backends.split(","):
+        dec, pre, chunk = (best[f"{backend}/{c}"] for c in ("decode", "prefill", "chunk"))
+        print(f"{backend:>9}: decode b32 ctx~160 {dec * 1e3:6.1f} ms = {32 / dec:5.0f} tok/s | "
+              f"prefill 2048 {pre * 1e3:6.0f} ms = {2048 / pre:5.0f} tok/s | "
+              f"chunk 512 after 1536 {chunk * 1e3:5.0f} ms = {512 / chunk:5.0f} tok/s")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,16 @@ def model_config(hf_cfg: Any, architecture: str) -> ModelConfig:
     )
 
 
+def randomize_norms_and_biases(hf: torch.nn.Module) -> None:
+    """transformers initialises norms to 1 and biases to 0, which would hide a skipped weight."""
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.3 * torch.randn_like(param))
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
     out = {}
@@ -94,6 +104,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoin
         torch.manual_seed(1000 + i)
         hf_cfg = cfg_cls(**COMMON, **extra)
         hf = model_cls(hf_cfg).eval()
+        randomize_norms_and_biases(hf)
         path = tmp_path_factory.mktemp(name)
         hf.save_pretrained(path)
         st = path / "model.safetensors"
