@@ -28,7 +28,7 @@ from trtprompt.tokenizer import Tokenizer
 KINDS = ("random", "shared-prefix", "multi-turn", "long-context", "template", "file")
 _WORD = re.compile(r" [a-z]{2,12}")
 MIN_POOL = 64
-_ADJUST_TRIES = 16
+_ADJUST_TRIES = 64
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,8 @@ class WordPool:
             raise ValueError(f"the tokenizer has {len(words)} single-token words of the form ' word' "
                              f"(need >= {MIN_POOL}) to build exact-length prompts")
         self.words = words
+        # Fills for exact(): each verified to be one token on its own.
+        self._unit = tuple(words)
         probe = " " + words[0].strip()
         # What encode() adds around the text (the BOS), counted in every prompt length.
         self.special_len = len(tokenizer.encode(probe)) - len(tokenizer.encode(probe, add_special_tokens=False))
@@ -121,16 +123,19 @@ class WordPool:
         return "".join(rng.choice(self.words) for _ in range(n))
 
     def exact(self, parts: Sequence[str], target: int, rng: random.Random) -> str:
-        """Join parts; adjust the last part's tail until encode() gives exactly target tokens."""
+        """Join parts; adjust the last part's tail until encode() gives exactly target tokens:
+        drop its last word while too long, append one-token words while too short."""
         head, tail = "".join(parts[:-1]), parts[-1]
         for _ in range(_ADJUST_TRIES):
             n = len(self.tokenizer.encode(head + tail))
             if n == target:
                 return head + tail
             if n < target:
-                tail += self.text(rng, target - n)
+                tail += "".join(rng.choice(self._unit) for _ in range(target - n))
+            elif tail:
+                tail = _drop_words(tail, 1)
             else:
-                tail = _drop_words(tail, n - target)
+                break
         raise ValueError(f"could not build a prompt of exactly {target} tokens with this tokenizer "
                          f"(last try: {len(self.tokenizer.encode(head + tail))})")
 
@@ -143,10 +148,11 @@ class WordPool:
 
 
 def _drop_words(text: str, k: int) -> str:
-    """text without its last k space-led words (at least one word is kept)."""
+    """text without its last k space-led words."""
     cuts = [m.start() for m in re.finditer(" ", text)]
-    keep = max(1, len(cuts) - k)
-    return text[:cuts[keep]] if keep < len(cuts) else text
+    if not cuts:
+        return ""
+    return text[:cuts[max(0, len(cuts) - k)]]
 
 
 def _rng(spec: WorkloadSpec, *salt: object) -> random.Random:
