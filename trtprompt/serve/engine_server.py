@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import socketserver
+import sys
 import threading
 import time
 import uuid
@@ -37,6 +38,7 @@ _INT_KEYS = ("max_tokens_in_paged_kv_cache", "max_queue_size", "max_num_tokens",
 _FLOAT_KEYS = ("kv_cache_free_gpu_mem_fraction",)
 # Finished-request timings kept for the metrics model's histograms.
 _TIMINGS_KEPT = 8192
+SWITCH_INTERVAL_S = 0.0005
 
 
 def engine_overrides(params: Mapping[str, str]) -> dict[str, Any]:
@@ -224,6 +226,9 @@ def serve(repository: Path, socket_path: str) -> None:
     from trtprompt.engine.loop import EngineLoop
 
     params = read_parameters(repository / "tensorrt_llm" / "config.pbtxt")
+    # The engine thread holds the GIL between torch calls; with the default
+    # 5 ms switch interval each output waited that long for its socket thread.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_dir(params["gpt_model_path"], **engine_overrides(params))
     loop = EngineLoop(engine).start()

@@ -68,6 +68,7 @@ class TextModel:
     """TritonPythonModel for `ensemble` (decoupled)."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        io.prefer_quick_thread_switches()
         cfg, params = io.model_parameters(args)
         self.input_names = [t["name"] for t in cfg["input"]]
         self.tokenizer = Tokenizer.from_dir(params["tokenizer_dir"])

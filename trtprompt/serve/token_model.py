@@ -58,6 +58,7 @@ class TokenModel:
     """TritonPythonModel for `tensorrt_llm` (decoupled)."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        io.prefer_quick_thread_switches()
         cfg, params = io.model_parameters(args)
         self.input_names = [t["name"] for t in cfg["input"]]
         self.socket = io.engine_socket(params)

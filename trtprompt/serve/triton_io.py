@@ -22,6 +22,19 @@ from trtprompt.serve.relay import Cancelled, abort_all, relay
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SOCKET_ENV = "TRTPROMPT_ENGINE_SOCKET"
+SWITCH_INTERVAL_S = 0.0005
+
+
+def prefer_quick_thread_switches() -> None:
+    """Let a woken relay thread take the GIL within 0.5 ms instead of 5 ms.
+
+    Measured: with the default interval the stub's busy thread made every
+    streamed response of `ensemble` wait ~5 ms more (first response 6.6 ms
+    after its token, 1.8 ms with this).
+    """
+    import sys
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 def model_parameters(args: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
