@@ -10,8 +10,10 @@ to the client as INVALID_ARG.
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from trtprompt.prompt.budget import PromptBudget, PromptError, PromptPolicy
@@ -56,6 +58,22 @@ class PromptEdge:
                                   "'text_input' empty")
             fitted = fit_chat(parse_messages(messages), self._tokenizer, budget, max_tokens, overflow)
             return EdgePrompt(fitted.ids, 0, fitted.dropped_turns)
-        ids = self._tokenizer.encode(text or "", add_special_tokens=self._add_special_tokens)
-        cut = budget.fit(ids, max_tokens, overflow)
+        return self.fit_text(text or "", max_tokens, overflow)
+
+    def fit_text(self, text: str, max_tokens: int | None, overflow: str | None = None) -> EdgePrompt:
+        """Encode and budget a text prompt (no salt check: for layouts that carry no salt)."""
+        ids = self._tokenizer.encode(text, add_special_tokens=self._add_special_tokens)
+        cut = self.budget().fit(ids, max_tokens, overflow)
         return EdgePrompt(cut.ids, cut.prompt_truncated_tokens, 0)
+
+
+def engine_dir_limits(path: str | Path) -> tuple[int, int]:
+    """(max_input_len, max_seq_len) of an engine dir, by TensorRT-LLM's runtime rule: max_seq_len - 1
+    with chunked context, else min(max_seq_len - 1, max_num_tokens). For models that cannot ask
+    the engine (the GPU target's preprocessing)."""
+    root = Path(path)
+    build = json.loads((root / "config.json").read_text(encoding="utf-8"))["build_config"]
+    meta = json.loads((root / "trtprompt.json").read_text(encoding="utf-8"))
+    seq, num = int(build["max_seq_len"]), int(build["max_num_tokens"])
+    chunked = bool((meta.get("runtime") or {}).get("enable_chunked_context"))
+    return (seq - 1 if chunked else min(seq - 1, num)), seq
