@@ -105,7 +105,8 @@ def summarize(result: RunResult, tokens_per_block: int | None = None) -> dict[st
     wall = result.wall_s
     out_tokens = sum(r.num_output_tokens or 0 for r in ok)
     server = server_summary(result)
-    tpb = tokens_per_block or (int(server["tokens_per_block"]) if server["tokens_per_block"] else None)
+    # The server's own figure wins: a profile variant may use another block size than the engine given.
+    tpb = int(server["tokens_per_block"]) if server["tokens_per_block"] else tokens_per_block
     summary: dict[str, Any] = {
         "load": result.load.label, "concurrency": result.load.concurrency, "rate": result.load.rate,
         "workload": result.workload, "requests": len(recs), "ok": len(ok), "errors": len(recs) - len(ok),

@@ -64,7 +64,10 @@ class LoadSpec:
 
     @property
     def label(self) -> str:
-        return f"rate={self.rate:g}/s" if self.rate is not None else f"concurrency={self.concurrency}"
+        if self.rate is None:
+            return f"concurrency={self.concurrency}"
+        cap = f" concurrency<={self.concurrency}" if self.concurrency is not None else ""
+        return f"rate={self.rate:g}/s{cap}"
 
 
 @dataclass
