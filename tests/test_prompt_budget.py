@@ -151,3 +151,24 @@ def test_generate_applies_the_engine_dirs_policy(tiny_engine_dir: Path, tmp_path
     with pytest.raises(PromptTooLongError, match=rf"Prompt length \({n}\) exceeds maximum input length "
                                                  rf"\({limit}\)"):
         generate(engine, tok, [text], SamplingParams(max_tokens=3), budget=strict)
+
+
+def test_prompt_edge(tiny_engine_dir: Path) -> None:
+    from trtprompt.prompt.edge import PromptEdge, engine_dir_limits
+
+    assert engine_dir_limits(tiny_engine_dir) == (2047, 2048)  # chunked context: max_seq_len - 1
+    tok = Tokenizer.from_dir(tiny_engine_dir / "tokenizer")
+    asked = []
+    policy = PromptPolicy("truncate_left", output_reserve=2048 - 12, require_cache_salt=True)
+    edge = PromptEdge(policy, tok, True, lambda: asked.append(1) or (2047, 2048))
+    with pytest.raises(PromptError, match="input 'cache_salt' is required"):
+        edge.prepare("hi", None, None, None, 4)
+    text = " ".join(f"x{i}" for i in range(30))
+    out = edge.prepare(text, None, None, "t", 4)
+    assert len(out.ids) == 12 and out.prompt_truncated_tokens == len(tok.encode(text)) - 12
+    chat = json.dumps([{"role": "user", "content": "a"}])
+    assert edge.prepare("", chat, None, "t", 4).ids == tok.encode_chat([{"role": "user", "content": "a"}])
+    with pytest.raises(PromptError, match="give either 'text_input' or 'messages'"):
+        edge.prepare("text", chat, None, "t", 4)
+    assert edge.fit_text("short", 4).ids == tok.encode("short")  # no salt check on this path
+    assert asked == [1]  # the engine's limits are asked once
