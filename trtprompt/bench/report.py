@@ -138,21 +138,23 @@ def _num(value: float | None, fmt: str = "{:.1f}") -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
 
 
-ROWS: list[tuple[str, Any]] = [
+ROWS: tuple[tuple[str, Any], ...] = (
     ("requests ok / sent", lambda s: f"{s['ok']} / {s['requests']}"),
     ("output tok/s", lambda s: _num(s["output_tok_s"])),
     ("requests/s", lambda s: _num(s["req_per_s"], "{:.2f}")),
     *[(f"TTFT {k} (ms)", (lambda k: lambda s: _ms(s["ttft_s"][k]))(k)) for k in ("p50", "p90", "p99")],
     *[(f"ITL {k} (ms)", (lambda k: lambda s: _ms(s["itl_s"][k]))(k)) for k in ("p50", "p90", "p99")],
+    ("TPOT p50 (ms)", lambda s: _ms(s["tpot_s"]["p50"])),
     *[(f"e2e {k} (ms)", (lambda k: lambda s: _ms(s["e2e_s"][k]))(k)) for k in ("p50", "p90", "p99")],
     ("KV reused blocks", lambda s: _num(s["kv"]["reused_blocks"], "{:.0f}")),
     ("KV hit rate", lambda s: _num(s["kv"]["hit_rate"], "{:.1%}")),
     ("prefill tokens computed", lambda s: _num(s["kv"]["prefill_tokens_computed"], "{:.0f}")),
-]
+)
 # For ratios: which direction is better does not matter here; the ratio is B / A.
 RATIO_KEYS = {"output tok/s": ("output_tok_s",), "requests/s": ("req_per_s",),
               "TTFT p50 (ms)": ("ttft_s", "p50"), "TTFT p99 (ms)": ("ttft_s", "p99"),
               "ITL p50 (ms)": ("itl_s", "p50"), "ITL p99 (ms)": ("itl_s", "p99"),
+              "TPOT p50 (ms)": ("tpot_s", "p50"),
               "e2e p50 (ms)": ("e2e_s", "p50"), "prefill tokens computed": ("kv", "prefill_tokens_computed")}
 
 
