@@ -199,7 +199,7 @@ def preview(report: LintReport, tokenizer: Any, branch: Branch, chars: int = 48)
 
 
 def lint_file(path: Path, tokenizer: Any, tokens_per_block: int, samples: int = 8,
-              fill_words: int = 12, max_input_len: int | None = None) -> LintReport:
+              fill_words: int = 6, max_input_len: int | None = None) -> LintReport:
     prompts, template = read_lint_file(path, samples, fill_words)
     report = analyze(prompts, tokenizer, tokens_per_block, str(path), template)
     if max_input_len is not None:
