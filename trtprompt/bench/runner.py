@@ -164,8 +164,7 @@ class _Phase:
             client.close(cancel=True)
             return LLMClient(self.url), _record(req, start, None, f"{type(exc).__name__}: {exc}")
 
-    def worker(self) -> None:
-        client = LLMClient(self.url)
+    def worker(self, client: LLMClient) -> None:
         try:
             while (req := self.jobs.get()) is not None:
                 if self.deadline is not None and time.perf_counter() > self.deadline:
@@ -192,7 +191,8 @@ class _Phase:
                 at += rng.expovariate(self.load.rate)
                 delay = self.t0 + at - time.perf_counter()
                 if self.deadline is not None and self.t0 + at > self.deadline:
-                    self.not_sent += 1
+                    with self.lock:
+                        self.not_sent += 1
                     self.done[req.index].set()
                     continue
                 if delay > 0:
@@ -202,8 +202,10 @@ class _Phase:
             self.jobs.put(None)
 
     def run(self) -> float:
-        workers = [threading.Thread(target=self.worker, name=f"bench-worker-{i}", daemon=True)
-                   for i in range(min(self.load.workers, max(1, len(self.requests))))]
+        # Streams are opened before the clock starts: connecting is not part of the load.
+        clients = [LLMClient(self.url) for _ in range(min(self.load.workers, max(1, len(self.requests))))]
+        workers = [threading.Thread(target=self.worker, args=(c,), name=f"bench-worker-{i}", daemon=True)
+                   for i, c in enumerate(clients)]
         self.t0 = time.perf_counter()
         if self.load.duration_s is not None:
             self.deadline = self.t0 + self.load.duration_s
