@@ -17,6 +17,7 @@ import statistics
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,24 +56,9 @@ def summarize(samples: list[tuple[float, float]], max_tokens: int) -> dict[str, 
             "itl_mean_ms": statistics.mean(itls) * 1000, "itl_p90_ms": q(itls, 0.9)}
 
 
-def run_pool(n: int, concurrency: int, one: Callable[[int], Any]) -> list:
-    results: list = [None] * n
-    lock, todo = threading.Lock(), list(range(n))
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i = todo.pop(0)
-            results[i] = one(i)
-
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+def run_pool(pool: ThreadPoolExecutor, n: int, one: Callable[[int], Any]) -> list:
+    """n requests, at most pool._max_workers at a time (threads persist across rounds)."""
+    return list(pool.map(one, range(n)))
 
 
 class InProcess:
@@ -106,6 +92,8 @@ class ThroughTriton:
 
         engine = EngineInfo.read(engine_dir)
         self.max_tokens = max_tokens
+        self.local = threading.local()
+        self.clients: list[Any] = []
         self.server = Server(engine, resolve_options(engine, {}), Ports(grpc=18401, http=18400, metrics=18402),
                              log=lambda m: None)
         self.server.start()
@@ -113,31 +101,39 @@ class ThroughTriton:
     def one(self, text: str) -> tuple[float, float]:
         from trtprompt.client import LLMClient, text_inputs
 
-        with LLMClient("127.0.0.1:18401") as client:
-            r = client.infer("ensemble", text_inputs(text, self.max_tokens, True, min_tokens=self.max_tokens,
-                                                     temperature=0.0))
+        # One connection per client thread, kept open, as load generators do.
+        client = getattr(self.local, "client", None)
+        if client is None:
+            client = self.local.client = LLMClient("127.0.0.1:18401")
+            self.clients.append(client)
+        r = client.infer("ensemble", text_inputs(text, self.max_tokens, True, min_tokens=self.max_tokens,
+                                                 temperature=0.0))
         if r.error:
             raise RuntimeError(r.error)
         return r.times[0], r.times[-1]
 
     def close(self) -> None:
+        for client in self.clients:
+            client.close()
         self.server.stop()
 
 
 def bench(engine_dir: Path, prompts: list[str], max_tokens: int, levels: list[int], rounds: int) -> dict:
     """Rounds alternate between the two paths, so machine-load drift hits both alike."""
     paths = {"in_process": InProcess(engine_dir, max_tokens), "triton": ThroughTriton(engine_dir, max_tokens)}
+    pools = {level: ThreadPoolExecutor(max_workers=level) for level in levels}
     samples: dict[str, dict[str, list]] = {name: {f"c{c}": [] for c in levels} for name in paths}
     try:
-        for name, path in paths.items():
-            path.one(f"warm-up {name}")
-        for r in range(rounds):
+        for r in range(-1, rounds):  # round -1 warms up threads, connections and caches
             for level in levels:
                 for name, path in paths.items():
                     tag = f"r{r}c{level}{name}"
-                    samples[name][f"c{level}"] += run_pool(
-                        len(prompts), level, lambda i, p=path, t=tag: p.one(f"[{t}] " + prompts[i]))
+                    got = run_pool(pools[level], len(prompts), lambda i, p=path, t=tag: p.one(f"[{t}] " + prompts[i]))
+                    if r >= 0:
+                        samples[name][f"c{level}"] += got
     finally:
+        for pool in pools.values():
+            pool.shutdown()
         for path in paths.values():
             path.close()
     return {name: {c: summarize(s, max_tokens) for c, s in per.items()} for name, per in samples.items()}
