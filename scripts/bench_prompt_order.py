@@ -35,8 +35,8 @@ INSTRUCTIONS = (
     "Quote the sentence that supports your answer, then give the answer in one line.\n"
     "If the document does not contain the answer, say so and do not guess.\n"
     "Write plain text without lists or headings, and keep the whole reply short.\n")
-WORDS = ("market revenue region quarter growth stores online margin cost supplier contract team "
-         "product launch customer retention price forecast budget risk audit policy review plan").split()
+WORDS = tuple("market revenue region quarter growth stores online margin cost supplier contract team "
+              "product launch customer retention price forecast budget risk audit policy review plan".split())
 
 
 def document(rng: random.Random, lines: int, words: int) -> str:

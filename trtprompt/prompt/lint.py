@@ -8,15 +8,14 @@ prompt token always recomputed, no eviction.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from trtprompt.errors import UserError
 from trtprompt.prompt import segments as seg
-from trtprompt.prompt.lint_input import LintPrompt, Template, read_lint_file
-from trtprompt.prompt.prefix_tree import Branch, build_tree, render_tree
+from trtprompt.prompt.lint_input import LintPrompt, Template, parse_template, read_lint_file
+from trtprompt.prompt.prefix_tree import Branch, build_tree
 from trtprompt.prompt.reuse import ReuseEstimate, estimate_reuse
 
 ASSUMPTIONS = ("prompts run in file order, each prefilled before the next starts; only full blocks are "
@@ -73,7 +72,6 @@ class LintReport:
     reordered_template: str | None = None
     placeholders_before_static: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    previews: dict[int, str] = field(default_factory=dict)
 
     @property
     def reusable_fraction(self) -> float:
@@ -176,18 +174,12 @@ def _template_findings(report: LintReport, tokenizer: Any) -> None:
     static = {seg.unit_key(u) for u in units if "{" not in u.replace("{{", "")}
     report.reordered_template = seg.reorder(units, static)
     for i, u in enumerate(units):
-        names = [n for _, n in seg_pieces(u) if n]
+        names = [n for _, n in parse_template(u).pieces if n]
         after = "".join(v for v in units[i + 1:] if seg.unit_key(v) in static)
         if names and after.strip():
             report.placeholders_before_static.append(
                 {"placeholders": names, "line": 1 + sum(v.count("\n") for v in units[:i]),
                  "static_tokens_after": len(tokenizer.encode(after, add_special_tokens=False))})
-
-
-def seg_pieces(unit: str) -> list[tuple[str, str | None]]:
-    from trtprompt.prompt.lint_input import parse_template
-
-    return list(parse_template(unit).pieces)
 
 
 def preview(report: LintReport, tokenizer: Any, branch: Branch, chars: int = 48) -> str:

@@ -21,8 +21,8 @@ from trtprompt.prompt.chat import parse_messages
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 # Plain words for made-up placeholder values: varied enough that no two instances share a block.
-_WORDS = ("alpha river stone window quiet orange market signal garden copper lantern meadow "
-          "harbor velvet thunder pencil ribbon canyon marble falcon silver forest candle beacon").split()
+_WORDS = tuple("alpha river stone window quiet orange market signal garden copper lantern meadow "
+               "harbor velvet thunder pencil ribbon canyon marble falcon silver forest candle beacon".split())
 
 
 @dataclass(frozen=True)
