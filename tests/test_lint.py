@@ -87,6 +87,13 @@ def test_estimate_equals_engine_and_names_the_span(tiny_engine_dir: Path, tok: T
     assert report.suggested_estimate.reusable_fraction == 3 * shared_blocks * 32 / total
 
 
+def test_volatile_value_early_in_a_lone_prompt(tok: Tokenizer) -> None:
+    lone = analyze(handmade()[:1], tok, 32)
+    assert [(s.kind, s.text, s.shared_units_after) for s in lone.spans] == [("uuid", UUIDS[0], 0)]
+    reordered = analyze(analyze(handmade(), tok, 32).suggested, tok, 32)
+    assert reordered.spans == []  # the ids now follow the shared text: nothing left to flag
+
+
 def test_salts_in_the_estimate_match_the_engine(tiny_engine_dir: Path, tok: Tokenizer) -> None:
     prompts = [LintPrompt(i, text=f"{STATIC}Question: {q}\n", cache_salt=s)
                for i, (q, s) in enumerate(zip(QUESTIONS, ("a", "b", "a", None)))]

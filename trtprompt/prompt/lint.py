@@ -135,6 +135,9 @@ def find_span(index: int, p: LintPrompt, units: list[Unit], shared: set[str], to
                                                                               brk.volatile[0].text)
         return Span(index, p.line, kind, text, brk.unit.strip(), unit.message, brk.unit_index, unit.offset,
                     _token_start(tokenizer, p, unit), num_tokens, brk.shared_after)
+    if any(seg.unit_key(t) in shared and seg.unit_key(t) for t in texts):
+        return None  # the set shows what is shared, and no volatile value precedes it
+    # No evidence from other prompts: a volatile value with a block or more after it is suspect.
     for k, unit in enumerate(units):
         vol = seg.find_volatile(unit.text)
         if vol and seg.unit_key(unit.text) not in shared:

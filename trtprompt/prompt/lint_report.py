@@ -63,8 +63,10 @@ def _span_lines(report: LintReport) -> list[str]:
         s, kind = first[key], key[0]
         what = f"{kind} {s.text!r}" if kind != "variable" else f"variable text {s.text[:60]!r}"
         where = f"line {s.line}" + (f", message {s.message}" if s.message is not None else "")
+        tail = (f"precedes {s.shared_units_after} shared line(s)" if s.shared_units_after else
+                f"is early: the {s.num_tokens - s.token_start} tokens after it are never reused if they repeat")
         lines.append(f"  {what} at token ~{s.token_start} (block {s.token_start // report.tokens_per_block}) "
-                     f"precedes {s.shared_units_after} shared line(s) [{n} prompt(s), first: {where}]")
+                     f"{tail} [{n} prompt(s), first: {where}]")
     if len(groups) > 10:
         lines.append(f"  ... and {len(groups) - 10} more kinds of span")
     return lines
