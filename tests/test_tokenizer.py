@@ -176,3 +176,19 @@ def test_stream_random_ids_equal_full_decode(tok: Tokenizer) -> None:
 def test_missing_tokenizer_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_parity_on_demo_checkpoints(tiny_checkpoint_factory, arch: str) -> None:
+    from transformers import AutoTokenizer
+
+    path = tiny_checkpoint_factory(arch)
+    ours = Tokenizer.from_dir(path)
+    ref = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    for text in ["Héllo wörld, 世界! 🚀 def f(x): return x**2", " two  spaces\n\ttab", ""]:
+        assert ours.encode(text) == ref(text)["input_ids"]
+        assert ours.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False)["input_ids"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße 🚀"}]
+    assert ours.apply_chat_template(messages) == ref.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+    assert ours.eos_token_id == ref.eos_token_id and ours.bos_token_id == ref.bos_token_id
