@@ -23,6 +23,12 @@ from trtprompt.engine.config import ModelConfig
 
 KvCache = tuple[torch.Tensor, torch.Tensor]
 
+# Bounds on per-layer temporaries: a decode group gathers at most this many
+# (padded) blocks; a masked prefill attends at most this many query rows at once
+# (SDPA turns a bool mask into a float one of [rows, keys]).
+MAX_DECODE_GROUP_BLOCKS = 2048
+PREFILL_QUERY_CHUNK = 1024
+
 
 @dataclass(frozen=True)
 class SeqSlice:
@@ -49,7 +55,7 @@ class PrefillPlan:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """All one-token sequences of a step, attended as one padded batch."""
+    """One-token sequences attended as one padded batch (one group per bounded gather)."""
 
     rows: torch.Tensor  # [S] packed rows of the decode tokens
     rows_start: int | None  # set when rows are contiguous: rows == arange(start, start + S)
@@ -63,7 +69,7 @@ class AttentionMetadata:
     tokens_per_block: int
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     prefills: tuple[PrefillPlan, ...]
-    decode: DecodePlan | None
+    decodes: tuple[DecodePlan, ...]
 
 
 def _check_slice(i: int, seq: SeqSlice, tokens_per_block: int) -> None:
@@ -116,6 +122,31 @@ def _decode_plan(rows: list[int], seqs: list[SeqSlice], tpb: int, device: torch.
     )
 
 
+def _decode_groups(rows: list[int], seqs: list[SeqSlice], tpb: int) -> list[list[int]]:
+    """Indices into rows/seqs, split so no group gathers more than MAX_DECODE_GROUP_BLOCKS blocks.
+
+    One group in the common case; otherwise sequences are sorted by length so
+    each group pads to lengths close to its own.
+    """
+    blocks = [-(-(s.context_len + 1) // tpb) for s in seqs]
+    if len(seqs) * max(blocks) <= MAX_DECODE_GROUP_BLOCKS:
+        return [list(range(len(seqs)))]
+    groups: list[list[int]] = []
+    for i in sorted(range(len(seqs)), key=lambda j: -blocks[j]):
+        if groups and (len(groups[-1]) + 1) * blocks[groups[-1][0]] <= MAX_DECODE_GROUP_BLOCKS:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _decode_plans(rows: list[int], seqs: list[SeqSlice], tpb: int, device: torch.device) -> tuple[DecodePlan, ...]:
+    if not seqs:
+        return ()
+    return tuple(_decode_plan([rows[i] for i in g], [seqs[i] for i in g], tpb, device)
+                 for g in _decode_groups(rows, seqs, tpb))
+
+
 def build_attention_metadata(
     seqs: Sequence[SeqSlice], tokens_per_block: int, device: torch.device
 ) -> AttentionMetadata:
@@ -135,13 +166,12 @@ def build_attention_metadata(
             decode_seqs.append(seq)
         else:
             prefills.append(_prefill_plan(start, seq, tokens_per_block, device))
-    decode = _decode_plan(decode_rows, decode_seqs, tokens_per_block, device) if decode_seqs else None
     return AttentionMetadata(
         num_tokens=len(slots),
         tokens_per_block=tokens_per_block,
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         prefills=tuple(prefills),
-        decode=decode,
+        decodes=_decode_plans(decode_rows, decode_seqs, tokens_per_block, device),
     )
 
 
@@ -175,15 +205,20 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cac
                        plan: PrefillPlan, scale: float) -> torch.Tensor:
     rows = slice(plan.start, plan.start + plan.num_new_tokens)
     qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-    if plan.block_ids is None:
+    if plan.block_ids is None or plan.mask is None:
         kh = k[rows].transpose(0, 1).unsqueeze(0)
         vh = v[rows].transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        total = plan.context_len + plan.num_new_tokens
-        kh = _gather_blocks(kv_cache[0], plan.block_ids)[:total].transpose(0, 1).unsqueeze(0)
-        vh = _gather_blocks(kv_cache[1], plan.block_ids)[:total].transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=plan.mask, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)  # [n, heads, d]
+    total = plan.context_len + plan.num_new_tokens
+    kh = _gather_blocks(kv_cache[0], plan.block_ids)[:total].transpose(0, 1).unsqueeze(0)
+    vh = _gather_blocks(kv_cache[1], plan.block_ids)[:total].transpose(0, 1).unsqueeze(0)
+    parts = [
+        F.scaled_dot_product_attention(qh[:, :, i:i + PREFILL_QUERY_CHUNK], kh, vh, scale=scale, enable_gqa=True,
+                                       attn_mask=plan.mask[i:i + PREFILL_QUERY_CHUNK])
+        for i in range(0, plan.num_new_tokens, PREFILL_QUERY_CHUNK)
+    ]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return out[0].transpose(0, 1)  # [n, heads, d]
 
 
@@ -207,15 +242,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] of the new tokens -> attention output [T, heads, d]."""
     write_kv(kv_cache, k, v, meta.slot_mapping)
-    if meta.decode is not None and not meta.prefills and meta.decode.rows_start == 0:
-        return _decode_attention(q, kv_cache, meta.decode, scale)
+    if not meta.prefills and len(meta.decodes) == 1 and meta.decodes[0].rows_start == 0:
+        return _decode_attention(q, kv_cache, meta.decodes[0], scale)  # a pure decode step
     out = torch.empty_like(q)
     for plan in meta.prefills:
         out[plan.start:plan.start + plan.num_new_tokens] = _prefill_attention(q, k, v, kv_cache, plan, scale)
-    if meta.decode is not None:
-        dec = _decode_attention(q, kv_cache, meta.decode, scale)
-        if meta.decode.rows_start is not None:
-            out[meta.decode.rows_start:meta.decode.rows_start + dec.shape[0]] = dec
+    for dec in meta.decodes:
+        res = _decode_attention(q, kv_cache, dec, scale)
+        if dec.rows_start is not None:
+            out[dec.rows_start:dec.rows_start + res.shape[0]] = res
         else:
-            out.index_copy_(0, meta.decode.rows, dec)
+            out.index_copy_(0, dec.rows, res)
     return out
