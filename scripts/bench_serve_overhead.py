@@ -94,6 +94,7 @@ class ThroughTriton:
         self.max_tokens = max_tokens
         self.local = threading.local()
         self.clients: list[Any] = []
+        self.split: list[tuple[float, float]] = []
         self.server = Server(engine, resolve_options(engine, {}), Ports(grpc=18401, http=18400, metrics=18402),
                              log=lambda m: None)
         self.server.start()
@@ -106,10 +107,17 @@ class ThroughTriton:
         if client is None:
             client = self.local.client = LLMClient("127.0.0.1:18401")
             self.clients.append(client)
+        sent_ns = time.time_ns()
         r = client.infer("ensemble", text_inputs(text, self.max_tokens, True, min_tokens=self.max_tokens,
-                                                 temperature=0.0))
+                                                 temperature=0.0, return_perf_metrics=True))
         if r.error:
             raise RuntimeError(r.error)
+        # Where the time goes, from the engine's own timestamps (same clock):
+        # client send -> engine arrival, and the token that completed the
+        # first response -> its arrival at the client.
+        first = r.responses[0]
+        self.split.append(((first["arrival_time_ns"].item() - sent_ns) / 1e6,
+                           (sent_ns + r.times[0] * 1e9 - first["last_token_time_ns"].item()) / 1e6))
         return r.times[0], r.times[-1]
 
     def close(self) -> None:
@@ -123,20 +131,27 @@ def bench(engine_dir: Path, prompts: list[str], max_tokens: int, levels: list[in
     paths = {"in_process": InProcess(engine_dir, max_tokens), "triton": ThroughTriton(engine_dir, max_tokens)}
     pools = {level: ThreadPoolExecutor(max_workers=level) for level in levels}
     samples: dict[str, dict[str, list]] = {name: {f"c{c}": [] for c in levels} for name in paths}
+    splits: dict[str, list[tuple[float, float]]] = {f"c{c}": [] for c in levels}
     try:
         for r in range(-1, rounds):  # round -1 warms up threads, connections and caches
             for level in levels:
                 for name, path in paths.items():
                     tag = f"r{r}c{level}{name}"
+                    paths["triton"].split.clear()
                     got = run_pool(pools[level], len(prompts), lambda i, p=path, t=tag: p.one(f"[{t}] " + prompts[i]))
                     if r >= 0:
                         samples[name][f"c{level}"] += got
+                        splits[f"c{level}"] += paths["triton"].split
     finally:
         for pool in pools.values():
             pool.shutdown()
         for path in paths.values():
             path.close()
-    return {name: {c: summarize(s, max_tokens) for c, s in per.items()} for name, per in samples.items()}
+    out = {name: {c: summarize(s, max_tokens) for c, s in per.items()} for name, per in samples.items()}
+    for c, pairs in splits.items():
+        out["triton"][c]["inbound_p50_ms"] = statistics.median(a for a, _ in pairs)
+        out["triton"][c]["outbound_p50_ms"] = statistics.median(b for _, b in pairs)
+    return out
 
 
 def main() -> None:
@@ -157,13 +172,14 @@ def main() -> None:
               **bench(args.engine_dir, prompts, args.max_tokens, levels, args.rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print("| concurrency | path | TTFT p50 ms | TTFT p90 ms | ITL mean ms | ITL p90 ms |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print("| concurrency | path | TTFT p50 ms | TTFT p90 ms | ITL mean ms | ITL p90 ms | in / out p50 ms |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for level in levels:
         for path in ("in_process", "triton"):
             s = result[path][f"c{level}"]
+            split = f"{s['inbound_p50_ms']:.1f} / {s['outbound_p50_ms']:.1f}" if "inbound_p50_ms" in s else ""
             print(f"| {level} | {path} | {s['ttft_p50_ms']:.1f} | {s['ttft_p90_ms']:.1f} | "
-                  f"{s['itl_mean_ms']:.2f} | {s['itl_p90_ms']:.2f} |")
+                  f"{s['itl_mean_ms']:.2f} | {s['itl_p90_ms']:.2f} | {split} |")
 
 
 if __name__ == "__main__":
