@@ -9,6 +9,7 @@ whether in one prefill, in chunks across steps, or as decodes.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,6 +296,8 @@ def test_w8a16_rejects_unquantized_weights(checkpoints) -> None:
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 64},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    {"rope_type": "yarn", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 16,
      "mscale": 0.707, "mscale_all_dim": 1.0},
 ])
@@ -304,7 +307,9 @@ def test_rope_scaling_matches_transformers(rope: dict[str, Any]) -> None:
     params = {"rope_theta": 50000.0, **rope}
     hf_cfg = LlamaConfig(**COMMON, rope_parameters=params)
     want_inv, want_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_cfg, torch.device("cpu"))
-    got_inv, got_scale = rope_parameters(model_config(hf_cfg, "LlamaForCausalLM"))
+    # Our config keeps the dict as written (transformers fills in defaults on its own copy).
+    cfg = dataclasses.replace(model_config(hf_cfg, "LlamaForCausalLM"), rotary_scaling=dict(params))
+    got_inv, got_scale = rope_parameters(cfg)
     torch.testing.assert_close(got_inv, want_inv.float(), rtol=1e-6, atol=0)
     assert got_scale == pytest.approx(want_scale)
 

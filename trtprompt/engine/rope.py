@@ -35,6 +35,11 @@ def _require(scaling: Mapping[str, Any], key: str, rope_type: str) -> Any:
     return scaling[key]
 
 
+def _original_max_positions(cfg: ModelConfig, scaling: Mapping[str, Any]) -> int:
+    # transformers' default when a llama3/yarn dict leaves it out.
+    return int(scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+
+
 def _linear(cfg: ModelConfig, scaling: Mapping[str, Any], dim: int) -> tuple[torch.Tensor, float]:
     factor = float(_require(scaling, "factor", "linear"))
     return _base_inv_freq(cfg.rotary_base, dim) / factor, 1.0
@@ -45,7 +50,7 @@ def _llama3(cfg: ModelConfig, scaling: Mapping[str, Any], dim: int) -> tuple[tor
     factor = float(_require(scaling, "factor", "llama3"))
     low = float(_require(scaling, "low_freq_factor", "llama3"))
     high = float(_require(scaling, "high_freq_factor", "llama3"))
-    old_len = float(_require(scaling, "original_max_position_embeddings", "llama3"))
+    old_len = float(_original_max_positions(cfg, scaling))
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -73,7 +78,7 @@ def _yarn_correction_range(scaling: Mapping[str, Any], dim: int, base: float, or
 
 
 def _yarn(cfg: ModelConfig, scaling: Mapping[str, Any], dim: int) -> tuple[torch.Tensor, float]:
-    orig = int(_require(scaling, "original_max_position_embeddings", "yarn"))
+    orig = _original_max_positions(cfg, scaling)
     factor = scaling.get("factor") or cfg.max_position_embeddings / orig
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
