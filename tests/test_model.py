@@ -174,7 +174,7 @@ def models(checkpoints: dict[str, Checkpoint]) -> Callable[[str, str], DecoderMo
 @pytest.mark.parametrize("name", list(SPECS))
 def test_packed_prefill_matches_transformers(checkpoints, models, name: str, backend: str) -> None:
     ck, run = checkpoints[name], PagedRun(models(name, backend))
-    batch = prompts(1, [5, 17, 33, 64])
+    batch = prompts(1, [5, 17, 1, 33, 64])  # the 1-token prompt takes the decode path
     got = run.step([(f"s{i}", p, len(p)) for i, p in enumerate(batch)])
     for g, p in zip(got, batch):
         assert_close(g, ck.hf_logits(p)[-1])
@@ -214,6 +214,22 @@ def test_mixed_decodes_and_prefill_chunk(checkpoints, models, name: str, backend
     assert_close(got[0], ck.hf_logits(b)[10])
     assert_close(got[1], ck.hf_logits(a)[31])
     assert_close(got[2], ck.hf_logits(c)[48])
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_reused_prefix_blocks_match_transformers(checkpoints, models, name: str) -> None:
+    """A second sequence reads the first one's full blocks instead of recomputing its prefix."""
+    ck, run = checkpoints[name], PagedRun(models(name, "onednn"), seed=7)
+    a, tail = prompts(8, [40, 21])
+    b = a[:32] + tail
+    run.step([("a", a, 40)])
+    run.tables["b"], run.done["b"] = run.tables["a"][:4], 32  # 4 shared blocks of 8 tokens
+    got = run.step([("b", b, 16), ("a", a + [7], 1)])
+    assert_close(got[0], ck.hf_logits(b)[47])
+    assert_close(got[1], ck.hf_logits(a + [7])[40])
+    (got,) = run.step([("b", b, 5)])
+    assert_close(got, ck.hf_logits(b)[52])
+    assert run.tables["b"][:4] == run.tables["a"][:4]
 
 
 def test_split_decode_groups_and_query_chunks_match(checkpoints, models, monkeypatch) -> None:
