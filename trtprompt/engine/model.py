@@ -128,7 +128,8 @@ class DecoderModel(torch.nn.Module):
         q_norm = self._norm(tensors, p + "self_attn.q_norm.weight", d) if c.qk_layernorm else None
         k_norm = self._norm(tensors, p + "self_attn.k_norm.weight", d) if c.qk_layernorm else None
         attn = Attention(c, self._linear(qkv), self._linear(o_proj), q_norm, k_norm)
-        gate_up = fuse_linears([lin("mlp.gate_proj", c.intermediate_size, h), lin("mlp.up_proj", c.intermediate_size, h)])
+        gate_up = fuse_linears([lin("mlp.gate_proj", c.intermediate_size, h),
+                                lin("mlp.up_proj", c.intermediate_size, h)])
         down = lin("mlp.down_proj", h, c.intermediate_size)
         mlp = MLP(self._linear(gate_up), self._linear(down), c.intermediate_size)
         return DecoderLayer(attn, mlp, self._norm(tensors, p + "input_layernorm.weight", h),
