@@ -84,8 +84,8 @@ def plot_vs_concurrency(summaries: Mapping[str, Mapping[str, Mapping[str, Any]]]
     plt = _pyplot()
     fig, (ax_tp, ax_ttft) = plt.subplots(1, 2, figsize=(11, 3.8))
     names = sorted({n for by_run in summaries.values() for n in by_run})
-    levels = sorted({s["concurrency"] for by_run in summaries.values() for s in by_run.values()
-                     if s["concurrency"] is not None})
+    levels = sorted({s["concurrency"] for by_run in summaries.values() for n, s in by_run.items()
+                     if s["concurrency"] is not None and not n.startswith("transformers")})
     for color, name in enumerate(names):
         points = sorted(((s["concurrency"], s) for by_run in summaries.values() for n, s in by_run.items()
                          if n == name and s["concurrency"] is not None), key=lambda p: p[0])
@@ -124,8 +124,7 @@ def write_plots(runs: Mapping[str, Mapping[str, RunResult]],
         files.append(plot_cdfs(by_run, f"{kind}, {label}", out / f"{stem}_cdf.png"))
         files.append(plot_ttft_vs_len(by_run, f"TTFT vs prompt length: {kind}, {label}",
                                       out / f"{stem}_ttft_vs_len.png"))
-    levels = [s for by_run in summaries.values() for s in by_run.values() if s["concurrency"] is not None]
-    if len({s["concurrency"] for s in levels}) > 1:
+    if len(summaries) > 1:  # several load levels
         kind = next(iter(next(iter(runs.values())).values())).workload["kind"]
         files.append(plot_vs_concurrency(summaries, f"{kind}: throughput and TTFT vs concurrency",
                                          out / f"{safe_name(kind)}_vs_concurrency.png"))
