@@ -1,0 +1,1 @@
+"""Serving: Triton model repository, engine process, launcher, Python-backend models."""

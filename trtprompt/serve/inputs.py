@@ -85,7 +85,7 @@ def check_unsupported(tensors: Tensors, i: int) -> None:
             raise InputError(f"'{name}' is not supported by the torch target")
 
 
-def _utf8(value: Any, name: str) -> str:
+def utf8(value: Any, name: str) -> str:
     raw = value if isinstance(value, bytes) else str(value).encode("utf-8")
     try:
         return raw.decode("utf-8")
@@ -94,11 +94,11 @@ def _utf8(value: Any, name: str) -> str:
                          f"at position {exc.start}") from None
 
 
-def _words(tensors: Tensors, name: str, i: int) -> list[str]:
+def words(tensors: Tensors, name: str, i: int) -> list[str]:
     row = _row(tensors, name, i)
     if row is None:
         return []
-    return [w for w in (_utf8(v, name) for v in np.asarray(row).reshape(-1)) if w]
+    return [w for w in (utf8(v, name) for v in np.asarray(row).reshape(-1)) if w]
 
 
 def _sampling(tensors: Tensors, i: int, names: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
@@ -138,9 +138,9 @@ TOKEN_SAMPLING = {
 def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> Item:
     """One row of an `ensemble` request (text in, text out)."""
     check_unsupported(tensors, i)
-    if _words(tensors, "bad_words", i):
+    if words(tensors, "bad_words", i):
         raise InputError("'bad_words' is not supported by the torch target")
-    text = _utf8(scalar(tensors, "text_input", i, lambda v: v), "text_input")
+    text = utf8(scalar(tensors, "text_input", i, lambda v: v), "text_input")
     if not text:
         raise InputError("input 'text_input' is empty: at least one character is required")
     salt = scalar(tensors, "cache_salt", i, lambda v: v)
@@ -151,8 +151,8 @@ def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> Item:
         return_perf_metrics=flag(tensors, "return_perf_metrics", i),
         return_num_input_tokens=flag(tensors, "return_num_input_tokens", i),
         return_num_output_tokens=flag(tensors, "return_num_output_tokens", i),
-        cache_salt=_utf8(salt, "cache_salt") if salt is not None else None,
-        stop_words=_words(tensors, "stop_words", i),
+        cache_salt=utf8(salt, "cache_salt") if salt is not None else None,
+        stop_words=words(tensors, "stop_words", i),
     )
 
 
@@ -163,13 +163,13 @@ def words_list(arr: np.ndarray | None, name: str) -> list[list[int]]:
     if arr.ndim != 2 or arr.shape[0] != 2:
         raise InputError(f"input '{name}' must have shape [2, L] per request, got {tuple(arr.shape)}")
     ids, offsets = arr[0].tolist(), [int(o) for o in arr[1] if o >= 0]
-    words, start = [], 0
+    out, start = [], 0
     for end in offsets:
         if not start < end <= len(ids):
             raise InputError(f"input '{name}' has an offset {end} outside its {len(ids)} ids")
-        words.append([int(t) for t in ids[start:end]])
+        out.append([int(t) for t in ids[start:end]])
         start = end
-    return words
+    return out
 
 
 def parse_token_item(tensors: Tensors, i: int, exclude_default: bool) -> Item:
@@ -193,7 +193,7 @@ def parse_token_item(tensors: Tensors, i: int, exclude_default: bool) -> Item:
         stream=flag(tensors, "streaming", i),
         exclude_input_in_output=flag(tensors, "exclude_input_in_output", i, exclude_default),
         return_perf_metrics=flag(tensors, "return_perf_metrics", i),
-        cache_salt=_utf8(salt, "cache_salt") if salt is not None else None,
+        cache_salt=utf8(salt, "cache_salt") if salt is not None else None,
     )
 
 

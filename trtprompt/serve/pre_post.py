@@ -54,10 +54,10 @@ class PreprocessingModel:
     def _row(self, tensors: dict[str, np.ndarray], i: int) -> dict[str, Any]:
         tok = self.tokenizer
         query = inputs.scalar(tensors, "QUERY", i, lambda v: v)
-        text = inputs._utf8(query, "text_input")  # noqa: SLF001 - same rule as the fused model
+        text = inputs.utf8(query, "text_input")
         if not text:
             raise inputs.InputError("input 'text_input' is empty: at least one character is required")
-        words = {name: [tok.encode(w, add_special_tokens=False) for w in inputs._words(tensors, name, i)]
+        words = {name: [tok.encode(w, add_special_tokens=False) for w in inputs.words(tensors, name, i)]
                  for name in ("STOP_WORDS_DICT", "BAD_WORDS_DICT")}
         end_id = inputs.scalar(tensors, "END_ID", i, int)
         pad_id = inputs.scalar(tensors, "PAD_ID", i, int)
