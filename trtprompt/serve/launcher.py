@@ -143,6 +143,16 @@ def _http_ok(url: str) -> bool:
         return False
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the launcher dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: a killed launcher may leave its children running
+
+
 def _stop_process(proc: subprocess.Popen | None, timeout_s: float) -> None:
     """SIGTERM the child's process group, SIGKILL it after timeout_s."""
     if proc is None or proc.poll() is not None:
@@ -194,7 +204,7 @@ class Server:
         with open(log_path, "ab") as log_file:
             return subprocess.Popen(list(cmd), stdout=log_file, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env=child_env(self.install, self.socket_path))
+                                    preexec_fn=_die_with_parent, env=child_env(self.install, self.socket_path))
 
     def start_engine(self) -> None:
         cmd = [sys.executable, "-m", "trtprompt.serve.engine_server",
