@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -213,3 +214,20 @@ def test_text_inputs_helper_types() -> None:
     types = {i.name(): i.datatype() for i in inputs}
     assert types == {"text_input": "BYTES", "max_tokens": "INT32", "stream": "BOOL",
                      "temperature": "FP32", "seed": "UINT64", "beam_width": "INT32"}
+
+
+def test_http_generate_endpoints(served: Served, oracle: Oracle) -> None:
+    """Triton's generate extension, as TensorRT-LLM's docs query the ensemble with curl."""
+    def post(path: str, body: dict) -> str:
+        req = urllib.request.Request(f"http://127.0.0.1:{served.http}/v2/models/ensemble/{path}",
+                                     data=json.dumps(body).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.read().decode("utf-8")
+
+    expected = oracle.text(PROMPTS[1], 10)
+    body = {"text_input": PROMPTS[1], "max_tokens": 10, "exclude_input_in_output": True}
+    assert json.loads(post("generate", body))["text_output"] == expected
+    events = [json.loads(line[len("data: "):]) for line in post("generate_stream", {**body, "stream": True}).splitlines()
+              if line.startswith("data: ")]
+    assert len(events) > 1
+    assert "".join(e["text_output"] for e in events) == expected
