@@ -287,6 +287,15 @@ class Server:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
+def _cli_name() -> str:
+    """How this shell can run the trtprompt command (e.g. .venv/bin/trtprompt)."""
+    exe = Path(sys.executable).parent / "trtprompt"
+    if shutil.which("trtprompt") == str(exe) or not exe.is_file():
+        return "trtprompt"
+    rel = os.path.relpath(exe)
+    return rel if not rel.startswith("..") else str(exe)
+
+
 def serve_forever(server: Server) -> int:
     """Run until SIGINT/SIGTERM (or a fatal failure); returns the exit code."""
     previous = {sig: signal.signal(sig, lambda *_: server.request_stop())
@@ -299,7 +308,7 @@ def serve_forever(server: Server) -> int:
             f"  gRPC    {p.host}:{p.grpc}\n  HTTP    {p.host}:{p.http}\n"
             f"  metrics http://{p.local_host}:{p.metrics}/metrics\n"
             f"  logs    {server.run_dir}\n"
-            f"  try:    trtprompt infer \"Hello\" --url {p.local_host}:{p.grpc}")
+            f"  try:    {_cli_name()} infer \"Hello\" --url {p.local_host}:{p.grpc}")
         return server.watch()
     except LaunchError as exc:
         server.log(f"trtprompt serve: {exc}")
