@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from serve_fixtures import ROOT, Oracle, Served
-from trtprompt.client import LLMClient, make_input, text_inputs
+from trtprompt.client import LLMClient, make_input, text_inputs, token_inputs
 
 pytestmark = pytest.mark.server
 
@@ -231,3 +231,18 @@ def test_http_generate_endpoints(served: Served, oracle: Oracle) -> None:
               if line.startswith("data: ")]
     assert len(events) > 1
     assert "".join(e["text_output"] for e in events) == expected
+
+
+def test_token_model_stop_words_and_end_id(served: Served, oracle: Oracle) -> None:
+    gen = oracle.run(PROMPTS[2], 16)
+    ids = gen.output_ids
+    cut = next(i for i in range(2, 12) if ids[i] not in ids[:i] and tuple(ids[i:i + 2]) not in
+               {tuple(ids[j:j + 2]) for j in range(i)})
+    stop = np.array([[ids[cut], ids[cut + 1]], [2, -1]], dtype=np.int32)[None]
+    with LLMClient(served.url) as client:
+        stopped = client.infer("tensorrt_llm", token_inputs(gen.prompt_ids, 16, True)
+                               + [make_input("stop_words_list", stop)])
+    assert stopped.error is None, stopped.error
+    assert stopped.output_ids == ids[:cut]  # the stop word is trimmed, as TensorRT-LLM does
+    ended = served.tokens(gen.prompt_ids, 16, end_id=ids[cut])
+    assert ended.output_ids == ids[:cut]  # the end token itself is not output
