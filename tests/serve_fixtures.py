@@ -23,7 +23,6 @@ import pytest
 
 from trtprompt.client import LLMClient, StreamResult, text_inputs, token_inputs
 from trtprompt.serve import protocol as P
-from trtprompt.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 120.0
