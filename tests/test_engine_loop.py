@@ -95,3 +95,20 @@ def test_step_failure_fails_requests_but_loop_survives(llama):
     assert sum(len(o.new_token_ids) for o in ok) == 4
     loop.stop()
     assert engine.stats().used_num_blocks == 0
+
+
+def test_arrival_is_stamped_at_submit_and_idle_stats_are_zero(llama):
+    import time
+    engine = make_engine(llama)
+    loop = EngineLoop(engine)
+    before = time.time_ns()
+    stream = loop.submit("a", [5, 6, 7], SamplingParams(max_tokens=3))
+    time.sleep(0.2)  # the loop is not running yet: the request waits in the inbox
+    loop.start()
+    final = list(stream)[-1]
+    assert before <= final.stats.arrival_time_ns < before + 100_000_000
+    assert final.stats.first_scheduled_time_ns - final.stats.arrival_time_ns >= 150_000_000
+    loop.stop()
+    stats = engine.stats()
+    assert (stats.scheduled_requests, stats.generation_requests, stats.context_requests) == (0, 0, 0)
+    assert stats.iteration_counter >= 3

@@ -194,7 +194,9 @@ class LLMEngine:
         )
 
     def stats(self) -> EngineStats:
-        kv, sched, last = self.kv, self.scheduler, self._last_step
+        kv, sched = self.kv, self.scheduler
+        # The per-iteration counts describe the latest step while work remains; idle is zero.
+        last = self._last_step if self.requests else SchedulerOutput()
         lookups = kv.reused_blocks + kv.missed_blocks
         paused = sum(1 for r in sched.waiting if r.stats.num_preemptions and not r.is_finished)
         return EngineStats(

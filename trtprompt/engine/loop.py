@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from typing import Iterator, Sequence
 
@@ -95,7 +96,10 @@ class EngineLoop:
                 raise QueueFullError(limit)
             self._streams[request_id] = stream
             self._pending_adds += 1
-            self._inbox.append(("add", request_id, list(prompt_token_ids), params, cache_salt))
+            # Arrival is stamped here, not when the loop next drains the inbox,
+            # so time spent waiting for a running step counts toward TTFT.
+            self._inbox.append(("add", request_id, list(prompt_token_ids), params, cache_salt,
+                                time.time_ns()))
         self._wake.set()
         return stream
 
@@ -117,9 +121,9 @@ class EngineLoop:
             self._pending_adds = 0
         for item in items:
             if item[0] == "add":
-                _, rid, prompt, params, salt = item
+                _, rid, prompt, params, salt, arrival_ns = item
                 try:
-                    self.engine.add_request(rid, prompt, params, salt)
+                    self.engine.add_request(rid, prompt, params, salt, arrival_ns)
                 except EngineRequestError as exc:
                     self._deliver([error_output(rid, str(exc))])
             elif not self.engine.abort(item[1]):
