@@ -50,9 +50,9 @@ def test_poisson_arrivals_and_duration_bound(served) -> None:  # type: ignore[no
     assert len(result.records) == 6 and all(r.ok and r.num_output_tokens == 3 for r in result.records)
     starts = [r.start_s for r in result.records]
     assert len(set(starts)) == 6  # released one by one at seeded exponential gaps
-    # One at a time, 40 tokens each (tens of ms per request): a 0.2 s bound leaves some unsent.
-    wl40 = make_workload(WorkloadSpec("random", num_requests=6, input_len=20, output_len=40, seed=6), _tok(served))
-    bounded = run_load(served.url, wl40, LoadSpec(concurrency=1, warmup=0, duration_s=0.2), None, progress=False)
+    # One at a time, 64 tokens each (tens of ms per request): a 0.2 s bound leaves some unsent.
+    wl64 = make_workload(WorkloadSpec("random", num_requests=6, input_len=20, output_len=64, seed=6), _tok(served))
+    bounded = run_load(served.url, wl64, LoadSpec(concurrency=1, warmup=0, duration_s=0.2), None, progress=False)
     assert 1 <= len(bounded.records) < 6
     assert len(bounded.records) + bounded.not_sent == 6
     assert all(r.ok and r.start_s <= 0.2 for r in bounded.records)
