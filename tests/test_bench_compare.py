@@ -60,3 +60,16 @@ def test_transformers_baselines_time_every_token(tiny_engine_dir: Path) -> None:
         assert s["output_tokens"] == 8 and s["kv"]["reused_blocks"] is None
     seq = runs["transformers-sequential"].records
     assert seq[1].start_s >= seq[0].start_s + seq[0].e2e_s  # one after the other
+
+
+def test_compare_refuses_prompts_a_variant_cannot_take_before_starting_servers(tiny_engine_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    cfg = json.loads((tiny_engine_dir / "config.json").read_text())["build_config"]
+    too_long = cfg["max_num_tokens"] + 1  # fine with chunked context, too long without
+    args = ["bench", str(tiny_engine_dir), "--workload", "random", "--input-len", str(too_long),
+            "--num-requests", "1", "--compare", "chunked=on,off", "--out", str(tmp_path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1
+    assert (f"prompt 0 has {too_long} tokens, over the engine's maximum input length ({too_long - 1}), for the "
+            "variant with the tightest bound") in result.output
+    assert not (tmp_path / "results.json").exists()

@@ -153,22 +153,41 @@ def level_workload(plan: BenchPlan, level: int, tokenizer: Any, max_input_len: i
     return make_workload(spec, tokenizer, max_input_len)
 
 
-def _engine_limits(engine_dir: Path) -> tuple[Any, int | None, int | None]:
+def max_input_len(build: Mapping[str, Any], chunked: bool, max_num_tokens: int | None = None) -> int | None:
+    """TensorRT-LLM's rule: max_seq_len - 1 with chunked context, else also at most max_num_tokens."""
+    max_seq = build.get("max_seq_len")
+    if max_seq is None:
+        return None
+    return max_seq - 1 if chunked else min(max_seq - 1, max_num_tokens or build["max_num_tokens"])
+
+
+def _engine_limits(plan: BenchPlan) -> tuple[Any, int | None, int | None]:
+    """Tokenizer, the tightest maximum input length over the variants, tokens per block."""
     from trtprompt.serve.options import EngineInfo
     from trtprompt.tokenizer import Tokenizer
 
-    info = EngineInfo.read(engine_dir)
-    build = info.build_config
-    max_seq = build.get("max_seq_len")
-    chunked = bool(info.runtime.get("enable_chunked_context"))
-    max_input = None if max_seq is None else (max_seq - 1 if chunked else min(max_seq - 1, build["max_num_tokens"]))
-    tpb = (build.get("plugin_config") or {}).get("tokens_per_block")
-    return Tokenizer.from_dir(info.tokenizer_dir), max_input, tpb
+    info = EngineInfo.read(plan.engine_dir)
+    limits = []
+    for v in plan.variants:
+        if v.profile is not None:
+            continue  # another build: its own bounds, checked by its server
+        over = v.serve_overrides
+        chunked = over.get("enable_chunked_context", info.runtime.get("enable_chunked_context"))
+        limits.append(max_input_len(info.build_config, bool(chunked), over.get("max_num_tokens")))
+    known = [x for x in limits if x is not None]
+    tpb = (info.build_config.get("plugin_config") or {}).get("tokens_per_block")
+    return Tokenizer.from_dir(info.tokenizer_dir), min(known) if known else None, tpb
 
 
 def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> BenchOutcome:
-    tokenizer, max_input, tpb = _engine_limits(plan.engine_dir)
-    workloads = [level_workload(plan, i, tokenizer, max_input) for i in range(len(plan.loads))]
+    tokenizer, max_input, tpb = _engine_limits(plan)
+    try:
+        workloads = [level_workload(plan, i, tokenizer, max_input) for i in range(len(plan.loads))]
+    except ValueError as exc:
+        if len(plan.variants) > 1:
+            raise ValueError(f"{exc}, for the variant with the tightest bound (without chunked context "
+                             "the maximum input length is min(max_seq_len - 1, max_num_tokens))") from None
+        raise
     outcome = BenchOutcome(plan)
     for variant in plan.variants:
         for label, result in _run_variant(plan, variant, workloads, echo).items():
