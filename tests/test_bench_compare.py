@@ -24,7 +24,12 @@ def test_compare_reuse_on_off(tiny_engine_dir: Path, tmp_path: Path) -> None:
             "--out", str(out), "--no-progress"]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    summaries = json.loads((out / "results.json").read_text())["summaries"]["concurrency=2"]
+    results = json.loads((out / "results.json").read_text())
+    summaries = results["summaries"]["concurrency=2"]
+    scraped = results["metrics"]["concurrency=2"]["reuse=on"]
+    reused = [k for k in scraped["after"] if k.startswith("nv_trt_llm_kv_cache_block_metrics")
+              and 'kv_cache_block_type="reused"' in k]
+    assert len(reused) == 1 and scraped["after"][reused[0]] - scraped["before"][reused[0]] >= 6
     assert list(summaries) == ["reuse=on", "reuse=off"]
     for name, s in summaries.items():
         assert (s["requests"], s["ok"], s["output_tokens"]) == (3, 3, 9), name

@@ -258,7 +258,9 @@ def results_payload(outcome: BenchOutcome) -> dict[str, Any]:
     return {"engine_dir": str(plan.engine_dir), "workload": dataclasses.asdict(plan.workload),
             "loads": [dataclasses.asdict(x) for x in plan.loads],
             "variants": [v.name for v in plan.variants], "url": plan.url,
-            "summaries": outcome.summaries}
+            "summaries": outcome.summaries,
+            "metrics": {label: {name: {"before": r.metrics_before, "after": r.metrics_after}
+                                for name, r in runs.items()} for label, runs in outcome.runs.items()}}
 
 
 def markdown_report(outcome: BenchOutcome) -> str:
