@@ -52,6 +52,21 @@ def test_non_streaming_and_perf_metrics_through_the_ensemble(upstream: Served, o
     assert again.last("kv_cache_alloc_total_blocks") == first.last("kv_cache_alloc_total_blocks")
 
 
+def test_infer_json_sends_only_inputs_the_layout_declares(upstream: Served, oracle: Oracle) -> None:
+    import json
+    import subprocess
+    import sys
+    prompt = "The quick brown fox"
+    out = subprocess.run([sys.executable, "-m", "trtprompt.cli", "infer", prompt, "--url", upstream.url,
+                          "--max-tokens", "8", "--json", "--no-stream"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    assert record["text"] == oracle.tokenizer.decode(oracle.run(prompt, 8).output_ids)
+    assert record["kv_cache_alloc_total_blocks"] >= 1
+    assert record["num_output_tokens"] is None  # the upstream ensemble has no such output
+
+
 def test_errors_reach_the_client_and_the_server_keeps_serving(upstream: Served) -> None:
     assert "input 'text_input' is empty" in (upstream.text("", 4).error or "")
     assert "beam_width=2 is not supported" in (upstream.text("hi", 4, beam_width=2).error or "")

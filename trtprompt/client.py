@@ -135,6 +135,10 @@ class LLMClient:
         self._client.stop_stream(cancel_requests=cancel)
         self._client.close()
 
+    def input_names(self, model: str) -> set[str]:
+        """Inputs the model declares (layouts differ: upstream has no return_num_* inputs)."""
+        return {inp.name for inp in self._client.get_model_metadata(model).inputs}
+
     def __enter__(self) -> "LLMClient":
         return self
 

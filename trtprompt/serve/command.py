@@ -50,10 +50,12 @@ def run_infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool,
             sys.stdout.write(value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value))
             sys.stdout.flush()
 
-    inputs = text_inputs(prompt, max_tokens, stream, temperature=temperature,
-                         exclude_input_in_output=True, return_perf_metrics=as_json,
-                         return_num_input_tokens=as_json, return_num_output_tokens=as_json)
+    optional = dict(temperature=temperature, exclude_input_in_output=True, return_perf_metrics=as_json,
+                    return_num_input_tokens=as_json, return_num_output_tokens=as_json)
     with LLMClient(url) as client:
+        declared = client.input_names(model)
+        inputs = text_inputs(prompt, max_tokens, stream,
+                             **{k: v for k, v in optional.items() if k in declared})
         result = client.infer(model, inputs, on_response=show, request_id=uuid.uuid4().hex)
     if result.error:
         print(f"\nerror: {result.error}", file=sys.stderr)
