@@ -85,6 +85,7 @@ def test_markdown_table_with_ratio_column() -> None:
     assert "| output tok/s | 6.0 | 12.0 | 2.00× |" in lines
     assert "| TTFT p50 (ms) | 200.0 | 50.0 | 0.25× |" in lines
     assert "| TPOT p50 (ms) | 20.0 | 20.0 | 1.00× |" in lines
+    assert "| TTFT in the engine, mean (ms) | 200.0 | 200.0 |  |" in lines
     assert "| KV hit rate | 55.6% | 55.6% |  |" in lines
     assert "| requests ok / sent | 3 / 4 | 3 / 4 |  |" in lines
     long_row = [line for line in tag_table(a).splitlines() if line.startswith("| long")]

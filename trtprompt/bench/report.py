@@ -143,6 +143,7 @@ ROWS: tuple[tuple[str, Any], ...] = (
     ("output tok/s", lambda s: _num(s["output_tok_s"])),
     ("requests/s", lambda s: _num(s["req_per_s"], "{:.2f}")),
     *[(f"TTFT {k} (ms)", (lambda k: lambda s: _ms(s["ttft_s"][k]))(k)) for k in ("p50", "p90", "p99")],
+    ("TTFT in the engine, mean (ms)", lambda s: _ms(s["server"].get("time_to_first_token_seconds_mean"))),
     *[(f"ITL {k} (ms)", (lambda k: lambda s: _ms(s["itl_s"][k]))(k)) for k in ("p50", "p90", "p99")],
     ("TPOT p50 (ms)", lambda s: _ms(s["tpot_s"]["p50"])),
     *[(f"e2e {k} (ms)", (lambda k: lambda s: _ms(s["e2e_s"][k]))(k)) for k in ("p50", "p90", "p99")],
