@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 from trtprompt.engine.errors import EngineRequestError, QueueFullError
 from trtprompt.engine.request import RequestOutput, SamplingParams
+from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.serve import protocol as P
 from trtprompt.serve.repository import read_parameters
 
@@ -95,6 +96,8 @@ class EngineService:
         self._timings: deque[dict[str, float]] = deque(maxlen=_TIMINGS_KEPT)
         self._seq = 0
         self._finished: dict[str, int] = {}
+        files = getattr(self.engine, "files", None)
+        self.prompt_policy = PromptPolicy.from_mapping(files.prompt if files is not None else {})
 
     def info(self) -> dict[str, Any]:
         sched = self.engine.scheduler_config
@@ -166,6 +169,7 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             params = sampling_params(msg.get("params") or {})
             service.check_bounds(params)
+            service.prompt_policy.check_salt(msg.get("cache_salt"))
             stream = service.loop.submit(rid, list(msg["prompt_token_ids"]), params,
                                          cache_salt=msg.get("cache_salt"))
         except QueueFullError as exc:

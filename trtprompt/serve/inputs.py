@@ -33,6 +33,8 @@ class Item:
     stop_words: list[str] = field(default_factory=list)
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    messages: str | None = None  # JSON chat (trtprompt.prompt.chat), instead of text
+    overflow: str | None = None
 
 
 def batch_size(tensors: Tensors, required: str) -> int:
@@ -141,10 +143,13 @@ def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> Item:
     if words(tensors, "bad_words", i):
         raise InputError("'bad_words' is not supported by the torch target")
     text = utf8(scalar(tensors, "text_input", i, lambda v: v), "text_input")
-    if not text:
+    messages, overflow = (scalar(tensors, name, i, lambda v: v) for name in ("messages", "overflow"))
+    if not text and messages is None:
         raise InputError("input 'text_input' is empty: at least one character is required")
     salt = scalar(tensors, "cache_salt", i, lambda v: v)
     return Item(
+        messages=utf8(messages, "messages") if messages is not None else None,
+        overflow=utf8(overflow, "overflow") if overflow is not None else None,
         params=_sampling(tensors, i, TEXT_SAMPLING), text=text,
         stream=flag(tensors, "stream", i),
         exclude_input_in_output=flag(tensors, "exclude_input_in_output", i, exclude_default),

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from trtprompt.prompt.budget import PromptError, PromptPolicy
+from trtprompt.prompt.edge import PromptEdge, engine_dir_limits
 from trtprompt.serve import inputs, triton_io as io
 from trtprompt.tokenizer import StreamDetokenizer, Tokenizer
 
@@ -40,6 +42,9 @@ class PreprocessingModel:
         self.input_names = [t["name"] for t in cfg["input"]]
         self.tokenizer = Tokenizer.from_dir(params["tokenizer_dir"])
         self.add_special_tokens = io.param_bool(params, "add_special_tokens", True)
+        path = params["gpt_model_path"]
+        self.edge = PromptEdge(PromptPolicy.from_engine_dir(path), self.tokenizer, self.add_special_tokens,
+                               lambda: engine_dir_limits(path))
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
@@ -62,8 +67,12 @@ class PreprocessingModel:
         end_id = inputs.scalar(tensors, "END_ID", i, int)
         pad_id = inputs.scalar(tensors, "PAD_ID", i, int)
         eos = tok.eos_token_id if tok.eos_token_id is not None else 0
-        return {"ids": tok.encode(text, add_special_tokens=self.add_special_tokens),
-                "out_len": inputs.scalar(tensors, "REQUEST_OUTPUT_LEN", i, int),
+        out_len = inputs.scalar(tensors, "REQUEST_OUTPUT_LEN", i, int)
+        try:  # the engine dir's overflow policy (trtprompt.prompt.budget)
+            ids = self.edge.fit_text(text, out_len).ids
+        except PromptError as exc:
+            raise inputs.InputError(str(exc)) from None
+        return {"ids": ids, "out_len": out_len,
                 "stop": words_tensor(words["STOP_WORDS_DICT"]), "bad": words_tensor(words["BAD_WORDS_DICT"]),
                 "end_id": eos if end_id is None else end_id,
                 "pad_id": (tok.pad_token_id if tok.pad_token_id is not None else eos) if pad_id is None else pad_id}

@@ -78,6 +78,8 @@ ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     ("return_num_input_tokens", "BOOL", [1], True),
     ("return_num_output_tokens", "BOOL", [1], True),
     ("cache_salt", "STRING", [1], True),
+    ("overflow", "STRING", [1], True),  # a stricter overflow policy than the server's (issue 5)
+    ("messages", "STRING", [1], True),  # JSON chat, used instead of text_input (send it empty)
 ) + UNSUPPORTED_INPUTS
 ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
     ("text_output", "STRING", [-1], False),
@@ -87,6 +89,8 @@ ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
     ("sequence_index", "INT32", [1], False),
     ("num_input_tokens", "INT32", [1], False),
     ("num_output_tokens", "INT32", [1], False),
+    ("prompt_truncated_tokens", "INT32", [1], False),
+    ("dropped_turns", "INT32", [1], False),
 ) + PERF_OUTPUTS
 TOKEN_INPUTS: tuple[Tensor, ...] = (
     ("input_ids", "INT32", [-1], False),
@@ -235,7 +239,8 @@ def fused_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
 
 
 def preprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
-    params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "add_special_tokens": True}
+    params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "add_special_tokens": True,
+              "gpt_model_path": str(ctx.engine.path)}  # its prompt policy and bounds (issue 5)
     return _base("preprocessing", ctx.max_batch_size, PRE_INPUTS, PRE_OUTPUTS, params)
 
 
@@ -263,7 +268,7 @@ def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
     """
     supported = [t for t in ENSEMBLE_INPUTS if t not in UNSUPPORTED_INPUTS and t[0] not in
                  ("cache_salt", "return_num_input_tokens", "return_num_output_tokens", "min_length",
-                  "random_seed")]
+                  "random_seed", "overflow", "messages")]
     outputs = [t for t in ENSEMBLE_OUTPUTS if t[0] in ("text_output",)] + list(PERF_OUTPUTS)
     cfg = _base("ensemble", ctx.max_batch_size, supported, outputs, {}, backend=None)
     cfg.platform = "ensemble"

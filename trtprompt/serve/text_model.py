@@ -10,7 +10,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from trtprompt.serve import inputs, triton_io as io
+from trtprompt.prompt.budget import PromptError, PromptPolicy
+from trtprompt.prompt.edge import EdgePrompt, PromptEdge
+from trtprompt.serve import inputs, protocol as P, triton_io as io
 from trtprompt.serve.protocol import EngineRequest
 from trtprompt.tokenizer import Tokenizer
 
@@ -21,7 +23,12 @@ class _TextRow:
     def __init__(self, model: "TextModel", index: int, item: inputs.Item) -> None:
         tok = model.tokenizer
         self.model, self.index, self.item = model, index, item
-        self.prompt_ids = tok.encode(item.text or "", add_special_tokens=model.add_special_tokens)
+        try:  # budget, chat window, salt requirement (trtprompt.prompt.edge)
+            self.prompt: EdgePrompt = model.edge.prepare(item.text, item.messages, item.overflow,
+                                                         item.cache_salt, item.params.get("max_tokens"))
+        except PromptError as exc:
+            raise inputs.InputError(str(exc)) from None
+        self.prompt_ids = self.prompt.ids
         self.params = dict(item.params)
         if item.stop_words:
             self.params["stop_token_ids"] = [tok.encode(w, add_special_tokens=False) for w in item.stop_words]
@@ -54,7 +61,9 @@ class _TextRow:
     def _tensors(self, text: str, frame: dict[str, Any]) -> list[Any]:
         out = [io.text_tensor("text_output", text),
                io.tensor("batch_index", [[self.index]], "int32"),
-               io.tensor("sequence_index", [[0]], "int32")]
+               io.tensor("sequence_index", [[0]], "int32"),
+               io.tensor("prompt_truncated_tokens", [[self.prompt.prompt_truncated_tokens]], "int32"),
+               io.tensor("dropped_turns", [[self.prompt.dropped_turns]], "int32")]
         if self.item.return_perf_metrics:
             out += [io.tensor(k, [[v]], t) for k, (v, t) in inputs.perf_values(frame["stats"]).items()]
         if self.item.return_num_input_tokens:
@@ -77,7 +86,13 @@ class TextModel:
         self.add_special_tokens = io.param_bool(params, "add_special_tokens", True)
         self.skip_special_tokens = io.param_bool(params, "skip_special_tokens", True)
         self.check_period_s = int(params.get("cancellation_check_period_ms") or 50) / 1000
+        self.edge = PromptEdge(PromptPolicy.from_engine_dir(params["gpt_model_path"]), self.tokenizer,
+                               self.add_special_tokens, self._engine_limits)
         self.workers = io.Workers()
+
+    def _engine_limits(self) -> tuple[int, int]:
+        info = P.call(self.socket, {"op": "info"})
+        return int(info["max_input_len"]), int(info["max_seq_len"])
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
