@@ -19,6 +19,8 @@ from typing import Any, Mapping, Sequence
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from trtprompt.serve.repository import PERF_OUTPUTS
+
 MODEL_NAME = "tensorrt_llm"
 BACKEND = "tensorrtllm"
 EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
@@ -55,13 +57,7 @@ OUTPUTS: tuple[Tensor, ...] = (
     ("generation_logits", "FP32", [-1, -1, -1], False),
     ("batch_index", "INT32", [1], False),
     ("sequence_index", "INT32", [1], False),
-    ("kv_cache_alloc_new_blocks", "INT32", [1], False),
-    ("kv_cache_reused_blocks", "INT32", [1], False),
-    ("kv_cache_alloc_total_blocks", "INT32", [1], False),
-    ("arrival_time_ns", "INT64", [1], False),
-    ("first_scheduled_time_ns", "INT64", [1], False),
-    ("first_token_time_ns", "INT64", [1], False),
-    ("last_token_time_ns", "INT64", [1], False),
+    *PERF_OUTPUTS,
     ("acceptance_rate", "FP32", [1], False),
     ("total_accepted_draft_tokens", "INT32", [1], False),
     ("total_draft_tokens", "INT32", [1], False),
