@@ -73,7 +73,7 @@ class _TextRow:
         return out
 
 
-class TextModel:
+class TextModel(io.RowModel):
     """TritonPythonModel for `ensemble` (decoupled)."""
 
     def initialize(self, args: dict[str, str]) -> None:
@@ -94,20 +94,6 @@ class TextModel:
         info = P.call(self.socket, {"op": "info"})
         return int(info["max_input_len"]), int(info["max_seq_len"])
 
-    def execute(self, requests: list[Any]) -> None:
-        for request in requests:
-            tensors = io.read_inputs(request, self.input_names)
-            self.workers.start(self._handle, tensors, request.get_response_sender())
-        return None
-
-    def _handle(self, tensors: dict[str, Any], sender: Any) -> None:
-        try:
-            n = inputs.batch_size(tensors, "text_input")
-            rows = [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default)) for i in range(n)]
-        except Exception as exc:  # noqa: BLE001 - reported to the client
-            io.send_error(sender, exc)
-            return
-        io.serve_rows(rows, sender, self.check_period_s)
-
-    def finalize(self) -> None:
-        self.workers.join(5.0)
+    def make_rows(self, tensors: dict[str, Any]) -> list[_TextRow]:
+        n = inputs.batch_size(tensors, "text_input")
+        return [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default)) for i in range(n)]

@@ -54,7 +54,7 @@ def _ids_array(ids: list[int]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32).reshape(1, 1, len(ids))
 
 
-class TokenModel:
+class TokenModel(io.RowModel):
     """TritonPythonModel for `tensorrt_llm` (decoupled)."""
 
     def initialize(self, args: dict[str, str]) -> None:
@@ -68,21 +68,10 @@ class TokenModel:
         self.metrics = MetricsPublisher(pb_utils, self.socket, period_s).start()
         self.workers = io.Workers()
 
-    def execute(self, requests: list[Any]) -> None:
-        for request in requests:
-            tensors = io.read_inputs(request, self.input_names)
-            self.workers.start(self._handle, tensors, request.get_response_sender())
-        return None
-
-    def _handle(self, tensors: dict[str, Any], sender: Any) -> None:
-        try:
-            n = inputs.batch_size(tensors, "input_ids")
-            rows = [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default)) for i in range(n)]
-        except Exception as exc:  # noqa: BLE001 - reported to the client
-            io.send_error(sender, exc)
-            return
-        io.serve_rows(rows, sender, self.check_period_s)
+    def make_rows(self, tensors: dict[str, Any]) -> list[_TokenRow]:
+        n = inputs.batch_size(tensors, "input_ids")
+        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default)) for i in range(n)]
 
     def finalize(self) -> None:
         self.metrics.stop()
-        self.workers.join(5.0)
+        super().finalize()

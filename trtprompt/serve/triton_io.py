@@ -157,5 +157,39 @@ class Workers:
             t.join(timeout_s / max(1, len(threads)))
 
 
+class RowModel:
+    """execute/finalize shared by the decoupled models that relay rows to the engine.
+
+    Each request runs on its own worker thread; subclasses turn a request's
+    tensors into rows (`make_rows`) and set input_names, workers and
+    check_period_s in initialize().
+    """
+
+    input_names: list[str]
+    workers: Workers
+    check_period_s: float
+
+    def make_rows(self, tensors: dict[str, Any]) -> Sequence[Row]:
+        raise NotImplementedError
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            tensors = read_inputs(request, self.input_names)
+            self.workers.start(self._handle, tensors, request.get_response_sender())
+        return None
+
+    def _handle(self, tensors: dict[str, Any], sender: Any) -> None:
+        try:
+            rows = self.make_rows(tensors)
+        except Exception as exc:  # noqa: BLE001 - reported to the client
+            send_error(sender, exc)
+            return
+        serve_rows(rows, sender, self.check_period_s)
+
+    def finalize(self) -> None:
+        self.workers.join(5.0)
+        return None
+
+
 def logger() -> Any:
     return pb_utils.Logger
