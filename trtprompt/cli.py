@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
+from trtprompt.engine.config import CAPACITY_POLICIES
 from trtprompt.errors import UserError
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -17,6 +18,21 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 @click.version_option(package_name="trtprompt")
 def main() -> None:
     """Compile Hugging Face decoders into bounded engines and serve them behind Triton."""
+
+
+def runtime_policy_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The runtime-policy flags shared by `build` (stored defaults) and `serve` (overrides)."""
+    options = [
+        click.option("--enable-chunked-context/--disable-chunked-context", default=None),
+        click.option("--enable-kv-cache-reuse/--disable-kv-cache-reuse", default=None),
+        click.option("--batch-scheduler-policy", type=click.Choice(list(CAPACITY_POLICIES))),
+        click.option("--kv-cache-free-gpu-mem-fraction", type=float),
+        click.option("--max-tokens-in-paged-kv-cache", type=int),
+        click.option("--max-queue-size", type=int),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 def _fail(exc: Exception) -> click.ClickException:
@@ -38,12 +54,7 @@ def _fail(exc: Exception) -> click.ClickException:
 @click.option("--max-beam-width", type=int)
 @click.option("--tokens-per-block", type=int)
 @click.option("--multiple-profiles/--no-multiple-profiles", default=None)
-@click.option("--enable-chunked-context/--disable-chunked-context", default=None)
-@click.option("--enable-kv-cache-reuse/--disable-kv-cache-reuse", default=None)
-@click.option("--batch-scheduler-policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]))
-@click.option("--kv-cache-free-gpu-mem-fraction", type=float)
-@click.option("--max-tokens-in-paged-kv-cache", type=int)
-@click.option("--max-queue-size", type=int)
+@runtime_policy_options
 @click.option("--overflow", type=click.Choice(["reject", "truncate_left", "truncate_middle"]))
 @click.option("--kv-budget-gib", type=float, help="Memory the KV fraction applies to (default: host available memory).")
 @click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
@@ -154,12 +165,7 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Keep socket, repository and logs here.")
 @click.option("--ready-timeout", default=120.0, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--no-restart", is_flag=True, help="Stop (instead of restarting) if the engine process dies.")
-@click.option("--enable-chunked-context/--disable-chunked-context", default=None)
-@click.option("--enable-kv-cache-reuse/--disable-kv-cache-reuse", default=None)
-@click.option("--batch-scheduler-policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]))
-@click.option("--kv-cache-free-gpu-mem-fraction", type=float)
-@click.option("--max-tokens-in-paged-kv-cache", type=int)
-@click.option("--max-queue-size", type=int)
+@runtime_policy_options
 @click.option("--max-batch-size", type=int, help="May lower the engine's bound, never raise it.")
 @click.option("--max-num-tokens", type=int, help="May lower the engine's bound, never raise it.")
 @click.option("--exclude-input-in-output/--include-input-in-output", default=None,

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from trtprompt.engine.config import CAPACITY_POLICIES
 from trtprompt.errors import ProfileError
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "fp8", "int4_awq")
-SCHEDULER_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
+SCHEDULER_POLICIES: tuple[str, ...] = CAPACITY_POLICIES
 OVERFLOW_POLICIES: tuple[str, ...] = ("reject", "truncate_left", "truncate_middle")
 _BIG = 1 << 30
 

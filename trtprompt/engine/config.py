@@ -26,6 +26,16 @@ def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def check_runtime_policy(batch_scheduler_policy: str, kv_cache_free_gpu_mem_fraction: float) -> None:
+    """The two runtime-policy values every layer (engine, serve options, GPU config) accepts alike."""
+    if batch_scheduler_policy not in CAPACITY_POLICIES:
+        raise ValueError(f"batch_scheduler_policy must be one of {', '.join(CAPACITY_POLICIES)}, "
+                         f"got {batch_scheduler_policy!r}")
+    if not 0.0 < kv_cache_free_gpu_mem_fraction <= 1.0:
+        raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1], "
+                         f"got {kv_cache_free_gpu_mem_fraction}")
+
+
 def is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 

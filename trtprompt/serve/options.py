@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-POLICIES = ("guaranteed_no_evict", "max_utilization")
+from trtprompt.engine.config import check_runtime_policy
+
 LAYOUTS = ("fused", "upstream")
 DISABLE_FLAGS = {"enable_chunked_context": "--disable-chunked-context",
                  "enable_kv_cache_reuse": "--disable-kv-cache-reuse"}
@@ -70,12 +71,7 @@ class ServeOptions:
     layout: str = "fused"
 
     def __post_init__(self) -> None:
-        if self.batch_scheduler_policy not in POLICIES:
-            raise ValueError(f"batch_scheduler_policy must be one of {', '.join(POLICIES)}, "
-                             f"got {self.batch_scheduler_policy!r}")
-        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
-            raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1], "
-                             f"got {self.kv_cache_free_gpu_mem_fraction}")
+        check_runtime_policy(self.batch_scheduler_policy, self.kv_cache_free_gpu_mem_fraction)
         for name in ("max_tokens_in_paged_kv_cache", "max_queue_size", "max_batch_size",
                      "max_num_tokens"):
             value = getattr(self, name)

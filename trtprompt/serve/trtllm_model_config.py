@@ -19,12 +19,12 @@ from typing import Any, Mapping, Sequence
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from trtprompt.engine.config import check_runtime_policy
 from trtprompt.serve.repository import PERF_OUTPUTS
 
 MODEL_NAME = "tensorrt_llm"
 BACKEND = "tensorrtllm"
 EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
-POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 TRITON_DTYPES: dict[str, str] = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
 
 # (name, type, dims, optional); scalar [1] inputs are reshaped to [] as the backend expects.
@@ -93,12 +93,7 @@ class TrtllmModelParams:
     def __post_init__(self) -> None:
         if self.dtype not in TRITON_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(TRITON_DTYPES)}, got {self.dtype!r}")
-        if self.batch_scheduler_policy not in POLICIES:
-            raise ValueError(f"batch_scheduler_policy must be one of {', '.join(POLICIES)}, "
-                             f"got {self.batch_scheduler_policy!r}")
-        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
-            raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1], "
-                             f"got {self.kv_cache_free_gpu_mem_fraction}")
+        check_runtime_policy(self.batch_scheduler_policy, self.kv_cache_free_gpu_mem_fraction)
         for name in ("max_attention_window_size", "triton_max_batch_size", "max_beam_width",
                      "cancellation_check_period_ms", "stats_check_period_ms"):
             if getattr(self, name) < 1:
