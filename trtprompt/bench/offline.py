@@ -99,6 +99,8 @@ def transformers_baselines(hf_dir: Path, prompts: Workload, out_len: int,
                            with_sequential: bool) -> dict[str, Any]:
     import transformers
 
+    from trtprompt.bench.baselines import continuous_batching_config
+
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True,
                                                               dtype=torch.float32).eval()
     gen = transformers.GenerationConfig(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False,
@@ -112,10 +114,7 @@ def transformers_baselines(hf_dir: Path, prompts: Workload, out_len: int,
                        for p in prompts)
             wall = time.perf_counter() - t0
             out["transformers_sequential"] = {"wall_s": wall, "output_tokens": toks, "output_tok_s": toks / wall}
-        # Sized to the workload: unsized, transformers derives the cache from host
-        # memory and spends seconds allocating it inside the timed call.
-        blocks = sum(-(-(len(p) + out_len) // 32) for p in prompts) + len(prompts)
-        cb = transformers.ContinuousBatchingConfig(page_size=32, max_batch_tokens=2048, num_blocks=blocks)
+        cb = continuous_batching_config(prompts, out_len, max_batch_tokens=2048)
         t0 = time.perf_counter()
         res = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
         wall = time.perf_counter() - t0
