@@ -2,7 +2,7 @@
 """Write a Hugging Face checkpoint with random weights and an offline-trained tokenizer.
 
     python scripts/make_demo_checkpoint.py OUT [--arch llama|mistral|qwen2|qwen3]
-        [--size tiny|small] [--seed N] [--tie/--no-tie] [--vocab-size N] [--rope default|llama3]
+        [--size tiny|small|peer] [--seed N] [--tie/--no-tie] [--vocab-size N] [--rope default|llama3]
 """
 
 from __future__ import annotations

@@ -123,3 +123,17 @@ def test_script_cli(tmp_path: Path) -> None:
     bad = CliRunner().invoke(main, [str(tmp_path / "x"), "--arch", "qwen2", "--rope", "llama3"])
     assert bad.exit_code != 0 and "rope 'llama3' is only made for arch 'llama'" in bad.output
     assert not (tmp_path / "x").exists()
+
+
+def test_peer_size_is_the_vllm_side_by_side_shape() -> None:
+    from trtprompt.checkpoint_maker import SPECIAL_TOKENS, model_config
+
+    spec = DemoSpec(size="peer")
+    assert spec.target_vocab_size == 4000 and not spec.tied
+    cfg = model_config(spec, spec.target_vocab_size, {t: i for i, t in enumerate(SPECIAL_TOKENS)})
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.intermediate_size, cfg.vocab_size) == (512, 8, 8, 4, 1376, 4000)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    # Embeddings + lm_head 2 x 4000 x 512, 8 layers of attention (512 x 1536) and MLP (3 x 512 x 1376), norms.
+    assert sum(p.numel() for p in model.parameters()) == 27_304_448

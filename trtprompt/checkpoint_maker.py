@@ -24,6 +24,10 @@ SIZES: dict[str, dict[str, int]] = {
     # ~27M parameters with untied embeddings: the benchmark model.
     "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=4, vocab_size=7168),
+    # The shape of the side-by-side against vLLM's CPU build (scripts/bench_vs_vllm.py,
+    # docs/peer-vllm.md): "small" with a 4,000-token vocabulary, 27.3M parameters.
+    "peer": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=4, vocab_size=4000),
 }
 ROPE_CHOICES: tuple[str, ...] = ("default", "llama3")
 BOS, EOS, PAD, END_OF_TURN = "<s>", "</s>", "<pad>", "<|end|>"
