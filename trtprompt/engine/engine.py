@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +19,13 @@ from trtprompt.engine_dir import EngineDir
 from trtprompt.engine.model import DecoderModel
 from trtprompt.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from trtprompt.engine.runner import ModelRunner
-from trtprompt.engine.sampler import sample
+from trtprompt.engine.sampler import SampleFailure, sample
 from trtprompt.engine.scheduler import Scheduler, SchedulerOutput
 from trtprompt.engine.stopping import check_stop, visible_output_len
 from trtprompt.engine.validation import RequestLimits, validate_request
 from trtprompt.engine.weights import load_model_from_safetensors
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -148,13 +151,31 @@ class LLMEngine:
             if s.request.stats.first_scheduled_time_ns is None:
                 s.request.stats.first_scheduled_time_ns = now
         with torch.inference_mode():
-            logits = self.runner.execute(sched, self.kv)
+            try:
+                logits = self.runner.execute(sched, self.kv)
+            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+                log.exception("model step failed; failing the %d requests it held", len(sched.scheduled))
+                outputs.extend(self._fail_step(sched, f"engine error: the model step failed: "
+                                                      f"{type(exc).__name__}: {exc}"))
+                return outputs
             samplers = [s.request for s in sched.scheduled if s.samples]
             tokens = sample(logits, samplers) if samplers else []
         outputs.extend(self._update(sched, tokens))
         return outputs
 
-    def _update(self, sched: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
+    def _fail_step(self, sched: SchedulerOutput, message: str) -> list[RequestOutput]:
+        """Finish every request of a step whose forward raised; requests outside it go on.
+
+        Their blocks are freed without being registered for reuse (cache_computed was not
+        called), so no half-written KV is ever shared."""
+        outputs = []
+        for s in sched.scheduled:
+            if not s.request.is_finished:
+                self._finish(s.request, FinishReason.ERROR)
+                outputs.append(self._output(s.request, error=message))
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, tokens: list[int | SampleFailure]) -> list[RequestOutput]:
         outputs = []
         now = time.time_ns()
         it = iter(tokens)
@@ -167,6 +188,12 @@ class LLMEngine:
             if not s.samples:
                 continue
             token = next(it)
+            if isinstance(token, SampleFailure):
+                log.warning("request %s failed sampling: %s", req.request_id, token.reason)
+                self._finish(req, FinishReason.ERROR)
+                outputs.append(self._output(req, error=f"engine error: sampling failed for this request "
+                                                       f"(the rest of its batch went on): {token.reason}"))
+                continue
             if req.stats.first_token_time_ns is None:
                 req.stats.first_token_time_ns = now
             req.stats.last_token_time_ns = now
@@ -183,14 +210,14 @@ class LLMEngine:
         self.scheduler.finish(req)
         del self.requests[req.request_id]
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request, error: str | None = None) -> RequestOutput:
         visible = visible_output_len(req)
         new = req.output_token_ids[req.num_emitted:visible]
         req.num_emitted = max(req.num_emitted, visible)
         return RequestOutput(
             request_id=req.request_id, new_token_ids=new, finished=req.is_finished,
             num_input_tokens=req.num_prompt_tokens, num_output_tokens=req.num_emitted,
-            finish_reason=req.finish_reason, warning=req.warning, stats=req.stats,
+            finish_reason=req.finish_reason, error=error, warning=req.warning, stats=req.stats,
         )
 
     def stats(self) -> EngineStats:

@@ -3,7 +3,46 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Allowed range of a float sampling input; every value must also be finite (a NaN or inf
+    reaching the sampler would fail the whole batch's step, issue 11)."""
+
+    low: float
+    high: float
+    low_open: bool = False  # True: the low end itself is refused
+
+    def allows(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        return (value > self.low if self.low_open else value >= self.low) and value <= self.high
+
+    def describe(self) -> str:
+        return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+# The one table of float bounds: SamplingParams and the serving edge both check against it.
+# Penalties are bounded generously (OpenAI allows +-2); beyond these a value only means garbage.
+FLOAT_BOUNDS: dict[str, Bound] = {
+    "temperature": Bound(0.0, 100.0),
+    "top_p": Bound(0.0, 1.0),
+    "repetition_penalty": Bound(0.0, 100.0, low_open=True),
+    "presence_penalty": Bound(-100.0, 100.0),
+    "frequency_penalty": Bound(-100.0, 100.0),
+    # Only used by beam search, which the torch target lacks: accepted, checked, no effect.
+    "length_penalty": Bound(-100.0, 100.0),
+}
+
+
+def check_bound(shown_name: str, field_name: str, value: float) -> None:
+    """Raise ValueError naming `shown_name` (the client's input name) if value is outside its bound."""
+    bound = FLOAT_BOUNDS[field_name]
+    if not bound.allows(float(value)):
+        raise ValueError(f"{shown_name} must be a finite number in {bound.describe()}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -32,14 +71,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            check_bound(name, name, getattr(self, name))
+        if self.top_p is not None:
+            check_bound("top_p", "top_p", self.top_p)
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.top_p is not None and not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**64:

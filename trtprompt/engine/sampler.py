@@ -1,7 +1,14 @@
-"""Turn last-token logits into next tokens: penalties, min_tokens, greedy or seeded sampling."""
+"""Turn last-token logits into next tokens: penalties, min_tokens, greedy or seeded sampling.
+
+Each request is sampled inside its own guard: a request whose row cannot be
+sampled (its logits are NaN or all -inf, or sampling raises) gets a
+SampleFailure in its slot and the rest of the batch gets its tokens
+(issue 11: one bad request must not fail the step for everyone).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -54,15 +61,47 @@ def sample_row(row: torch.Tensor, req: Request) -> int:
     return int(torch.multinomial(probs, 1, generator=req.generator).item())
 
 
-def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
-    """logits: [len(reqs), vocab] float32, one row per request that samples this step."""
+@dataclass(frozen=True)
+class SampleFailure:
+    """Why one request's row gave no token; the engine finishes that request with this error."""
+
+    reason: str
+
+
+def _unusable_rows(logits: torch.Tensor) -> list[bool]:
+    """Rows no token can honestly come from: any NaN, or every logit -inf (one batched op each)."""
+    bad = torch.isnan(logits).any(dim=-1) | torch.isneginf(logits).all(dim=-1)
+    return bad.tolist()
+
+
+def _prepare_row(row: torch.Tensor, req: Request) -> None:
+    if req.params.has_penalties:
+        apply_penalties(row, req)
+    if req.params.min_tokens:
+        mask_end_tokens(row, req)
+
+
+def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int | SampleFailure]:
+    """logits: [len(reqs), vocab] float32, one row per request that samples this step.
+
+    Returns one token per request, or a SampleFailure for a request whose row failed.
+    """
+    failures: dict[int, SampleFailure] = {}
     for i, req in enumerate(reqs):
-        if req.params.has_penalties:
-            apply_penalties(logits[i], req)
-        if req.params.min_tokens:
-            mask_end_tokens(logits[i], req)
-    tokens = torch.argmax(logits, dim=-1).tolist()
+        try:
+            _prepare_row(logits[i], req)
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            failures[i] = SampleFailure(f"{type(exc).__name__}: {exc}")
+    for i, bad in enumerate(_unusable_rows(logits)):
+        if bad and i not in failures:
+            failures[i] = SampleFailure("its logits are NaN or all -inf")
+    tokens: list[int | SampleFailure] = list(torch.argmax(logits, dim=-1).tolist())
     for i, req in enumerate(reqs):
-        if not req.params.greedy:
-            tokens[i] = sample_row(logits[i], req)
+        if i in failures:
+            tokens[i] = failures[i]
+        elif not req.params.greedy:
+            try:
+                tokens[i] = sample_row(logits[i], req)
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                tokens[i] = SampleFailure(f"{type(exc).__name__}: {exc}")
     return tokens
