@@ -50,6 +50,11 @@ class Served:
     metrics: int
     engine_dir: Path
     child_pids: list[int] = field(default_factory=list)
+    openai: int | None = None  # the OpenAI-compatible front end's port
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://127.0.0.1:{self.openai}/v1"
 
     @property
     def url(self) -> str:
@@ -124,14 +129,15 @@ def _alive(pid: int) -> bool:
 
 
 def start_server(engine_dir: Path, run_dir: Path, *extra: str) -> Served:
-    grpc, http, metrics = free_ports(3)
+    grpc, http, metrics, openai = free_ports(4)
     log_path = run_dir.parent / f"{run_dir.name}.log"
     cmd = [sys.executable, "-m", "trtprompt.cli", "serve", str(engine_dir), "--run-dir", str(run_dir),
            "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics),
+           "--openai-port", str(openai),
            "--stats-check-period-ms", "50", "--cancellation-check-period-ms", "20", *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    served = Served(proc, run_dir, log_path, grpc, http, metrics, engine_dir)
+    served = Served(proc, run_dir, log_path, grpc, http, metrics, engine_dir, openai=openai)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while "trtprompt serve: ready" not in log_path.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:

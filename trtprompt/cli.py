@@ -160,6 +160,10 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
 @click.option("--grpc-port", default=8001, show_default=True)
 @click.option("--http-port", default=8000, show_default=True)
 @click.option("--metrics-port", default=8002, show_default=True)
+@click.option("--openai-port", default=8003, show_default=True, help="OpenAI-compatible API (/v1/...) port.")
+@click.option("--no-openai", is_flag=True, help="Do not start the OpenAI-compatible API.")
+@click.option("--api-key", envvar="TRTPROMPT_API_KEY", show_envvar=True,
+              help="Bearer key the OpenAI-compatible API requires (default: none required).")
 @click.option("--layout", type=click.Choice(["fused", "upstream"]), help="Model layout (default fused).")
 @click.option("--repo-only", type=click.Path(path_type=Path), help="Write the model repository here and exit.")
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Keep socket, repository and logs here.")
@@ -172,17 +176,19 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
               help="Default for requests that do not say.")
 @click.option("--cancellation-check-period-ms", type=int)
 @click.option("--stats-check-period-ms", type=int)
-def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_port: int,
-          repo_only: Path | None, run_dir: Path | None, ready_timeout: float, no_restart: bool,
-          **overrides: Any) -> None:
-    """Serve ENGINE_DIR behind a real tritonserver (TensorRT-LLM ensemble interface)."""
+def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_port: int, openai_port: int,
+          no_openai: bool, api_key: str | None, repo_only: Path | None, run_dir: Path | None,
+          ready_timeout: float, no_restart: bool, **overrides: Any) -> None:
+    """Serve ENGINE_DIR behind a real tritonserver (TensorRT-LLM ensemble interface) and an OpenAI-compatible API."""
     from trtprompt.serve.command import run_serve
     from trtprompt.serve.launcher import Ports
+    from trtprompt.serve.options import OpenAIOptions
 
     try:
+        openai = None if no_openai else OpenAIOptions(openai_port, api_key or None)
         code = run_serve(engine_dir, overrides, Ports(host, grpc_port, http_port, metrics_port),
                          repo_only=repo_only, run_dir=run_dir, ready_timeout_s=ready_timeout,
-                         restart=not no_restart, echo=lambda m: click.echo(m, err=True))
+                         restart=not no_restart, echo=lambda m: click.echo(m, err=True), openai=openai)
     except (UserError, ValueError) as exc:
         raise _fail(exc) from exc
     raise SystemExit(code)
@@ -256,7 +262,10 @@ def lint(file: Path, engine_dir: Path | None, tokenizer_dir: Path | None, tokens
 @click.option("--file", type=click.Path(path_type=Path), help='file: JSONL of {"prompt"} or {"messages"}.')
 @click.option("--compare", help="A/B variants, e.g. reuse=on,off  chunked=on,off  policy=guaranteed_no_evict,"
                                 "max_utilization  profile=cpu-dev,chat (';' combines axes).")
-@click.option("--url", help="Bench a running server at this gRPC address instead of starting one.")
+@click.option("--url", help="Bench a running server instead of starting one: a Triton gRPC host:port, or an "
+                            "OpenAI-compatible http(s)://host:port/v1 (trtprompt's or any other, e.g. vLLM).")
+@click.option("--api", type=click.Choice(["triton", "openai"]),
+              help="Client: Triton gRPC streaming or OpenAI /v1/completions streaming (default: from --url, else triton).")
 @click.option("--metrics-url", help="Its /metrics (default: the --url host, port 8002).")
 @click.option("--baseline", type=click.Choice(["none", "transformers"]), default="none", show_default=True,
               help="Also run the workload in-process with transformers generate and generate_batch.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -28,6 +29,18 @@ def parse_levels(text: str | None) -> list[int | None]:
     return levels
 
 
+def bench_api(api: str | None, url: str | None) -> str:
+    """--api, else from --url: an http(s):// URL is an OpenAI-compatible endpoint, host:port is Triton gRPC."""
+    by_url = "openai" if url is not None and url.startswith(("http://", "https://")) else None
+    if api is None:
+        return by_url or "triton"
+    if api == "triton" and by_url == "openai":
+        raise ValueError(f"--api triton takes a gRPC host:port --url, got {url!r}")
+    if api == "openai" and url is not None and by_url is None:
+        raise ValueError(f"--api openai takes an http(s):// --url (e.g. http://127.0.0.1:8003/v1), got {url!r}")
+    return api
+
+
 def make_plan(engine_dir: Path, workload: str, options: Mapping[str, Any]) -> BenchPlan:
     wl_kwargs = {k: options[k] for k in WORKLOAD_OPTIONS if options.get(k) is not None}
     spec = WorkloadSpec(workload, path=options.get("file"), **wl_kwargs)
@@ -40,13 +53,15 @@ def make_plan(engine_dir: Path, workload: str, options: Mapping[str, Any]) -> Be
                       ignore_eos=not options.get("allow_eos", False))
              for c in parse_levels(conc_text)]
     url = options.get("url")
+    api = bench_api(options.get("api"), url)
     metrics_url = options.get("metrics_url")
     if url is not None and metrics_url is None:
-        metrics_url = f"http://{url.rsplit(':', 1)[0]}:8002/metrics"
+        host = urllib.parse.urlsplit(url).hostname if api == "openai" else url.rsplit(":", 1)[0]
+        metrics_url = f"http://{host}:8002/metrics"
     out = options.get("out") or Path("bench-results") / workload
     return BenchPlan(Path(engine_dir), spec, loads, parse_compare(options.get("compare")), Path(out), url,
                      metrics_url, options.get("baseline") == "transformers", options.get("hf_checkpoint"),
-                     not options.get("no_progress", False), not options.get("no_plots", False))
+                     not options.get("no_progress", False), not options.get("no_plots", False), api=api)
 
 
 def run_bench_command(engine_dir: Path, workload: str, options: Mapping[str, Any],

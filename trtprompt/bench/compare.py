@@ -84,19 +84,22 @@ def _free_ports(n: int) -> list[int]:
 
 @contextlib.contextmanager
 def served(engine_dir: Path, overrides: Mapping[str, Any], log: Callable[[str], None],
-           ready_timeout_s: float = 180.0) -> Iterator[tuple[str, str]]:
-    """A fresh server for engine_dir on free local ports; yields (grpc url, metrics url)."""
+           ready_timeout_s: float = 180.0, api: str = "triton") -> Iterator[tuple[str, str]]:
+    """A fresh server for engine_dir on free local ports; yields (url, metrics url): the gRPC
+    address, or with api="openai" the OpenAI front end's base URL."""
     from trtprompt.serve.launcher import Ports, Server
-    from trtprompt.serve.options import EngineInfo, resolve_options
+    from trtprompt.serve.options import EngineInfo, OpenAIOptions, resolve_options
 
     engine = EngineInfo.read(engine_dir)
     options = resolve_options(engine, overrides)
-    grpc, http, metrics = _free_ports(3)
+    grpc, http, metrics, openai_port = _free_ports(4)
+    openai = OpenAIOptions(openai_port) if api == "openai" else None
     server = Server(engine, options, Ports("127.0.0.1", grpc, http, metrics), ready_timeout_s=ready_timeout_s,
-                    restart_engine=False, log=log)
+                    restart_engine=False, log=log, openai=openai)
     server.start()
+    url = f"http://127.0.0.1:{openai_port}/v1" if openai is not None else f"127.0.0.1:{grpc}"
     try:
-        yield f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics"
+        yield url, f"http://127.0.0.1:{metrics}/metrics"
     finally:
         server.stop()
 
@@ -130,6 +133,7 @@ class BenchPlan:
     progress: bool = True
     plots: bool = True
     model: str = "ensemble"
+    api: str = "triton"  # or "openai": the OpenAI-compatible endpoint (trtprompt.bench.openai_client)
 
     def __post_init__(self) -> None:
         if not self.loads:
@@ -206,7 +210,8 @@ def _run_variant(plan: BenchPlan, variant: Variant, workloads: Sequence[Workload
         out = {}
         for load, workload in zip(plan.loads, workloads):
             echo(f"bench: {variant.name}: {workload.name}, {load.label}")
-            out[load.label] = run_load(url, workload, load, metrics_url, plan.model, plan.progress)
+            out[load.label] = run_load(url, workload, load, metrics_url, plan.model, plan.progress,
+                                       api=plan.api)
         return out
 
     if plan.url is not None:
@@ -216,7 +221,7 @@ def _run_variant(plan: BenchPlan, variant: Variant, workloads: Sequence[Workload
         echo(f"bench: building {engine_dir.name} with profile {variant.profile}")
         engine_dir = engine_for_profile(plan.engine_dir, variant.profile, plan.out_dir)
     echo(f"bench: starting a server for {variant.name}")
-    with served(engine_dir, variant.serve_overrides, log=lambda m: None) as (url, metrics_url):
+    with served(engine_dir, variant.serve_overrides, log=lambda m: None, api=plan.api) as (url, metrics_url):
         return run_all(url, metrics_url)
 
 
@@ -257,7 +262,7 @@ def results_payload(outcome: BenchOutcome) -> dict[str, Any]:
     plan = outcome.plan
     return {"engine_dir": str(plan.engine_dir), "workload": dataclasses.asdict(plan.workload),
             "loads": [dataclasses.asdict(x) for x in plan.loads],
-            "variants": [v.name for v in plan.variants], "url": plan.url,
+            "variants": [v.name for v in plan.variants], "url": plan.url, "api": plan.api,
             "summaries": outcome.summaries,
             "metrics": {label: {name: {"before": r.metrics_before, "after": r.metrics_after}
                                 for name, r in runs.items()} for label, runs in outcome.runs.items()}}

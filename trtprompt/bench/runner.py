@@ -7,7 +7,9 @@ many workers pulling requests; Poisson arrivals = a scheduler thread
 releasing requests at seeded exponential gaps to a pool of workers. A
 request that must follow another (multi-turn) waits for it to finish.
 Warm-up requests run first and are left out of the records and of the
-/metrics window.
+/metrics window. api="openai" sends the same requests as streamed
+/v1/completions to an OpenAI-compatible server instead
+(trtprompt.bench.openai_client), one keep-alive connection per worker.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from trtprompt.bench.openai_client import OpenAIClient, served_model
 from trtprompt.bench.workloads import BenchRequest, Workload
 from trtprompt.client import PERF_OUTPUTS, LLMClient, StreamResult, text_inputs
 
 METRIC_PREFIXES = ("nv_trt_llm_", "trtprompt_", "nv_inference_")
+APIS = ("triton", "openai")
 _SERIES = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)$")
 
 
@@ -130,7 +134,7 @@ def _record(req: BenchRequest, start_s: float, result: StreamResult | None, erro
         rec.itl_s = [b - a for a, b in zip(result.times, result.times[1:])]
     rec.num_input_tokens = result.last("num_input_tokens")
     rec.num_output_tokens = result.last("num_output_tokens")
-    rec.perf = {k: v for k in PERF_OUTPUTS if (v := result.last(k)) is not None}
+    rec.perf = {k: v for k in (*PERF_OUTPUTS, "cached_tokens") if (v := result.last(k)) is not None}
     return rec
 
 
@@ -138,8 +142,8 @@ class _Phase:
     """One batch of requests sent under one LoadSpec; workers share it."""
 
     def __init__(self, url: str, model: str, load: LoadSpec, requests: Sequence[BenchRequest],
-                 done: dict[int, threading.Event], on_done: Callable[[], None]) -> None:
-        self.url, self.model, self.load, self.requests = url, model, load, requests
+                 done: dict[int, threading.Event], on_done: Callable[[], None], api: str = "triton") -> None:
+        self.url, self.model, self.load, self.requests, self.api = url, model, load, requests, api
         self.done, self.on_done = done, on_done
         self.jobs: queue.Queue[BenchRequest | None] = queue.Queue()
         self.records: list[RequestRecord] = []
@@ -154,17 +158,26 @@ class _Phase:
                            exclude_input_in_output=True, return_perf_metrics=True,
                            return_num_input_tokens=True, return_num_output_tokens=True)
 
-    def send(self, client: LLMClient, req: BenchRequest) -> tuple[LLMClient, RequestRecord]:
+    def new_client(self) -> Any:
+        if self.api == "openai":
+            return OpenAIClient(self.url, self.model, self.load.timeout_s)
+        return LLMClient(self.url)
+
+    def send(self, client: Any, req: BenchRequest) -> tuple[Any, RequestRecord]:
         start = time.perf_counter() - self.t0
         try:
-            result = client.infer(self.model, self.inputs(req), self.load.timeout_s, request_id=uuid.uuid4().hex)
+            if self.api == "openai":
+                result = client.infer(req, self.load.ignore_eos)
+            else:
+                result = client.infer(self.model, self.inputs(req), self.load.timeout_s,
+                                      request_id=uuid.uuid4().hex)
             return client, _record(req, start, result, None)
         except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
             # Late responses of this request would confuse the next one on this stream.
             client.close(cancel=True)
-            return LLMClient(self.url), _record(req, start, None, f"{type(exc).__name__}: {exc}")
+            return self.new_client(), _record(req, start, None, f"{type(exc).__name__}: {exc}")
 
-    def worker(self, client: LLMClient) -> None:
+    def worker(self, client: Any) -> None:
         try:
             while (req := self.jobs.get()) is not None:
                 if self.deadline is not None and time.perf_counter() > self.deadline:
@@ -203,7 +216,7 @@ class _Phase:
 
     def run(self) -> float:
         # Streams are opened before the clock starts: connecting is not part of the load.
-        clients = [LLMClient(self.url) for _ in range(min(self.load.workers, max(1, len(self.requests))))]
+        clients = [self.new_client() for _ in range(min(self.load.workers, max(1, len(self.requests))))]
         workers = [threading.Thread(target=self.worker, args=(c,), name=f"bench-worker-{i}", daemon=True)
                    for i, c in enumerate(clients)]
         self.t0 = time.perf_counter()
@@ -218,8 +231,12 @@ class _Phase:
 
 
 def run_load(url: str, workload: Workload, load: LoadSpec, metrics_url: str | None = None,
-             model: str = "ensemble", progress: bool = True, settle_s: float = 0.35) -> RunResult:
+             model: str = "ensemble", progress: bool = True, settle_s: float = 0.35,
+             api: str = "triton") -> RunResult:
     """Warm up, scrape /metrics, send the measured requests, scrape again.
+
+    api: "triton" (gRPC streaming to `model`) or "openai" (url is an OpenAI-compatible
+    endpoint; model "ensemble" means the first model its /v1/models lists).
 
     settle_s: the server publishes engine stats every stats_check_period_ms
     (100 ms by default); waiting a few periods lets /metrics catch up.
@@ -232,17 +249,21 @@ def run_load(url: str, workload: Workload, load: LoadSpec, metrics_url: str | No
     if not measured:
         raise ValueError(f"the workload has {len(workload.requests)} requests: none left after "
                          f"{load.warmup} warm-up request(s)")
+    if api not in APIS:
+        raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
+    if api == "openai" and model == "ensemble":
+        model = served_model(url)
     done = {r.index: threading.Event() for r in workload.requests}
     if warm:
         warm_load = LoadSpec(concurrency=min(load.workers, len(warm)), warmup=0, timeout_s=load.timeout_s,
                              ignore_eos=load.ignore_eos)
-        _Phase(url, model, warm_load, warm, done, lambda: None).run()
+        _Phase(url, model, warm_load, warm, done, lambda: None, api).run()
     if metrics_url is not None:
         time.sleep(settle_s)
     before = scrape_metrics(metrics_url)
     bar = tqdm(total=len(measured), desc=f"{workload.name} {load.label}", unit="req",
                disable=not progress, leave=False)
-    phase = _Phase(url, model, load, measured, done, lambda: bar.update(1))
+    phase = _Phase(url, model, load, measured, done, lambda: bar.update(1), api)
     wall = phase.run()
     bar.close()
     if metrics_url is not None:

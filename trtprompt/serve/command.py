@@ -9,20 +9,24 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from trtprompt.serve.launcher import Ports, Server, serve_forever
-from trtprompt.serve.options import EngineInfo, resolve_options
+from trtprompt.serve.options import EngineInfo, OpenAIOptions, resolve_options
 from trtprompt.serve.repository import RepoContext, write_repository
 
 
 def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
               repo_only: Path | None = None, run_dir: Path | None = None,
               ready_timeout_s: float = 120.0, restart: bool = True,
-              echo: Callable[[str], None] = print) -> int:
+              echo: Callable[[str], None] = print, openai: OpenAIOptions | None = None) -> int:
     """Serve ENGINE_DIR until SIGINT/SIGTERM; or, with repo_only, write the repository and return.
+
+    openai: also run the OpenAI-compatible front end (trtprompt.serve.openai) on its port.
 
     Raises ValueError for an engine or options that cannot be served.
     """
     engine = EngineInfo.read(engine_dir)
     options = resolve_options(engine, overrides)
+    if openai is not None:
+        openai.check_ports({"gRPC": ports.grpc, "HTTP": ports.http, "metrics": ports.metrics})
     if repo_only is not None:
         root = Path(repo_only).resolve()
         path = write_repository(root, RepoContext(engine, options, str(root / "engine.sock")))
@@ -35,7 +39,7 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
 
         return serve_trtllm(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s, echo=echo)
     server = Server(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s,
-                    restart_engine=restart, log=echo)
+                    restart_engine=restart, log=echo, openai=openai)
     return serve_forever(server)
 
 

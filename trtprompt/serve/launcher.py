@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from trtprompt.serve import protocol as P
-from trtprompt.serve.options import EngineInfo, ServeOptions
+from trtprompt.serve.options import EngineInfo, OpenAIOptions, ServeOptions
 from trtprompt.serve.repository import RepoContext, write_repository
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
@@ -174,8 +174,10 @@ class Server:
 
     def __init__(self, engine: EngineInfo, options: ServeOptions, ports: Ports,
                  run_dir: Path | None = None, ready_timeout_s: float = 120.0,
-                 restart_engine: bool = True, log: Callable[[str], None] = print) -> None:
+                 restart_engine: bool = True, log: Callable[[str], None] = print,
+                 openai: OpenAIOptions | None = None) -> None:
         self.engine, self.options, self.ports = engine, options, ports
+        self.openai, self.openai_proc = openai, None  # the OpenAI front end (trtprompt.serve.openai)
         self.ready_timeout_s, self.restart_engine, self.log = ready_timeout_s, restart_engine, log
         self._own_run_dir = run_dir is None
         self.run_dir = Path(tempfile.mkdtemp(prefix="trtprompt-serve-")) if run_dir is None else Path(run_dir)
@@ -240,6 +242,17 @@ class Server:
         raise LaunchError(f"tritonserver's models were not ready within {self.ready_timeout_s:.0f}s; "
                           f"{self.triton_log}:\n{log_tail(self.triton_log)}")
 
+    def start_openai(self) -> None:
+        if self.openai is None:
+            return
+        from trtprompt.serve.openai.process import FrontendError, start_frontend
+
+        try:
+            self.openai_proc = start_frontend(self.openai, self.engine.path, self.ports.host, self.ports.local_host,
+                                              self.ports.grpc, self.run_dir, self._spawn, self.ready_timeout_s)
+        except FrontendError as exc:
+            raise LaunchError(str(exc)) from None
+
     def model_names(self) -> list[str]:
         return sorted(p.parent.name for p in self.repo.glob("*/config.pbtxt"))
 
@@ -249,6 +262,7 @@ class Server:
             self.write_repository()
             self.start_engine()
             self.start_triton()
+            self.start_openai()
         except BaseException:
             self.stop()
             raise
@@ -259,6 +273,10 @@ class Server:
             if self.triton_proc is not None and self.triton_proc.poll() is not None:
                 self.log(f"tritonserver exited with code {self.triton_proc.returncode}:\n"
                          f"{log_tail(self.triton_log)}")
+                return 1
+            if self.openai_proc is not None and self.openai_proc.poll() is not None:
+                self.log(f"the OpenAI front end exited with code {self.openai_proc.returncode}:\n"
+                         f"{log_tail(self.run_dir / 'openai.log')}")
                 return 1
             if self.engine_proc is not None and self.engine_proc.poll() is not None:
                 code = self.engine_proc.returncode
@@ -281,6 +299,7 @@ class Server:
     def stop(self) -> None:
         """Triton first (it drains the models), then the engine; no child is left."""
         self._stop.set()
+        _stop_process(self.openai_proc, 10.0)
         _stop_process(self.triton_proc, 20.0)
         _stop_process(self.engine_proc, 10.0)
         if self._own_run_dir:
@@ -298,6 +317,8 @@ def _cli_name() -> str:
 
 def serve_forever(server: Server) -> int:
     """Run until SIGINT/SIGTERM (or a fatal failure); returns the exit code."""
+    from trtprompt.serve.openai.process import banner as openai_banner
+
     previous = {sig: signal.signal(sig, lambda *_: server.request_stop())
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -308,7 +329,8 @@ def serve_forever(server: Server) -> int:
             f"  gRPC    {p.host}:{p.grpc}\n  HTTP    {p.host}:{p.http}\n"
             f"  metrics http://{p.local_host}:{p.metrics}/metrics\n"
             f"  logs    {server.run_dir}\n"
-            f"  try:    {_cli_name()} infer \"Hello\" --url {p.local_host}:{p.grpc}")
+            f"  try:    {_cli_name()} infer \"Hello\" --url {p.local_host}:{p.grpc}"
+            + (f"\n{openai_banner(server.openai, p.local_host, server.engine.path.name)}" if server.openai else ""))
         return server.watch()
     except LaunchError as exc:
         server.log(f"trtprompt serve: {exc}")

@@ -136,3 +136,26 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
                          f"max_beam_width ({beam})")
     if engine.target == "torch" and opts.max_beam_width != 1:
         raise ValueError("max_beam_width must be 1 for the torch target (no beam search)")
+
+
+DEFAULT_OPENAI_PORT = 8003  # next to Triton's 8000 (HTTP), 8001 (gRPC), 8002 (metrics)
+
+
+@dataclass(frozen=True)
+class OpenAIOptions:
+    """The OpenAI-compatible front end `serve` runs beside tritonserver (trtprompt.serve.openai)."""
+
+    port: int = DEFAULT_OPENAI_PORT
+    api_key: str | None = None  # None: no authentication
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"openai port must be in [1, 65535], got {self.port!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it unset for no authentication)")
+
+    def check_ports(self, others: Mapping[str, int]) -> None:
+        """Refuse a port that Triton already uses."""
+        for name, port in others.items():
+            if port == self.port:
+                raise ValueError(f"--openai-port {self.port} is already the {name} port; pick another")

@@ -1,0 +1,3 @@
+from trtprompt.serve.openai.server import main
+
+raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""The Starlette application: routes, authentication, errors, streaming.
+
+A streamed request is started and its first response awaited before any
+HTTP header is sent, so a refused request (bad input, queue full, engine
+restarting) still gets its proper status code; an error after that arrives as
+an SSE event carrying the error object, followed by `data: [DONE]`. A client
+that goes away closes the Triton call (streaming: Starlette cancels the
+response; non-streaming: a watcher sees the disconnect), which cancels the
+engine request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from trtprompt.serve.openai import responses as R
+from trtprompt.serve.openai.config import FrontendConfig
+from trtprompt.serve.openai.errors import APIError, bad_request, unauthorized
+from trtprompt.serve.openai.params import Generation, parse_request
+from trtprompt.serve.openai.triton import Piece, TritonEnsemble
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the log does
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=dict(exc.headers))
+
+
+def _authorize(request: Request, cfg: FrontendConfig) -> None:
+    if cfg.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+    if not hmac.compare_digest(token.strip().encode("utf-8"), cfg.api_key.encode("utf-8")):
+        raise unauthorized("incorrect API key")
+
+
+async def _body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
+
+
+async def health(request: Request) -> Response:
+    ok = await request.app.state.triton.ready()
+    return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+
+async def models(request: Request) -> Response:
+    cfg: FrontendConfig = request.app.state.cfg
+    _authorize(request, cfg)
+    card = {"id": cfg.limits.name, "object": "model", "created": request.app.state.started, "owned_by": "trtprompt",
+            "max_model_len": cfg.limits.max_model_len}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, "completion")
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, "chat")
+
+
+async def _generate(request: Request, kind: str) -> Response:
+    cfg: FrontendConfig = request.app.state.cfg
+    _authorize(request, cfg)
+    gen = parse_request(kind, await _body(request), cfg.limits)
+    triton: TritonEnsemble = request.app.state.triton
+    pieces = triton.generate(await triton.inputs_for(gen))
+    env = R.Envelope(kind, cfg.limits.name)
+    if not gen.stream:
+        tally = await _collect_unless_gone(request, pieces)
+        if tally is None:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(R.full_response(env, gen, tally, cfg.tokens_per_block))
+    try:
+        first = await pieces.__anext__()
+    except StopAsyncIteration:
+        first = None
+    return StreamingResponse(_events(env, gen, first, pieces, cfg.tokens_per_block),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _collect_unless_gone(request: Request, pieces: AsyncIterator[Piece]) -> R.Tally | None:
+    """All pieces of a non-streamed request, or None (request cancelled) if the client went away."""
+    async def collect() -> R.Tally:
+        tally = R.Tally()
+        async for piece in pieces:
+            tally.add(piece)
+        return tally
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # closes the gRPC call: the engine request is aborted
+    return work.result() if not work.cancelled() else None
+
+
+async def _events(env: R.Envelope, gen: Generation, first: Piece | None, pieces: AsyncIterator[Piece],
+                  tokens_per_block: int | None) -> AsyncIterator[bytes]:
+    tally = R.Tally()
+    try:
+        if first is not None:
+            tally.add(first)
+            yield R.chunk(env, gen, first.text, first=True)
+        async for piece in pieces:
+            tally.add(piece)
+            if piece.text:
+                yield R.chunk(env, gen, piece.text, first=False)
+        yield R.chunk(env, gen, None, tally.finish_reason(gen.max_tokens), first=first is None)
+        if gen.include_usage:
+            yield R.usage_chunk(env, tally, tokens_per_block)
+    except APIError as exc:
+        yield R.sse(exc.body())
+    finally:
+        await pieces.aclose()  # cancelled mid-stream (client gone): cancels the Triton call now
+    yield R.DONE
+
+
+async def _api_error(_request: Request, exc: Any) -> Response:
+    return error_response(exc)
+
+
+async def _http_error(_request: Request, exc: Any) -> Response:
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(APIError(exc.status_code, str(exc.detail), kind))
+
+
+async def _internal_error(_request: Request, exc: Exception) -> Response:
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+
+def create_app(cfg: FrontendConfig) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        app.state.triton = TritonEnsemble(cfg.grpc_url, cfg.triton_model)  # needs the running loop
+        try:
+            yield
+        finally:
+            await app.state.triton.close()
+
+    routes = [Route("/health", health), Route("/v1/models", models),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={APIError: _api_error, HTTPException: _http_error,
+                                        Exception: _internal_error})
+    app.state.cfg = cfg
+    app.state.started = int(time.time())
+    return app

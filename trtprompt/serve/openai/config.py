@@ -1,0 +1,40 @@
+"""What one OpenAI front end serves and where it finds Triton."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from trtprompt.serve.openai.params import ModelLimits
+from trtprompt.serve.options import EngineInfo
+
+API_KEY_ENV = "TRTPROMPT_API_KEY"
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    grpc_url: str  # tritonserver's gRPC address, host:port
+    limits: ModelLimits
+    tokens_per_block: int | None  # cached_tokens = reused blocks x this
+    api_key: str | None = None  # None: no authentication
+    triton_model: str = "ensemble"
+
+    def __post_init__(self) -> None:
+        if not self.grpc_url or ":" not in self.grpc_url:
+            raise ValueError(f"grpc_url must be host:port, got {self.grpc_url!r}")
+        if self.limits.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.limits.max_model_len}")
+        if self.tokens_per_block is not None and self.tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be >= 1, got {self.tokens_per_block}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it unset for no authentication)")
+
+    @classmethod
+    def for_engine(cls, engine_dir: str | Path, grpc_url: str, api_key: str | None = None,
+                   name: str | None = None) -> "FrontendConfig":
+        """The served model's name (the engine directory's), max_model_len and block size, read once."""
+        engine = EngineInfo.read(engine_dir)
+        build = engine.build_config
+        tpb = engine.plugin_config.get("tokens_per_block", build.get("tokens_per_block"))
+        limits = ModelLimits(name or engine.path.name, int(build["max_seq_len"]))
+        return cls(grpc_url, limits, int(tpb) if tpb is not None else None, api_key)

@@ -1,0 +1,290 @@
+"""Parse and check an OpenAI request body into what the `ensemble` model takes.
+
+Strict by design: a parameter this server cannot honour (n > 1, logprobs,
+tools, a response_format other than text, best_of, ...) is refused with a 400
+naming it, and so is a field no OpenAI API defines, as OpenAI does itself.
+Bounds are OpenAI's documented ones where OpenAI defines the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from trtprompt.serve.openai.errors import APIError, bad_request
+
+# Parameters with no effect on the output that clients commonly send.
+METADATA_FIELDS = ("user", "metadata", "store", "service_tier")
+COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
+                 "frequency_penalty", "stream", "stream_options", "top_k", "min_tokens", "repetition_penalty",
+                 "ignore_eos", "cache_salt", "n", "logprobs", "logit_bias", "best_of") + METADATA_FIELDS
+COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "suffix")
+CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "functions", "function_call", "parallel_tool_calls", "response_format")
+# OpenAI's bounds for the parameters it defines (closed intervals).
+BOUNDS: dict[str, tuple[float, float]] = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0),
+                                          "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
+DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # completions: OpenAI's default; both capped by the engine
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What validation needs to know about the served model."""
+
+    name: str
+    max_model_len: int  # the engine's max_seq_len
+
+    @property
+    def max_output_len(self) -> int:
+        return self.max_model_len - 1
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One checked request: the ensemble inputs plus how to answer."""
+
+    kind: str  # "completion" | "chat"
+    prompt: str | None
+    messages_json: str | None
+    max_tokens: int
+    sampling: tuple[tuple[str, Any], ...]  # ensemble input name -> value, only those to send
+    stop: tuple[str, ...]
+    cache_salt: str | None
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(kind: str, body: Any, limits: ModelLimits) -> Generation:
+    """Generation for a /v1/completions ('completion') or /v1/chat/completions ('chat') body."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, "invalid_json")
+    _check_fields(kind, body)
+    _check_model(body, limits)
+    _refuse_unsupported(kind, body)
+    prompt, messages = (_prompt(body), None) if kind == "completion" else (None, _messages(body))
+    max_tokens = _max_tokens(kind, body, limits)
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    return Generation(kind, prompt, messages, max_tokens, _sampling(body, max_tokens), _stop(body),
+                      _salt(body), stream, _include_usage(options))
+
+
+def _check_fields(kind: str, body: Mapping[str, Any]) -> None:
+    known = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise bad_request(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0],
+                          "unrecognized_argument")
+
+
+def _check_model(body: Mapping[str, Any], limits: ModelLimits) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request(f"'model' is required: this server serves {limits.name!r}", "model")
+    if model != limits.name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {limits.name!r}",
+                       "invalid_request_error", "model", "model_not_found")
+
+
+def _unsupported(param: str, value: Any, why: str) -> None:
+    raise bad_request(f"{param}={json.dumps(value)} is not supported: {why}", param, "unsupported_parameter")
+
+
+def _refuse_unsupported(kind: str, body: Mapping[str, Any]) -> None:
+    """Parameters that would change the answer in a way this server cannot: 400, never ignored."""
+    for param in ("n", "best_of"):
+        value = body.get(param)
+        if value is not None and value != 1:
+            _unsupported(param, value, "one completion per request (send several requests)")
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False) or body.get("top_logprobs") is not None:
+        _unsupported("logprobs" if logprobs not in (None, False) else "top_logprobs",
+                     logprobs if logprobs not in (None, False) else body["top_logprobs"],
+                     "the engine returns no log probabilities")
+    if body.get("logit_bias"):
+        _unsupported("logit_bias", body["logit_bias"], "the engine takes no per-token logit bias")
+    if body.get("echo"):
+        _unsupported("echo", body["echo"], "the prompt is not returned with the completion")
+    if body.get("suffix"):
+        _unsupported("suffix", body["suffix"], "no insertion (fill-in-the-middle) mode")
+    for param in ("tools", "functions"):
+        if body.get(param):
+            _unsupported(param, "[...]", "no tool or function calling")
+    for param in ("tool_choice", "function_call"):
+        if body.get(param) not in (None, "none"):
+            _unsupported(param, body[param], "no tool or function calling")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        _unsupported("response_format", fmt, "only {\"type\": \"text\"}: no JSON mode or schema")
+
+
+def _prompt(body: Mapping[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # the openai client may send a list of one
+    if isinstance(prompt, list):
+        raise bad_request("'prompt' must be one string: batches of prompts and token-id prompts are not "
+                          "supported (send one request per prompt)", "prompt", "unsupported_parameter")
+    if not isinstance(prompt, str) or not prompt:
+        raise bad_request("'prompt' is required and must be a non-empty string", "prompt")
+    return prompt
+
+
+def _messages(body: Mapping[str, Any]) -> str:
+    """The chat as the ensemble's `messages` input (JSON list of {role, content})."""
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("'messages' is required and must be a non-empty list", "messages")
+    return json.dumps([_message(m, i) for i, m in enumerate(raw)], ensure_ascii=False)
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad_request(f"{where} must be an object with 'role' and 'content'", where)
+    role = CHAT_ROLES.get(m.get("role"))  # type: ignore[arg-type]
+    if role is None:
+        raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}",
+                          f"{where}.role")
+    if m.get("tool_calls") or m.get("function_call"):
+        raise bad_request(f"{where}: tool calls are not supported", f"{where}.tool_calls",
+                          "unsupported_parameter")
+    return {"role": role, "content": _content(m.get("content"), where)}
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text parts
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                  "are supported", f"{where}.content", "unsupported_parameter")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+
+
+def _int(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{name} must be an integer, got {json.dumps(value)}", name)
+    return value
+
+
+def _float(body: Mapping[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"{name} must be a number, got {json.dumps(value)}", name)
+    if name in BOUNDS:
+        low, high = BOUNDS[name]
+        if not low <= value <= high:
+            raise bad_request(f"{name} must be in [{low:g}, {high:g}], got {value:g}", name)
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be true or false, got {json.dumps(value)}", name)
+    return value
+
+
+def _max_tokens(kind: str, body: Mapping[str, Any], limits: ModelLimits) -> int:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = _int(body, name)
+    bound = limits.max_output_len
+    if value is None:
+        return min(DEFAULT_MAX_TOKENS[kind], bound)
+    if not 1 <= value <= bound:
+        raise bad_request(f"{name} must be in [1, {bound}] (the model's max_model_len {limits.max_model_len} "
+                          f"- 1), got {value}", name)
+    return value
+
+
+def _sampling(body: Mapping[str, Any], max_tokens: int) -> tuple[tuple[str, Any], ...]:
+    """Ensemble sampling inputs, following OpenAI's semantics (see docs/openai.md):
+    temperature defaults to 1 and samples from the whole distribution, so
+    top_p=1 is sent unless top_k/top_p say otherwise; temperature 0 is greedy."""
+    out: dict[str, Any] = {}
+    temperature = _float(body, "temperature")
+    top_p, top_k = _float(body, "top_p"), _int(body, "top_k")
+    out["temperature"] = 1.0 if temperature is None else temperature
+    if top_k is not None and top_k not in (-1, 0):  # -1 / 0: no top-k (vLLM's convention)
+        if top_k < 1:
+            raise bad_request(f"top_k must be -1, 0 or a positive integer, got {top_k}", "top_k")
+        out["top_k"] = top_k
+    if top_p is not None or ("top_k" not in out and out["temperature"] > 0):
+        out["top_p"] = 1.0 if top_p is None else top_p
+    seed = _int(body, "seed")
+    if seed is not None:
+        if not 0 <= seed < 2**64:
+            raise bad_request(f"seed must be in [0, 2**64 - 1], got {seed}", "seed")
+        out["seed"] = seed
+    for name in ("presence_penalty", "frequency_penalty"):
+        if (value := _float(body, name)) is not None:
+            out[name] = value
+    out.update(_extensions(body, max_tokens))
+    return tuple(out.items())
+
+
+def _extensions(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
+    """vLLM's common extensions: repetition_penalty, min_tokens, ignore_eos."""
+    out: dict[str, Any] = {}
+    rep = _float(body, "repetition_penalty")
+    if rep is not None:
+        if rep <= 0:
+            raise bad_request(f"repetition_penalty must be > 0, got {rep:g}", "repetition_penalty")
+        out["repetition_penalty"] = rep
+    min_tokens = _int(body, "min_tokens")
+    if min_tokens is not None:
+        if not 0 <= min_tokens <= max_tokens:
+            raise bad_request(f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}", "min_tokens")
+        out["min_tokens"] = min_tokens
+    # The ensemble has no ignore_eos input; min_tokens = max_tokens keeps EOS from ending the
+    # request (stop strings still do), which is what ignore_eos means.
+    if _bool(body, "ignore_eos", False):
+        out["min_tokens"] = max_tokens
+    return out
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    words = [stop] if isinstance(stop, str) else stop
+    if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
+        raise bad_request("stop must be a non-empty string or a list of non-empty strings", "stop")
+    return tuple(words)
+
+
+def _salt(body: Mapping[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+    return salt
+
+
+def _include_usage(options: Any) -> bool:
+    if options is None:
+        return False
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise bad_request("stream_options accepts only include_usage", "stream_options")
+    if options.get("continuous_usage_stats"):
+        _unsupported("stream_options.continuous_usage_stats", True, "usage comes with the last chunk only")
+    value = options.get("include_usage", False)
+    if not isinstance(value, bool):
+        raise bad_request("stream_options.include_usage must be true or false", "stream_options")
+    return value

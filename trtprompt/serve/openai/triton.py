@@ -1,0 +1,148 @@
+"""Talk to Triton's `ensemble` model with Triton's own gRPC API, asynchronously.
+
+One gRPC channel per front end; each request is its own bidirectional
+`ModelStreamInfer` call (decoupled models answer only through streaming,
+docs/openai.md), sent with `triton_enable_empty_final_response` so the end of
+every request is seen whether the final flag rides on the last data response
+or on an empty one. Cancelling the call (a client that went away) cancels the
+request in Triton, and the fused ensemble then aborts the engine request and
+frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+import grpc
+import numpy as np
+from tritonclient.grpc import InferInput, InferResult, service_pb2, service_pb2_grpc
+from tritonclient.grpc._utils import _get_inference_request  # the request builder tritonclient itself uses
+
+from trtprompt.client import text_inputs
+from trtprompt.serve.openai.errors import APIError, from_triton, unavailable
+from trtprompt.serve.openai.params import Generation
+
+MAX_MESSAGE_BYTES = 2**31 - 1
+# Always asked for when the ensemble declares them: usage and cached tokens come from these.
+REPORTING_INPUTS = ("return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One data response of the ensemble."""
+
+    text: str
+    num_input_tokens: int | None
+    num_output_tokens: int | None
+    reused_blocks: int | None
+
+
+def _scalar(result: InferResult, name: str) -> int | None:
+    arr = result.as_numpy(name)
+    return None if arr is None else int(np.asarray(arr).reshape(-1)[0])
+
+
+def _piece(result: InferResult) -> Piece | None:
+    arr = result.as_numpy("text_output")
+    if arr is None:
+        return None  # the empty final response
+    value = np.asarray(arr).reshape(-1)[0]
+    text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    return Piece(text, _scalar(result, "num_input_tokens"), _scalar(result, "num_output_tokens"),
+                 _scalar(result, "kv_cache_reused_blocks"))
+
+
+def _rpc_error(exc: grpc.aio.AioRpcError) -> APIError:
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return unavailable(f"tritonserver is unavailable: {exc.details()}")
+    return from_triton(exc.details() or str(exc.code()))
+
+
+class TritonEnsemble:
+    """The `ensemble` model of one tritonserver; create inside the running event loop."""
+
+    def __init__(self, url: str, model: str = "ensemble") -> None:
+        self.model = model
+        self._channel = grpc.aio.insecure_channel(url, options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._inputs: frozenset[str] | None = None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def ready(self) -> bool:
+        try:
+            reply = await self._stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(reply.ready)
+
+    async def declared_inputs(self) -> frozenset[str]:
+        """The ensemble's input names, read once (layouts differ: upstream lacks `messages`)."""
+        if self._inputs is None:
+            try:
+                meta = await self._stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=self.model),
+                                                      timeout=10.0)
+            except grpc.aio.AioRpcError as exc:
+                raise _rpc_error(exc) from None
+            self._inputs = frozenset(t.name for t in meta.inputs)
+        return self._inputs
+
+    async def inputs_for(self, gen: Generation) -> list[InferInput]:
+        declared = await self.declared_inputs()
+        if gen.messages_json is not None and "messages" not in declared:
+            raise APIError(400, f"this server's {self.model!r} model has no 'messages' input (the upstream "
+                           "layout or the trtllm target): use /v1/completions", "invalid_request_error",
+                           "messages", "unsupported_parameter")
+        if gen.cache_salt is not None and "cache_salt" not in declared:
+            raise APIError(400, f"this server's {self.model!r} model has no 'cache_salt' input",
+                           "invalid_request_error", "cache_salt", "unsupported_parameter")
+        optional: dict[str, Any] = dict(gen.sampling)
+        optional.update(exclude_input_in_output=True, messages=gen.messages_json, cache_salt=gen.cache_salt)
+        optional.update({name: True for name in REPORTING_INPUTS})
+        inputs = text_inputs(gen.prompt or "", gen.max_tokens, gen.stream,
+                             **{k: v for k, v in optional.items() if k in declared})
+        if gen.stop:
+            words = InferInput("stop_words", [1, len(gen.stop)], "BYTES")
+            words.set_data_from_numpy(np.array([[w.encode("utf-8") for w in gen.stop]], dtype=object))
+            inputs.append(words)
+        return inputs
+
+    async def generate(self, inputs: Sequence[InferInput]) -> AsyncIterator[Piece]:
+        """Data responses of one request until its final one; APIError on an error.
+
+        Closing the iterator early (the HTTP client went away) cancels the call.
+        """
+        request = _get_inference_request(model_name=self.model, inputs=list(inputs), model_version="",
+                                         request_id=uuid.uuid4().hex, outputs=None, sequence_id=0,
+                                         sequence_start=False, sequence_end=False, priority=0, timeout=None,
+                                         parameters=None)
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
+        finished = asyncio.Event()
+
+        async def requests() -> AsyncIterator[Any]:
+            yield request
+            await finished.wait()  # keep our side open until the last response arrived
+
+        call = self._stub.ModelStreamInfer(requests())
+        try:
+            async for response in call:
+                if response.error_message:
+                    raise from_triton(response.error_message)
+                result = InferResult(response.infer_response)
+                piece = _piece(result)
+                if piece is not None:
+                    yield piece
+                if response.infer_response.parameters["triton_final_response"].bool_param:
+                    return
+            raise unavailable("tritonserver closed the stream before the final response")
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc) from None
+        finally:
+            finished.set()
+            call.cancel()  # no-op after a finished call; aborts the request otherwise
