@@ -16,7 +16,7 @@ import hmac
 import json
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -30,6 +30,7 @@ from trtprompt.serve.openai.errors import APIError, bad_request, unauthorized
 from trtprompt.serve.openai.params import Generation, parse_request
 from trtprompt.serve.openai.triton import Piece, TritonEnsemble
 
+T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the log does
 
 
@@ -83,44 +84,53 @@ async def _generate(request: Request, kind: str) -> Response:
     pieces = triton.generate(await triton.inputs_for(gen))
     env = R.Envelope(kind, cfg.limits.name)
     if not gen.stream:
-        tally = await _collect_unless_gone(request, pieces)
+        tally = await _unless_gone(request, _collect(pieces))
         if tally is None:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(R.full_response(env, gen, tally, cfg.tokens_per_block))
-    try:
-        first = await pieces.__anext__()
-    except StopAsyncIteration:
-        first = None
+    first = await _unless_gone(request, _first(pieces))  # queued requests wait here: watch the client
+    if first is None:
+        return Response(status_code=CLIENT_CLOSED)
     return StreamingResponse(_events(env, gen, first, pieces, cfg.tokens_per_block),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _collect_unless_gone(request: Request, pieces: AsyncIterator[Piece]) -> R.Tally | None:
-    """All pieces of a non-streamed request, or None (request cancelled) if the client went away."""
-    async def collect() -> R.Tally:
-        tally = R.Tally()
-        async for piece in pieces:
-            tally.add(piece)
-        return tally
+async def _collect(pieces: AsyncIterator[Piece]) -> R.Tally:
+    tally = R.Tally()
+    async for piece in pieces:
+        tally.add(piece)
+    return tally
 
+
+async def _first(pieces: AsyncIterator[Piece]) -> tuple[Piece | None]:
+    """The first data response (in a 1-tuple, so None can mean "the client went away")."""
+    try:
+        return (await pieces.__anext__(),)
+    except StopAsyncIteration:
+        return (None,)
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
+    """work's result, or None if the client disconnected first (work is then cancelled, which
+    closes the Triton call: the engine request is aborted)."""
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(gone())
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not work.done():
-            work.cancel()  # closes the gRPC call: the engine request is aborted
-    return work.result() if not work.cancelled() else None
+        if not task.done():
+            task.cancel()
+    return task.result() if not task.cancelled() else None
 
 
-async def _events(env: R.Envelope, gen: Generation, first: Piece | None, pieces: AsyncIterator[Piece],
+async def _events(env: R.Envelope, gen: Generation, head: tuple[Piece | None], pieces: AsyncIterator[Piece],
                   tokens_per_block: int | None) -> AsyncIterator[bytes]:
-    tally = R.Tally()
+    tally, (first,) = R.Tally(), head
     try:
         if first is not None:
             tally.add(first)

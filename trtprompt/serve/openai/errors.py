@@ -21,6 +21,7 @@ _TRITON_MESSAGES: tuple[tuple[str, int, str, str], ...] = (
     ("exceeds maximum queue size", 429, "rate_limit_error", "queue_full"),  # Triton's own queue
     ("engine process unavailable", 503, "service_unavailable", "engine_unavailable"),
     ("engine process stopped", 503, "service_unavailable", "engine_unavailable"),
+    ("lost the engine process", 503, "service_unavailable", "engine_unavailable"),
     ("internal error", 500, "server_error", "internal_error"),
 )
 # Ensemble input names in error messages -> the OpenAI parameter they come from.

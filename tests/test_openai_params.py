@@ -1,0 +1,126 @@
+"""The OpenAI front end's request checks and error mapping (no server needed)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from trtprompt.serve.openai.errors import APIError, from_triton
+from trtprompt.serve.openai.params import ModelLimits, parse_request
+
+LIMITS = ModelLimits("tiny", 2048)
+
+
+def completion(**extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": "Hello"} | extra
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]} | extra
+
+
+def refused(kind: str, body: dict[str, Any]) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse_request(kind, body, LIMITS)
+    return info.value
+
+
+def test_greedy_and_openai_default_sampling() -> None:
+    greedy = parse_request("completion", completion(temperature=0, max_tokens=5), LIMITS)
+    assert dict(greedy.sampling) == {"temperature": 0.0}
+    assert (greedy.prompt, greedy.max_tokens, greedy.stream) == ("Hello", 5, False)
+    # OpenAI's default temperature 1 samples from the whole distribution: top_p=1 says so to the engine.
+    default = parse_request("completion", completion(), LIMITS)
+    assert dict(default.sampling) == {"temperature": 1.0, "top_p": 1.0}
+    assert default.max_tokens == 16
+    top_k = parse_request("completion", completion(temperature=0.7, top_k=5, seed=3), LIMITS)
+    assert dict(top_k.sampling) == {"temperature": 0.7, "top_k": 5, "seed": 3}
+
+
+def test_extensions_and_ignore_eos() -> None:
+    gen = parse_request("completion", completion(max_tokens=12, ignore_eos=True, repetition_penalty=1.2,
+                                                 presence_penalty=0.5, stop=["\n", "END"], cache_salt="t1"),
+                        LIMITS)
+    sampling = dict(gen.sampling)
+    assert sampling["min_tokens"] == 12 and sampling["repetition_penalty"] == 1.2
+    assert sampling["presence_penalty"] == 0.5
+    assert gen.stop == ("\n", "END") and gen.cache_salt == "t1"
+
+
+def test_chat_messages_and_stream_options() -> None:
+    body = chat(messages=[{"role": "developer", "content": "Be brief."},
+                          {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+                max_completion_tokens=7, stream=True, stream_options={"include_usage": True})
+    gen = parse_request("chat", body, LIMITS)
+    assert json.loads(gen.messages_json or "") == [{"role": "system", "content": "Be brief."},
+                                                   {"role": "user", "content": "Hi there"}]
+    assert (gen.max_tokens, gen.stream, gen.include_usage, gen.prompt) == (7, True, True, None)
+
+
+@pytest.mark.parametrize("kind, body, param", [
+    ("completion", completion(n=2), "n"),
+    ("completion", completion(best_of=3), "best_of"),
+    ("completion", completion(logprobs=1), "logprobs"),
+    ("completion", completion(echo=True), "echo"),
+    ("completion", completion(suffix="x"), "suffix"),
+    ("completion", completion(logit_bias={"5": 10}), "logit_bias"),
+    ("chat", chat(logprobs=True), "logprobs"),
+    ("chat", chat(top_logprobs=2), "top_logprobs"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    ("chat", chat(tool_choice="auto"), "tool_choice"),
+    ("chat", chat(response_format={"type": "json_object"}), "response_format"),
+    ("completion", completion(stream=True, stream_options={"continuous_usage_stats": True}),
+     "stream_options.continuous_usage_stats"),
+])
+def test_unsupported_parameters_are_refused(kind: str, body: dict[str, Any], param: str) -> None:
+    err = refused(kind, body)
+    assert (err.status, err.param, err.code) == (400, param, "unsupported_parameter")
+    assert "not supported" in err.message
+
+
+@pytest.mark.parametrize("body, param, text", [
+    (completion(max_tokens=0), "max_tokens", "max_tokens must be in [1, 2047] (the model's max_model_len 2048 - 1), got 0"),
+    (completion(max_tokens=2048), "max_tokens", "max_tokens must be in [1, 2047]"),
+    (completion(temperature=2.5), "temperature", "temperature must be in [0, 2], got 2.5"),
+    (completion(top_p=1.5), "top_p", "top_p must be in [0, 1], got 1.5"),
+    (completion(presence_penalty=-3), "presence_penalty", "presence_penalty must be in [-2, 2], got -3"),
+    (completion(max_tokens=4, min_tokens=5), "min_tokens", "min_tokens must be in [0, max_tokens=4], got 5"),
+    (completion(top_k=-5), "top_k", "top_k must be -1, 0 or a positive integer, got -5"),
+    (completion(seed=-1), "seed", "seed must be in [0, 2**64 - 1], got -1"),
+    (completion(max_tokens="8"), "max_tokens", 'max_tokens must be an integer, got "8"'),
+    (completion(stream=False, stream_options={"include_usage": True}), "stream_options", "only allowed when stream"),
+    (completion(prompt=""), "prompt", "'prompt' is required"),
+    (completion(prompt=["a", "b"]), "prompt", "batches of prompts"),
+    (completion(stop=[""]), "stop", "stop must be"),
+    (completion(frobnicate=1), "frobnicate", "unrecognized request argument(s): frobnicate"),
+    (chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role", "messages[0].role must be one of"),
+])
+def test_bounds_name_the_field(body: dict[str, Any], param: str, text: str) -> None:
+    err = refused("chat" if "messages" in body else "completion", body)
+    assert (err.status, err.param) == (400, param)
+    assert text in err.message
+    assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": param,
+                                    "code": err.code}}
+
+
+def test_unknown_model_is_404() -> None:
+    err = refused("completion", completion(model="gpt-4"))
+    assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
+
+
+@pytest.mark.parametrize("message, status, code", [
+    ("queue full: 64 requests already waiting (max_queue_size=64)", 429, "queue_full"),
+    ("engine process unavailable (it is not running or is restarting): [Errno 111]", 503, "engine_unavailable"),
+    ("the engine process stopped while generating (it is being restarted); retry the request", 503,
+     "engine_unavailable"),
+    ("lost the engine process: [Errno 104] Connection reset by peer", 503, "engine_unavailable"),
+    ("Prompt length (3000) exceeds maximum input length (2047)", 400, None),
+])
+def test_triton_errors_map_to_statuses(message: str, status: int, code: str | None) -> None:
+    err = from_triton(message)
+    assert (err.status, err.code, err.message) == (status, code, message)
+    assert ("Retry-After" in err.headers) == (status in (429, 503))
+    if status == 400:
+        assert err.param == "prompt"
