@@ -60,7 +60,7 @@ def model_config(path: Path) -> ModelConfig:
 def make_engine(path: Path, *, reuse: bool = True, chunked: bool = True, max_num_tokens: int = 256,
                 policy: str = "guaranteed_no_evict", kv_tokens: int = 4096, tokens_per_block: int = 8,
                 max_batch_size: int = 8, max_seq_len: int = 256, max_queue_size: int | None = None,
-                linear_backend: str = "reference") -> LLMEngine:
+                linear_backend: str = "reference", attention_backend: str = "auto") -> LLMEngine:
     mc = model_config(path)
     cfg = EngineConfig(
         model=mc,
@@ -70,6 +70,7 @@ def make_engine(path: Path, *, reuse: bool = True, chunked: bool = True, max_num
                                   max_seq_len=max_seq_len, enable_chunked_context=chunked,
                                   batch_scheduler_policy=policy, max_queue_size=max_queue_size),
         linear_backend=linear_backend,
+        attention_backend=attention_backend,
     )
     model = load_model_from_safetensors(path / "model.safetensors", mc, torch.float32,
                                         torch.device("cpu"), linear_backend)

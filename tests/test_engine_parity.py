@@ -86,6 +86,32 @@ def test_guaranteed_no_evict_never_preempts(arch_case):
     assert engine.stats().preemptions == 0
 
 
+@pytest.mark.parametrize("attention_backend", ["compiled", "torch", "reference"])
+def test_attention_backends_with_cascade_match_transformers(arch_case, attention_backend, monkeypatch):
+    """Sequences decoding over shared prefix blocks: cascade (forced on) + in-place kernel stay exact."""
+    from trtprompt.engine import attention_paged, cascade
+
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 1)
+    groups: list[int] = []
+    build = attention_paged.build
+
+    def counting_build(*args, **kwargs):
+        meta = build(*args, **kwargs)
+        groups.append(len(meta.groups))
+        return meta
+
+    monkeypatch.setattr(attention_paged, "build", counting_build)
+    path, prompts, expected = arch_case
+    engine = make_engine(path, chunked=True, max_num_tokens=512, attention_backend=attention_backend)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    assert run_to_completion(engine, prompts, params, check=check_block_refs) == expected
+    # The second wave starts from cached prefixes: its decodes share blocks and run as a cascade.
+    again = {f"{rid}-2": p for rid, p in prompts.items()}
+    assert run_to_completion(engine, again, params) == {f"{rid}-2": v for rid, v in expected.items()}
+    assert engine.runner.attention_backend == attention_backend
+    assert (max(groups, default=0) > 0) == (attention_backend != "reference")
+
+
 def test_onednn_backend_matches_reference(tmp_path_factory):
     path = make_hf_model(tmp_path_factory.mktemp("hf"), "llama")
     prompts = prompt_set(seed=7)

@@ -234,12 +234,12 @@ def test_reused_prefix_blocks_match_transformers(checkpoints, models, name: str)
 
 def test_split_decode_groups_and_query_chunks_match(checkpoints, models, monkeypatch) -> None:
     """The memory bounds (decode groups, masked-prefill query chunks) must not change results."""
-    import trtprompt.engine.attention as attention
+    import trtprompt.engine.attention_reference as attention
 
     monkeypatch.setattr(attention, "MAX_DECODE_GROUP_BLOCKS", 6)
     monkeypatch.setattr(attention, "PREFILL_QUERY_CHUNK", 8)
     seqs = [SeqSlice(20, 1, [0, 1, 2]), SeqSlice(3, 1, [3]), SeqSlice(9, 1, [4, 5]), SeqSlice(16, 20, [6, 7, 8, 9, 10])]
-    meta = build_attention_metadata(seqs, TPB, torch.device("cpu"))
+    meta = build_attention_metadata(seqs, TPB, torch.device("cpu"), backend="reference")
     assert [d.block_tables.shape for d in meta.decodes] == [(2, 3), (1, 1)]
     test_mixed_decodes_and_prefill_chunk(checkpoints, models, "llama", "reference")
 

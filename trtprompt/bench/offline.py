@@ -188,7 +188,7 @@ def _bare_forward_time(engine: LLMEngine) -> float:
 
     Rewrites the same K/V values into the same slots, so engine state is untouched.
     """
-    from trtprompt.engine.attention import SeqSlice, build_attention_metadata
+    from trtprompt.engine.attention import SeqSlice
 
     reqs = list(engine.requests.values())
     ids = torch.tensor([r.all_token_ids[-2] for r in reqs])
@@ -197,6 +197,6 @@ def _bare_forward_time(engine: LLMEngine) -> float:
     rows = torch.arange(len(slices))
     with torch.inference_mode():
         t0 = time.perf_counter()
-        meta = build_attention_metadata(slices, engine.kv.tokens_per_block, engine.device)
+        meta = engine.runner.metadata(slices)
         engine.runner.model(ids, pos, meta, engine.runner.kv_caches, rows)
         return time.perf_counter() - t0

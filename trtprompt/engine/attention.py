@@ -1,33 +1,39 @@
-"""Paged attention over packed tokens.
+"""Paged attention over packed tokens: the KV cache, one step's metadata, dispatch.
 
-A step's batch is the concatenation of each sequence's new tokens. Their
-K/V are written into the paged cache at their slots, then every new token
-attends to its own sequence's cached tokens plus the new ones up to itself.
+A step's batch is the concatenation of each sequence's new tokens. Their K/V
+are written into the paged cache at their slots, then every new token attends
+to its own sequence's cached tokens plus the new ones up to itself.
 
-All index tensors a step needs are built once in `build_attention_metadata`
-and shared by every layer. Decodes (one new token) run as ONE batched
-scaled_dot_product_attention over whole KV blocks gathered by block table,
-with a length mask; prefill chunks run one SDPA each (they are big, so the
-per-sequence call costs nothing next to their GEMMs).
+The cache is head-major, [blocks, kv_heads, tokens_per_block, head_size] per
+layer for K and for V, so one (block, kv head) is a contiguous run of rows.
+Index tensors a step needs are built once in `build_attention_metadata` and
+shared by every layer. Two implementations sit behind it:
+
+- attention_paged.py (default): decode reads blocks in place (compiled kernel,
+  or a pure-torch fallback), prefill chunks attend to their cached context and
+  their own tokens separately, and sequences sharing cached prefix blocks
+  attend to them once together (cascade); partial results merge exactly by
+  log-sum-exp.
+- attention_reference.py: gathers each sequence's blocks into a contiguous
+  copy and runs one masked SDPA per plan; the simple path tests compare with.
+
+Design and measurements: docs/design.md, "Attention".
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from trtprompt.engine.config import ModelConfig
+from trtprompt.engine.config import ATTENTION_BACKENDS, ModelConfig
+
+log = logging.getLogger(__name__)
 
 KvCache = tuple[torch.Tensor, torch.Tensor]
-
-# Bounds on per-layer temporaries: a decode group gathers at most this many
-# (padded) blocks; a masked prefill attends at most this many query rows at once
-# (SDPA turns a bool mask into a float one of [rows, keys]).
-MAX_DECODE_GROUP_BLOCKS = 2048
-PREFILL_QUERY_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -39,40 +45,18 @@ class SeqSlice:
     block_table: Sequence[int]  # block ids covering at least context_len + num_new_tokens tokens
 
 
-@dataclass(frozen=True)
-class PrefillPlan:
-    """A sequence with several new tokens: rows [start, start + num_new_tokens) of the batch."""
+class AttentionMetadata(Protocol):
+    """What every layer needs of a step; made once by build_attention_metadata."""
 
-    start: int
-    num_new_tokens: int
-    context_len: int
-    # Blocks holding tokens [0, context_len + num_new_tokens); None when there is
-    # no cached context, so the fresh K/V are used directly with a causal mask.
-    block_ids: torch.Tensor | None
-    # [num_new_tokens, context_len + num_new_tokens] bool, True = attend; None when causal suffices.
-    mask: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class DecodePlan:
-    """One-token sequences attended as one padded batch (one group per bounded gather)."""
-
-    rows: torch.Tensor  # [S] packed rows of the decode tokens
-    rows_start: int | None  # set when rows are contiguous: rows == arange(start, start + S)
-    block_tables: torch.Tensor  # [S, max_blocks], padded with block 0 (masked out)
-    mask: torch.Tensor  # [S, 1, 1, max_blocks * tokens_per_block] bool, True = attend
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
     num_tokens: int
-    tokens_per_block: int
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    prefills: tuple[PrefillPlan, ...]
-    decodes: tuple[DecodePlan, ...]
+    slot_blocks: torch.Tensor  # [T] block of each new token's cache slot
+    slot_offsets: torch.Tensor  # [T] row of that slot inside its block
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
+               scale: float) -> torch.Tensor: ...
 
 
-def _check_slice(i: int, seq: SeqSlice, tokens_per_block: int) -> None:
+def check_slice(i: int, seq: SeqSlice, tokens_per_block: int) -> None:
     if seq.context_len < 0:
         raise ValueError(f"seqs[{i}].context_len must be >= 0, got {seq.context_len}")
     if seq.num_new_tokens < 1:
@@ -85,172 +69,101 @@ def _check_slice(i: int, seq: SeqSlice, tokens_per_block: int) -> None:
         )
 
 
-def _slots(seq: SeqSlice, tokens_per_block: int) -> list[int]:
-    table = seq.block_table
-    return [
-        table[p // tokens_per_block] * tokens_per_block + p % tokens_per_block
-        for p in range(seq.context_len, seq.context_len + seq.num_new_tokens)
-    ]
-
-
-def _prefill_plan(start: int, seq: SeqSlice, tpb: int, device: torch.device) -> PrefillPlan:
-    n, ctx = seq.num_new_tokens, seq.context_len
-    if ctx == 0:
-        return PrefillPlan(start, n, 0, None, None)
-    total = ctx + n
-    num_blocks = -(-total // tpb)
-    block_ids = torch.tensor(list(seq.block_table[:num_blocks]), dtype=torch.long, device=device)
-    # Row i (position ctx + i) sees keys 0 .. ctx + i.
-    keys = torch.arange(total, device=device)
-    mask = keys[None, :] <= (torch.arange(n, device=device) + ctx)[:, None]
-    return PrefillPlan(start, n, ctx, block_ids, mask)
-
-
-def _decode_plan(rows: list[int], seqs: list[SeqSlice], tpb: int, device: torch.device) -> DecodePlan:
-    lengths = [s.context_len + 1 for s in seqs]
-    max_blocks = -(-max(lengths) // tpb)
-    tables = [list(s.block_table[:max_blocks]) + [0] * (max_blocks - min(max_blocks, len(s.block_table)))
-              for s in seqs]
-    lens = torch.tensor(lengths, dtype=torch.long, device=device)
-    mask = torch.arange(max_blocks * tpb, device=device)[None, :] < lens[:, None]
-    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-    return DecodePlan(
-        rows=torch.tensor(rows, dtype=torch.long, device=device),
-        rows_start=rows[0] if contiguous else None,
-        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-        mask=mask[:, None, None, :],
-    )
-
-
-def _decode_groups(rows: list[int], seqs: list[SeqSlice], tpb: int) -> list[list[int]]:
-    """Indices into rows/seqs, split so no group gathers more than MAX_DECODE_GROUP_BLOCKS blocks.
-
-    One group in the common case; otherwise sequences are sorted by length so
-    each group pads to lengths close to its own.
-    """
-    blocks = [-(-(s.context_len + 1) // tpb) for s in seqs]
-    if len(seqs) * max(blocks) <= MAX_DECODE_GROUP_BLOCKS:
-        return [list(range(len(seqs)))]
-    groups: list[list[int]] = []
-    for i in sorted(range(len(seqs)), key=lambda j: -blocks[j]):
-        if groups and (len(groups[-1]) + 1) * blocks[groups[-1][0]] <= MAX_DECODE_GROUP_BLOCKS:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-def _decode_plans(rows: list[int], seqs: list[SeqSlice], tpb: int, device: torch.device) -> tuple[DecodePlan, ...]:
-    if not seqs:
-        return ()
-    return tuple(_decode_plan([rows[i] for i in g], [seqs[i] for i in g], tpb, device)
-                 for g in _decode_groups(rows, seqs, tpb))
-
-
-def build_attention_metadata(
-    seqs: Sequence[SeqSlice], tokens_per_block: int, device: torch.device
-) -> AttentionMetadata:
-    """Index tensors for one step; built once and shared by all layers."""
-    if not seqs:
-        raise ValueError("seqs must hold at least one sequence")
-    slots: list[int] = []
-    prefills: list[PrefillPlan] = []
-    decode_rows: list[int] = []
-    decode_seqs: list[SeqSlice] = []
-    for i, seq in enumerate(seqs):
-        _check_slice(i, seq, tokens_per_block)
-        start = len(slots)
-        slots.extend(_slots(seq, tokens_per_block))
-        if seq.num_new_tokens == 1:
-            decode_rows.append(start)
-            decode_seqs.append(seq)
-        else:
-            prefills.append(_prefill_plan(start, seq, tokens_per_block, device))
-    return AttentionMetadata(
-        num_tokens=len(slots),
-        tokens_per_block=tokens_per_block,
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        prefills=tuple(prefills),
-        decodes=_decode_plans(decode_rows, decode_seqs, tokens_per_block, device),
-    )
+def slot_tensors(seqs: Sequence[SeqSlice], tpb: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of every new token's cache slot, in packed order."""
+    blocks: list[int] = []
+    offsets: list[int] = []
+    for seq in seqs:
+        for p in range(seq.context_len, seq.context_len + seq.num_new_tokens):
+            blocks.append(seq.block_table[p // tpb])
+            offsets.append(p % tpb)
+    return (torch.tensor(blocks, dtype=torch.long, device=device),
+            torch.tensor(offsets, dtype=torch.long, device=device))
 
 
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: torch.dtype, device: torch.device
 ) -> list[KvCache]:
-    """Per layer (K, V), each [num_blocks, tokens_per_block, num_kv_heads, head_size]."""
+    """Per layer (K, V), each [num_blocks, num_kv_heads, tokens_per_block, head_size]."""
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    shape = (num_blocks, tokens_per_block, cfg.num_key_value_heads, cfg.head_size)
+    shape = (num_blocks, cfg.num_key_value_heads, tokens_per_block, cfg.head_size)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(cfg.num_hidden_layers)
     ]
 
 
-def write_kv(kv_cache: KvCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(kv_cache: KvCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store the new tokens' k, v [T, kv_heads, head_size] at their slots."""
     k_cache, v_cache = kv_cache
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[len(block_ids) * tokens_per_block, kv_heads, head_size] copy of the listed blocks."""
-    blocks = cache.index_select(0, block_ids.reshape(-1))
-    return blocks.view(-1, *cache.shape[2:])
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, len(block_ids) * tokens_per_block, head_size] copy of the listed blocks, in order."""
+    blocks = cache.index_select(0, block_ids.reshape(-1))  # [n, kv_heads, tpb, d]
+    return blocks.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])
 
 
-def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
-                       plan: PrefillPlan, scale: float) -> torch.Tensor:
-    rows = slice(plan.start, plan.start + plan.num_new_tokens)
-    qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-    if plan.block_ids is None or plan.mask is None:
-        kh = k[rows].transpose(0, 1).unsqueeze(0)
-        vh = v[rows].transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1)  # [n, heads, d]
-    total = plan.context_len + plan.num_new_tokens
-    kh = _gather_blocks(kv_cache[0], plan.block_ids)[:total].transpose(0, 1).unsqueeze(0)
-    vh = _gather_blocks(kv_cache[1], plan.block_ids)[:total].transpose(0, 1).unsqueeze(0)
-    parts = [
-        F.scaled_dot_product_attention(qh[:, :, i:i + PREFILL_QUERY_CHUNK], kh, vh, scale=scale, enable_gqa=True,
-                                       attn_mask=plan.mask[i:i + PREFILL_QUERY_CHUNK])
-        for i in range(0, plan.num_new_tokens, PREFILL_QUERY_CHUNK)
-    ]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-    return out[0].transpose(0, 1)  # [n, heads, d]
+def build_attention_metadata(seqs: Sequence[SeqSlice], tokens_per_block: int, device: torch.device,
+                             backend: str = "auto", dtype: torch.dtype = torch.float32) -> AttentionMetadata:
+    """Index tensors for one step; built once and shared by all layers.
+
+    backend: "auto" (compiled kernel where it builds, else pure torch),
+    "compiled", "torch" or "reference" (see resolve_attention_backend);
+    dtype: the model's, for masks made ahead of the layers.
+    """
+    from trtprompt.engine import attention_paged, attention_reference
+
+    if not seqs:
+        raise ValueError("seqs must hold at least one sequence")
+    for i, seq in enumerate(seqs):
+        check_slice(i, seq, tokens_per_block)
+    if backend == "reference":
+        return attention_reference.build(seqs, tokens_per_block, device)
+    resolved = resolve_attention_backend(backend, device) if backend == "auto" else backend
+    return attention_paged.build(seqs, tokens_per_block, device, dtype, compiled=resolved == "compiled")
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: KvCache, plan: DecodePlan, scale: float) -> torch.Tensor:
-    num_seqs = plan.block_tables.shape[0]
-    if plan.rows_start is not None:
-        qd = q[plan.rows_start:plan.rows_start + num_seqs]
+def resolve_attention_backend(requested: str, device: torch.device, head_size: int | None = None,
+                              tokens_per_block: int | None = None) -> str:
+    """The backend that runs: "compiled", "torch" or "reference".
+
+    "auto" picks the compiled kernel where it builds and fits the model, else
+    pure torch; "compiled" asked for but unavailable is an error naming why.
+    """
+    from trtprompt.engine import kernels
+
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {requested!r}")
+    if requested in ("torch", "reference"):
+        return requested
+    misfit = kernels.kernel_fits(head_size or kernels.HEAD_SIZE_MULTIPLE,
+                                 tokens_per_block or kernels.TOKENS_PER_BLOCK_MULTIPLE, torch.device(device))
+    ok, why = (False, misfit) if misfit else kernels.compiled_kernel_status()
+    if requested == "compiled" and not ok:
+        raise ValueError(f"attention_backend 'compiled' is unavailable: {why}")
+    return "compiled" if ok else "torch"
+
+
+@functools.lru_cache(maxsize=None)
+def log_attention_backend(requested: str, resolved: str) -> None:
+    """Say once per process which attention path runs, and why the kernel doesn't where it doesn't."""
+    from trtprompt.engine import kernels
+
+    if resolved == "compiled":
+        log.info("attention: compiled paged kernel, reads KV blocks in place (%s)", kernels.compiled_kernel_status()[1])
+    elif resolved == "torch" and requested == "auto":
+        log.warning("attention: pure-torch paged path; the compiled kernel is unavailable (%s)",
+                    kernels.compiled_kernel_status()[1])
     else:
-        qd = q.index_select(0, plan.rows)
-    kv_heads, head_size = kv_cache[0].shape[2:]
-    # Grouped heads become the query-length axis of their kv head: no K/V repeat needed.
-    qg = qd.view(num_seqs, kv_heads, -1, head_size)
-    kd = _gather_blocks(kv_cache[0], plan.block_tables).view(num_seqs, -1, kv_heads, head_size)
-    vd = _gather_blocks(kv_cache[1], plan.block_tables).view(num_seqs, -1, kv_heads, head_size)
-    out = F.scaled_dot_product_attention(qg, kd.transpose(1, 2), vd.transpose(1, 2),
-                                         attn_mask=plan.mask, scale=scale)
-    return out.reshape(num_seqs, -1, head_size)
+        log.info("attention: %s path, as configured", resolved)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] of the new tokens -> attention output [T, heads, d]."""
-    write_kv(kv_cache, k, v, meta.slot_mapping)
-    if not meta.prefills and len(meta.decodes) == 1 and meta.decodes[0].rows_start == 0:
-        return _decode_attention(q, kv_cache, meta.decodes[0], scale)  # a pure decode step
-    out = torch.empty_like(q)
-    for plan in meta.prefills:
-        out[plan.start:plan.start + plan.num_new_tokens] = _prefill_attention(q, k, v, kv_cache, plan, scale)
-    for dec in meta.decodes:
-        res = _decode_attention(q, kv_cache, dec, scale)
-        if dec.rows_start is not None:
-            out[dec.rows_start:dec.rows_start + res.shape[0]] = res
-        else:
-            out.index_copy_(0, dec.rows, res)
-    return out
+    write_kv(kv_cache, k, v, meta)
+    return meta.attend(q, k, v, kv_cache, scale)

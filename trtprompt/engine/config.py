@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
 )
 CAPACITY_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
+# "auto": the compiled in-place kernel where it builds, else pure torch (attention.py).
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "compiled", "torch", "reference")
 
 
 def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -169,6 +171,8 @@ class EngineConfig:
     device: str = "cpu"
     # "onednn" (prepacked weights, fast on CPU) or "reference" (plain F.linear).
     linear_backend: str = "onednn"
+    # One of ATTENTION_BACKENDS; "reference" is the gather path tests compare with.
+    attention_backend: str = "auto"
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -176,3 +180,6 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.linear_backend not in ("onednn", "reference"):
             raise ValueError(f"linear_backend must be onednn or reference, got {self.linear_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")

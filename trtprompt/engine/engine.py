@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from trtprompt.engine.attention import allocate_kv_cache
+from trtprompt.engine.attention import allocate_kv_cache, log_attention_backend, resolve_attention_backend
 from trtprompt.engine.config import EngineConfig
 from trtprompt.engine.errors import DuplicateRequestError, QueueFullError
 from trtprompt.engine.kv_cache import KVCacheManager
@@ -64,7 +64,10 @@ class LLMEngine:
         num_blocks = self._num_blocks(config, dtype)
         self.kv = KVCacheManager(num_blocks, tpb, config.kv_cache.enable_block_reuse)
         caches = allocate_kv_cache(config.model, num_blocks, tpb, dtype, self.device)
-        self.runner = ModelRunner(model, caches, tpb, self.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device,
+                                                           config.model.head_size, tpb)
+        log_attention_backend(config.attention_backend, self.attention_backend)
+        self.runner = ModelRunner(model, caches, tpb, self.device, self.attention_backend)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.end_ids = frozenset(end_ids)
         self.limits = RequestLimits(config.scheduler.max_input_len, config.scheduler.max_seq_len,

@@ -19,7 +19,7 @@ from trtprompt.errors import EngineDirError
 RUNTIME_KEYS = ("enable_chunked_context", "enable_kv_cache_reuse", "batch_scheduler_policy",
                 "kv_cache_free_gpu_mem_fraction", "max_tokens_in_paged_kv_cache", "max_queue_size")
 LOWERABLE_BOUNDS = ("max_batch_size", "max_num_tokens")
-OTHER_KEYS = ("linear_backend", "device", "memory_budget_bytes")
+OTHER_KEYS = ("linear_backend", "attention_backend", "device", "memory_budget_bytes")
 
 
 def read_engine_files(path: str | Path) -> EngineDir:
@@ -91,4 +91,5 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
         kv_cache=kv, scheduler=sched,
         dtype=files.pretrained_config.get("dtype", "float32"), device=device,
         linear_backend=overrides.get("linear_backend") or "onednn",
+        attention_backend=overrides.get("attention_backend") or "auto",
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trtprompt.engine.attention import SeqSlice, build_attention_metadata
+from trtprompt.engine.attention import AttentionMetadata, SeqSlice, build_attention_metadata
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.model import DecoderModel
 from trtprompt.engine.scheduler import SchedulerOutput
@@ -12,11 +12,16 @@ from trtprompt.engine.scheduler import SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 tokens_per_block: int, device: torch.device) -> None:
+                 tokens_per_block: int, device: torch.device, attention_backend: str = "torch") -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.tokens_per_block = tokens_per_block
         self.device = device
+        self.attention_backend = attention_backend  # resolved: "compiled", "torch" or "reference"
+
+    def metadata(self, slices: list[SeqSlice]) -> AttentionMetadata:
+        return build_attention_metadata(slices, self.tokens_per_block, self.device,
+                                        self.attention_backend, self.model.dtype)
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager):
         ids: list[int] = []
@@ -33,7 +38,7 @@ class ModelRunner:
         dev = self.device
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
-                build_attention_metadata(slices, self.tokens_per_block, dev),
+                self.metadata(slices),
                 torch.tensor(logits_rows, dtype=torch.long, device=dev))
 
     @torch.inference_mode()

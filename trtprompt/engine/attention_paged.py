@@ -1,0 +1,215 @@
+"""Fast paged attention: decode in place, prefill by parts, shared prefixes once (cascade).
+
+Every query row's attention is assembled from parts over disjoint key sets,
+each with its log-sum-exp, merged exactly:
+
+- decode rows: their own blocks (after any shared prefix), read in place by the
+  compiled kernel (kernels.py), or gathered and attended with a length mask in
+  pure torch where the kernel is unavailable;
+- prefill chunks: their new tokens (causal, straight from this step's K/V, no
+  copy) and their cached context after any shared prefix (no mask);
+- a group of sequences sharing cached prefix blocks (cascade.py): every member's
+  query rows attend to those blocks together, in one call.
+
+Design and measurements: docs/design.md, "Attention".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from trtprompt.engine import kernels
+from trtprompt.engine.attention import KvCache, SeqSlice, gather_blocks, slot_tensors
+from trtprompt.engine.attention_reference import MAX_DECODE_GROUP_BLOCKS, decode_groups, gather_tables
+from trtprompt.engine.cascade import find_shared_prefixes
+
+Parts = tuple[torch.Tensor, torch.Tensor]  # (out [n, heads, d], lse [n, heads] float32)
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    rows: torch.Tensor  # [S] packed rows
+    rows_start: int | None  # set when rows == arange(start, start + S)
+    tables: torch.Tensor  # [S, max_blocks] own blocks (int32 for the kernel), padded with block 0
+    lens: torch.Tensor  # [S] int32 tokens to attend in those blocks
+    mask: torch.Tensor | None  # pure torch only: [S, 1, 1, max_blocks * tpb] additive, model dtype
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    start: int  # rows [start, start + num_new_tokens)
+    num_new_tokens: int
+    context_blocks: torch.Tensor | None  # blocks of the cached context after any shared prefix
+    context_len: int  # tokens of that context
+
+
+@dataclass(frozen=True)
+class PrefixGroup:
+    rows: torch.Tensor  # [R] packed query rows of every member
+    block_ids: torch.Tensor  # [P] the shared blocks
+
+
+def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
+                   mask: torch.Tensor | None = None) -> Parts:
+    """q [B, H, Lq, d], k/v [B, H, Lk, d] -> (out [B, H, Lq, d], lse [B, H, Lq] float32)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        return out, lse
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype), lse
+
+
+def fold_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[n, heads, d] -> [kv_heads, n * group, d]: a GQA group's heads become query rows of its kv head."""
+    n, heads, d = q.shape
+    return q.view(n, kv_heads, heads // kv_heads, d).transpose(0, 1).reshape(kv_heads, -1, d)
+
+
+def unfold_heads(out: torch.Tensor, lse: torch.Tensor, n: int) -> Parts:
+    """Inverse of fold_heads for (out [kv_heads, n * group, d], lse [kv_heads, n * group])."""
+    kv_heads, _, d = out.shape
+    out = out.view(kv_heads, n, -1, d).transpose(0, 1).reshape(n, -1, d)
+    return out, lse.view(kv_heads, n, -1).transpose(0, 1).reshape(n, -1)
+
+
+def merge(a: Parts, b: Parts) -> Parts:
+    """Attention over the union of two disjoint key sets, from each one's (out, lse)."""
+    (oa, la), (ob, lb) = a, b
+    m = torch.maximum(la, lb)
+    wa, wb = (la - m).exp(), (lb - m).exp()
+    total = wa + wb
+    out = oa.float() * (wa / total).unsqueeze(-1) + ob.float() * (wb / total).unsqueeze(-1)
+    return out.to(oa.dtype), m + total.log()
+
+
+def attend_unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Parts:
+    """q [n, heads, d] rows against every key of k/v [kv_heads, L, d]."""
+    out, lse = flash_with_lse(fold_heads(q, k.shape[0]).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale)
+    return unfold_heads(out[0], lse[0], q.shape[0])
+
+
+def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Parts:
+    """A chunk's rows q [n, heads, d] against its own new tokens k/v [n, kv_heads, d], causally."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # the causal mask runs along query rows, so heads cannot fold: repeat K/V instead
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out, lse = flash_with_lse(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                              v.transpose(0, 1).unsqueeze(0), scale, causal=True)
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class PagedMetadata:
+    num_tokens: int
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+    decodes: tuple[DecodeBatch, ...]
+    prefills: tuple[PrefillChunk, ...]
+    groups: tuple[PrefixGroup, ...]
+    compiled: bool
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
+               scale: float) -> torch.Tensor:
+        if not self.prefills and not self.groups and len(self.decodes) == 1 and self.decodes[0].rows_start == 0:
+            return self._decode(q, kv_cache, self.decodes[0], scale)[0]  # a pure decode step
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for dec in self.decodes:
+            o, l = self._decode(q, kv_cache, dec, scale)
+            out.index_copy_(0, dec.rows, o)
+            lse.index_copy_(0, dec.rows, l)
+        for chunk in self.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.num_new_tokens)
+            out[rows], lse[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, scale)
+        for group in self.groups:
+            qg = q.index_select(0, group.rows)
+            shared = attend_unmasked(qg, gather_blocks(kv_cache[0], group.block_ids),
+                                     gather_blocks(kv_cache[1], group.block_ids), scale)
+            o, l = merge((out.index_select(0, group.rows), lse.index_select(0, group.rows)), shared)
+            out.index_copy_(0, group.rows, o)
+            lse.index_copy_(0, group.rows, l)
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: KvCache, dec: DecodeBatch, scale: float) -> Parts:
+        num = dec.rows.shape[0]
+        qd = q[dec.rows_start:dec.rows_start + num] if dec.rows_start is not None else q.index_select(0, dec.rows)
+        if self.compiled:
+            return kernels.paged_decode(qd.contiguous(), kv_cache[0], kv_cache[1], dec.tables, dec.lens, scale)
+        kv_heads, d = kv_cache[0].shape[1], kv_cache[0].shape[3]
+        mask = dec.mask if dec.mask is None or dec.mask.dtype == q.dtype else dec.mask.to(q.dtype)
+        out, lse = flash_with_lse(qd.view(num, kv_heads, -1, d), gather_tables(kv_cache[0], dec.tables),
+                                  gather_tables(kv_cache[1], dec.tables), scale, mask=mask)
+        return out.reshape(num, -1, d), lse.reshape(num, -1)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache, chunk: PrefillChunk,
+             scale: float) -> Parts:
+    own = attend_causal(q, k, v, scale)
+    if chunk.context_blocks is None:
+        return own
+    n = chunk.context_len
+    context = attend_unmasked(q, gather_blocks(kv_cache[0], chunk.context_blocks)[:, :n],
+                              gather_blocks(kv_cache[1], chunk.context_blocks)[:, :n], scale)
+    return merge(own, context)
+
+
+def _decode_batch(rows: list[int], seqs: list[SeqSlice], skips: list[int], tpb: int, device: torch.device,
+                  dtype: torch.dtype, compiled: bool) -> DecodeBatch:
+    lens = [s.context_len + 1 - skip * tpb for s, skip in zip(seqs, skips)]
+    width = max(-(-n // tpb) for n in lens)
+    tables = [list(s.block_table[skip:skip + width]) for s, skip in zip(seqs, skips)]
+    tables = [t + [0] * (width - len(t)) for t in tables]
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    mask = None
+    if not compiled:
+        keep = torch.arange(width * tpb, device=device)[None, :] < lens_t[:, None]
+        mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))[:, None, None]
+    return DecodeBatch(torch.tensor(rows, dtype=torch.long, device=device), rows[0] if contiguous else None,
+                       torch.tensor(tables, dtype=torch.int32 if compiled else torch.long, device=device),
+                       lens_t, mask)
+
+
+def _prefill_chunk(start: int, seq: SeqSlice, skip: int, tpb: int, device: torch.device) -> PrefillChunk:
+    context_len = seq.context_len - skip * tpb
+    if context_len <= 0:
+        return PrefillChunk(start, seq.num_new_tokens, None, 0)
+    blocks = list(seq.block_table[skip:skip + -(-context_len // tpb)])
+    return PrefillChunk(start, seq.num_new_tokens, torch.tensor(blocks, dtype=torch.long, device=device),
+                        context_len)
+
+
+def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device, dtype: torch.dtype,
+          compiled: bool) -> PagedMetadata:
+    starts = [0]
+    for s in seqs:
+        starts.append(starts[-1] + s.num_new_tokens)
+    skips = [0] * len(seqs)
+    groups = []
+    for shared in find_shared_prefixes([s.block_table for s in seqs], [s.context_len // tpb for s in seqs], tpb):
+        rows = [r for i in shared.members for r in range(starts[i], starts[i + 1])]
+        ids = list(seqs[shared.members[0]].block_table[:shared.num_blocks])
+        groups.append(PrefixGroup(torch.tensor(rows, dtype=torch.long, device=device),
+                                  torch.tensor(ids, dtype=torch.long, device=device)))
+        for i in shared.members:
+            skips[i] = shared.num_blocks
+    dec = [i for i, s in enumerate(seqs) if s.num_new_tokens == 1]
+    # The kernel needs no temporaries; the gathering fallback bounds its copy per batch.
+    parts = [dec] if compiled or not dec else [
+        [dec[j] for j in g] for g in decode_groups([seqs[i].context_len + 1 - skips[i] * tpb for i in dec],
+                                                   tpb, MAX_DECODE_GROUP_BLOCKS)]
+    decodes = tuple(_decode_batch([starts[i] for i in p], [seqs[i] for i in p], [skips[i] for i in p],
+                                  tpb, device, dtype, compiled) for p in parts if p)
+    prefills = tuple(_prefill_chunk(starts[i], s, skips[i], tpb, device)
+                     for i, s in enumerate(seqs) if s.num_new_tokens > 1)
+    blocks, offsets = slot_tensors(seqs, tpb, device)
+    return PagedMetadata(starts[-1], blocks, offsets, decodes, prefills, tuple(groups), compiled)

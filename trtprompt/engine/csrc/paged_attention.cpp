@@ -1,0 +1,208 @@
+// Paged decode attention that reads K/V blocks where they are (no gather copy).
+//
+// One query token per sequence attends to the first seq_lens[s] tokens named by
+// its block-table row. The cache is head-major, [blocks, kv_heads, tokens_per_block,
+// head_size], so one (block, kv head) is a contiguous run of rows. Work is split
+// over (sequence, kv head); the query heads of one kv head (a GQA group) share every
+// K/V row read. Softmax runs online per block in float32, and the log-sum-exp is
+// returned so callers can merge partial results (cascade attention over a shared
+// prefix). Design and measurements: docs/design.md, "Attention".
+//
+// Vectors are GCC/Clang vector extensions (8 floats), not intrinsics, so the same
+// source builds for any x86-64 or ARM CPU; scores of four rows are computed
+// together so their FMA chains overlap.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 8;
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// out[r] = q . rows[r] for four consecutive rows of length d (a multiple of kLanes).
+inline void dot4(const float* q, const float* rows, int64_t d, float* out) {
+  vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (int64_t i = 0; i < d; i += kLanes) {
+    const vf qv = load(q + i);
+    a0 += qv * load(rows + i);
+    a1 += qv * load(rows + d + i);
+    a2 += qv * load(rows + 2 * d + i);
+    a3 += qv * load(rows + 3 * d + i);
+  }
+  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t d) {
+  for (int64_t i = 0; i < d; i += kLanes) store(y + i, load(y + i) + a * load(x + i));
+}
+
+// One (block, kv head) run of rows as float: float caches are read in place,
+// others converted into buf.
+template <typename T>
+inline const float* rows_as_float(const T* rows, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(rows[i]);
+  return buf;
+}
+template <>
+inline const float* rows_as_float<float>(const float* rows, float*, int64_t) {
+  return rows;
+}
+
+struct Shape {
+  int64_t heads, kv_heads, head_size, tokens_per_block, max_blocks;
+};
+
+// Running softmax state of the g query heads of one kv head.
+struct Online {
+  std::vector<float> q, acc, scores, kbuf, vbuf, m, l;
+  Online(int64_t g, const Shape& sh)
+      : q(g * sh.head_size), acc(g * sh.head_size), scores(g * sh.tokens_per_block),
+        kbuf(sh.tokens_per_block * sh.head_size), vbuf(sh.tokens_per_block * sh.head_size), m(g), l(g) {}
+
+  void reset() {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.end(), 0.f);
+  }
+
+  // Scores of rows [0, n) of one block turned into probabilities under the new running max.
+  void softmax_block(int64_t g, int64_t n, int64_t tpb, int64_t d) {
+    for (int64_t j = 0; j < g; ++j) {
+      float* s = scores.data() + j * tpb;
+      const float nm = std::max(m[j], *std::max_element(s, s + n));
+      const float corr = std::exp(m[j] - nm);  // 0 on the first block (m = -inf)
+      l[j] *= corr;
+      for (int64_t i = 0; i < d; ++i) acc[j * d + i] *= corr;
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = std::exp(s[t] - nm);
+        l[j] += s[t];
+      }
+      m[j] = nm;
+    }
+  }
+};
+
+template <typename T>
+void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
+                const Shape& sh, float scale, int64_t kh, T* out, float* lse, Online& st) {
+  const int64_t g = sh.heads / sh.kv_heads, d = sh.head_size, tpb = sh.tokens_per_block;
+  st.reset();
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t i = 0; i < d; ++i) st.q[j * d + i] = static_cast<float>(q[(kh * g + j) * d + i]) * scale;
+  for (int64_t b = 0; b * tpb < len; ++b) {
+    const int64_t n = std::min(tpb, len - b * tpb);
+    const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + kh) * tpb * d;
+    const int64_t n4 = (n + 3) / 4 * 4;  // rows past n lie inside the block; their scores are unused
+    const float* k = rows_as_float(k_cache + base, st.kbuf.data(), n4 * d);
+    for (int64_t j = 0; j < g; ++j)
+      for (int64_t t = 0; t < n; t += 4) dot4(st.q.data() + j * d, k + t * d, d, st.scores.data() + j * tpb + t);
+    st.softmax_block(g, n, tpb, d);
+    const float* v = rows_as_float(v_cache + base, st.vbuf.data(), n * d);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t j = 0; j < g; ++j) axpy(st.scores[j * tpb + t], v + t * d, st.acc.data() + j * d, d);
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    const int64_t h = kh * g + j;
+    const float inv = st.l[j] > 0.f ? 1.f / st.l[j] : 0.f;
+    for (int64_t i = 0; i < d; ++i) out[h * d + i] = static_cast<T>(st.acc[j * d + i] * inv);
+    lse[h] = st.l[j] > 0.f ? st.m[j] + std::log(st.l[j]) : -std::numeric_limits<float>::infinity();
+  }
+}
+
+template <typename T>
+void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
+                const at::Tensor& lens, double scale, at::Tensor& out, at::Tensor& lse) {
+  const Shape sh{q.size(1), kc.size(1), kc.size(3), kc.size(2), tables.size(1)};
+  const int64_t g = sh.heads / sh.kv_heads, stride = sh.heads * sh.head_size;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  float* lsep = lse.data_ptr<float>();
+  at::parallel_for(0, q.size(0) * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Online st(g, sh);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t s = w / sh.kv_heads, kh = w % sh.kv_heads;
+      decode_one<T>(qp + s * stride, kp, vp, tp + s * sh.max_blocks, lp[s], sh, static_cast<float>(scale), kh,
+                    op + s * stride, lsep + s * sh.heads, st);
+    }
+  });
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
+                  const at::Tensor& lens) {
+  TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && vc.sizes() == kc.sizes(),
+              "paged_decode: q must be [S, H, D] and the caches [blocks, kv_heads, tokens_per_block, D]");
+  TORCH_CHECK(q.size(2) == kc.size(3) && q.size(1) % kc.size(1) == 0,
+              "paged_decode: head sizes differ or heads are not a multiple of kv_heads");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && kc.size(2) % 4 == 0,
+              "paged_decode: head_size must be a multiple of 8 and tokens_per_block of 4");
+  TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(),
+              "paged_decode: q and the caches must share a dtype");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt,
+              "paged_decode: block_tables and seq_lens must be int32");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && lens.numel() == q.size(0),
+              "paged_decode: one block-table row and one length per sequence");
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && tables.is_contiguous() &&
+                  lens.is_contiguous(),
+              "paged_decode: inputs must be contiguous");
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                const at::Tensor& seq_lens, double scale) {
+  check_inputs(q, k_cache, v_cache, block_tables, seq_lens);
+  auto out = at::empty_like(q);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      decode_all<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse);
+      break;
+    case at::kBFloat16:
+      decode_all<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse);
+      break;
+    case at::kHalf:
+      decode_all<c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode: dtype must be float32, bfloat16 or float16");
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(trtprompt, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(trtprompt, CPU, m) { m.impl("paged_decode", &paged_decode); }
