@@ -1,4 +1,11 @@
-"""Thread-safe front of an LLMEngine: one background loop, one output queue per request.
+"""Thread-safe front of an LLMEngine: one background loop, outputs delivered per step.
+
+Every accepted request has an owner, an `OutputSink`; after each engine step
+the loop hands every sink the step's outputs for its requests in ONE call
+(`deliver`). A `RequestStream` is the sink of one request (a queue an
+in-process caller iterates); the engine process's connections are sinks of
+many (one frame per step, docs/design.md "Request path and engine process
+protocol").
 
 Every accepted request ends with exactly one finished output: done, aborted,
 or an error (also when a step fails or the loop stops).
@@ -11,13 +18,23 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Protocol, Sequence
 
 from trtprompt.engine.engine import EngineStats, LLMEngine
 from trtprompt.engine.errors import DuplicateRequestError, EngineRequestError, QueueFullError
 from trtprompt.engine.request import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class OutputSink(Protocol):
+    """Receives, on the loop thread, one step's outputs for the requests it owns.
+
+    Must not block (the loop and every other request wait on it); it must
+    not raise either, and a raise is logged and ignored.
+    """
+
+    def deliver(self, outputs: list[RequestOutput]) -> None: ...
 
 
 class RequestStream:
@@ -28,8 +45,9 @@ class RequestStream:
         self._loop = loop
         self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
 
-    def put(self, out: RequestOutput) -> None:
-        self._queue.put(out)
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._queue.put(out)
 
     def get(self, timeout: float | None = None) -> RequestOutput:
         """Next output; raises queue.Empty after timeout seconds."""
@@ -60,7 +78,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._inbox: deque[tuple] = deque()
         self._pending_adds = 0
-        self._streams: dict[str, RequestStream] = {}
+        self._owners: dict[str, OutputSink] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
@@ -76,36 +94,42 @@ class EngineLoop:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        with self._lock:
-            streams, self._streams = self._streams, {}
-        for rid, stream in streams.items():
-            stream.put(error_output(rid, "engine stopped before the request finished"))
+        self._fail_owned("engine stopped before the request finished")
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                cache_salt: str | None = None) -> RequestStream:
-        """Accept a request or raise EngineRequestError with a client-ready message."""
+        """Accept a request or raise EngineRequestError; its outputs arrive on the stream."""
+        stream = RequestStream(request_id, self)
+        self.add(request_id, prompt_token_ids, params, stream, cache_salt)
+        return stream
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+            sink: OutputSink, cache_salt: str | None = None) -> None:
+        """Accept a request whose outputs go to sink, or raise EngineRequestError (client-ready)."""
         self.engine.check_request(prompt_token_ids, params)
         limit = self.engine.scheduler_config.max_queue_size
-        stream = RequestStream(request_id, self)
         with self._lock:
             if self._stopping:
                 raise EngineRequestError("engine is shutting down")
-            if request_id in self._streams:
+            if request_id in self._owners:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
             if limit is not None and self._pending_adds + self.engine.scheduler.num_waiting >= limit:
                 raise QueueFullError(limit)
-            self._streams[request_id] = stream
+            self._owners[request_id] = sink
             self._pending_adds += 1
             # Arrival is stamped here, not when the loop next drains the inbox,
             # so time spent waiting for a running step counts toward TTFT.
             self._inbox.append(("add", request_id, list(prompt_token_ids), params, cache_salt,
                                 time.time_ns()))
         self._wake.set()
-        return stream
 
     def abort(self, request_id: str) -> None:
+        self.abort_many((request_id,))
+
+    def abort_many(self, request_ids: Iterable[str]) -> None:
+        """Abort several requests with one wake-up (a closed connection's)."""
         with self._lock:
-            self._inbox.append(("abort", request_id))
+            self._inbox.extend(("abort", rid) for rid in request_ids)
         self._wake.set()
 
     def stats(self) -> EngineStats:
@@ -113,39 +137,52 @@ class EngineLoop:
 
     def num_in_flight(self) -> int:
         with self._lock:
-            return len(self._streams)
+            return len(self._owners)
 
     def _drain_inbox(self) -> None:
         with self._lock:
             items, self._inbox = self._inbox, deque()
             self._pending_adds = 0
+        rejected = []
         for item in items:
             if item[0] == "add":
                 _, rid, prompt, params, salt, arrival_ns = item
                 try:
                     self.engine.add_request(rid, prompt, params, salt, arrival_ns)
                 except EngineRequestError as exc:
-                    self._deliver([error_output(rid, str(exc))])
+                    rejected.append(error_output(rid, str(exc)))
             elif not self.engine.abort(item[1]):
                 log.debug("abort of unknown or finished request %s", item[1])
+        if rejected:
+            self._deliver(rejected)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            with self._lock:
-                stream = self._streams.pop(out.request_id, None) if out.finished \
-                    else self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
+        """Hand each sink its share of one step's outputs, in one call per sink."""
+        batches: dict[int, tuple[OutputSink, list[RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                rid = out.request_id
+                sink = self._owners.pop(rid, None) if out.finished else self._owners.get(rid)
+                if sink is not None:
+                    batches.setdefault(id(sink), (sink, []))[1].append(out)
+        for sink, outs in batches.values():
+            try:
+                sink.deliver(outs)
+            except Exception:  # noqa: BLE001 - one broken sink must not stop the loop
+                log.exception("an output sink failed; its outputs of this step are lost")
+
+    def _fail_owned(self, message: str) -> None:
+        """End every request that still has an owner with an error output."""
+        with self._lock:
+            rids = list(self._owners)
+        self._deliver([error_output(rid, message) for rid in rids])
 
     def _fail_all(self, exc: BaseException) -> None:
         log.exception("engine step failed; failing all in-flight requests")
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
         self.engine.step()  # flush the aborts so the blocks are released
-        with self._lock:
-            streams, self._streams = self._streams, {}
-        for rid, stream in streams.items():
-            stream.put(error_output(rid, f"engine error: {exc}"))
+        self._fail_owned(f"engine error: {exc}")
 
     def _run(self) -> None:
         while not self._stopping:

@@ -5,29 +5,33 @@ Started and watched by the launcher (`python -m trtprompt.serve.engine_server
 of REPO/tensorrt_llm/config.pbtxt, as the TensorRT-LLM backend reads its
 own, so what the repository says is what runs.
 
-One thread per connection: a submit streams the request's outputs back;
-an abort frame or a closed connection aborts the request at once.
+Each Python-backend stub holds one connection and multiplexes its requests
+over it; per connection one handler thread reads submits/aborts and one
+writer thread sends the frames the engine loop queues, one per step. A
+closed connection aborts every request it submitted. The protocol is in
+docs/design.md ("Request path and engine process protocol").
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
+import queue
 import signal
 import socket
 import socketserver
 import sys
 import threading
 import time
-import uuid
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from trtprompt.engine.errors import EngineRequestError, QueueFullError
-from trtprompt.engine.request import RequestOutput, SamplingParams
+from trtprompt.engine.request import RequestOutput, RequestStats, SamplingParams
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.serve import protocol as P
 from trtprompt.serve.repository import read_parameters
@@ -39,6 +43,7 @@ _INT_KEYS = ("max_tokens_in_paged_kv_cache", "max_queue_size", "max_num_tokens",
 _FLOAT_KEYS = ("kv_cache_free_gpu_mem_fraction",)
 # Finished-request timings kept for the metrics model's histograms.
 _TIMINGS_KEPT = 8192
+_STATS_FIELDS = tuple(f.name for f in fields(RequestStats))
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -66,13 +71,30 @@ def sampling_params(raw: Mapping[str, Any]) -> SamplingParams:
     return SamplingParams(**values)
 
 
-def output_frame(out: RequestOutput) -> dict[str, Any]:
-    return {
-        "type": "output", "new_token_ids": list(out.new_token_ids), "finished": out.finished,
-        "num_input_tokens": out.num_input_tokens, "num_output_tokens": out.num_output_tokens,
-        "finish_reason": out.finish_reason.value if out.finish_reason else None,
-        "warning": out.warning, "stats": asdict(out.stats),
-    }
+def output_entry(out: RequestOutput, request_id: str, perf: bool) -> dict[str, Any]:
+    """One request's share of a step frame (docs/design.md, "Request path and engine process protocol").
+
+    Request stats travel on the final output and, for a request that asked
+    for perf metrics, on every output: they are the bulk of an entry.
+    """
+    if out.error:
+        return {"id": request_id, "finished": True, "error": out.error, "code": error_code(out.error)}
+    entry: dict[str, Any] = {"id": request_id, "new_token_ids": out.new_token_ids, "finished": out.finished,
+                             "num_input_tokens": out.num_input_tokens,
+                             "num_output_tokens": out.num_output_tokens}
+    if out.finished:
+        entry["finish_reason"] = out.finish_reason.value if out.finish_reason else None
+        entry["warning"] = out.warning
+    if out.finished or perf:
+        entry["stats"] = {name: getattr(out.stats, name) for name in _STATS_FIELDS}
+    return entry
+
+
+def torch_threads() -> int:
+    """Intra-op threads of this process (the engine must use the cores it is given)."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def error_code(message: str) -> str:
@@ -107,7 +129,7 @@ class EngineService:
                 "enable_chunked_context": sched.enable_chunked_context,
                 "enable_kv_cache_reuse": self.engine.config.kv_cache.enable_block_reuse,
                 "vocab_size": self.engine.model_config.vocab_size,
-                "eos_token_ids": sorted(self.engine.eos_token_ids)}
+                "eos_token_ids": sorted(self.engine.eos_token_ids), "torch_threads": torch_threads()}
 
     def stats(self, since: int) -> dict[str, Any]:
         with self._lock:
@@ -139,81 +161,118 @@ class EngineService:
                 f"({bound} = max_seq_len - 1)")
 
 
-class _Handler(socketserver.BaseRequestHandler):
-    server: "_Server"
+class Connection:
+    """One stub's connection: the requests it submitted and the frames going back.
 
-    def handle(self) -> None:
-        sock: socket.socket = self.request
-        reader = P.FrameReader()
-        try:
-            msg = P.recv_frame(sock, reader)
-        except (P.EngineUnavailableError, OSError, ValueError):
-            return
-        service = self.server.service
-        op = msg.get("op")
-        try:
-            if op == "info":
-                P.send_frame(sock, service.info())
-            elif op == "stats":
-                P.send_frame(sock, service.stats(int(msg.get("since", 0))))
-            elif op == "submit":
-                self._submit(sock, reader, msg)
-            else:
-                P.send_frame(sock, {"type": "error", "code": P.INVALID_ARG, "message": f"unknown op {op!r}"})
-        except OSError:
-            pass  # the client went away; its request (if any) was aborted
+    The loop thread calls `deliver` once per step with this connection's
+    outputs; they become ONE frame, queued for this connection's writer
+    thread, so a stub that reads slowly delays only itself (never the loop,
+    never another stub). The handler thread reads submits and aborts.
+    """
 
-    def _submit(self, sock: socket.socket, reader: P.FrameReader, msg: Mapping[str, Any]) -> None:
-        service = self.server.service
-        rid = str(msg.get("request_id") or uuid.uuid4().hex)
+    def __init__(self, sock: socket.socket, service: EngineService, number: int) -> None:
+        self.sock, self.service = sock, service
+        self._prefix = f"{number}/"  # engine request ids are unique across connections
+        self._lock = threading.Lock()
+        self._live: dict[str, bool] = {}  # engine request id -> return stats on every output
+        self._closed = False
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name=f"engine-writer-{number}", daemon=True)
+        self._writer.start()
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Loop thread: this connection's outputs of one step -> one frame."""
+        entries = []
+        with self._lock:
+            for out in outputs:
+                perf = self._live.pop(out.request_id, False) if out.finished \
+                    else self._live.get(out.request_id, False)
+                entries.append(output_entry(out, out.request_id[len(self._prefix):], perf))
+            closed = self._closed
+        for out in outputs:
+            if out.finished:
+                self.service.record(out)
+        if not closed:
+            self.send({"type": "step", "outputs": entries})
+
+    def send(self, message: Mapping[str, Any]) -> None:
+        self._outbox.put(P.encode_frame(message))
+
+    def submit(self, msg: Mapping[str, Any]) -> None:
+        rid = str(msg.get("id"))
+        engine_rid = self._prefix + rid
+        service = self.service
+        with self._lock:
+            self._live[engine_rid] = bool(msg.get("perf"))
         try:
             params = sampling_params(msg.get("params") or {})
             service.check_bounds(params)
             service.prompt_policy.check_salt(msg.get("cache_salt"))
-            stream = service.loop.submit(rid, list(msg["prompt_token_ids"]), params,
-                                         cache_salt=msg.get("cache_salt"))
-        except QueueFullError as exc:
-            P.send_frame(sock, {"type": "error", "code": P.QUEUE_FULL, "message": str(exc)})
-            return
+            service.loop.add(engine_rid, list(msg["prompt_token_ids"]), params, self,
+                             cache_salt=msg.get("cache_salt"))
         except (EngineRequestError, ValueError, TypeError, KeyError) as exc:
-            P.send_frame(sock, {"type": "error", "code": P.INVALID_ARG, "message": str(exc)})
-            return
-        threading.Thread(target=self._watch, args=(sock, reader, service, rid),
-                         name=f"watch-{rid[:8]}", daemon=True).start()
-        self._relay(sock, service, stream)
+            with self._lock:
+                self._live.pop(engine_rid, None)
+            code = P.QUEUE_FULL if isinstance(exc, QueueFullError) else P.INVALID_ARG
+            self.send({"type": "step", "outputs": [{"id": rid, "finished": True, "error": str(exc),
+                                                   "code": code}]})
 
-    @staticmethod
-    def _watch(sock: socket.socket, reader: P.FrameReader, service: EngineService, rid: str) -> None:
-        """Abort the request on an abort frame or when the client disconnects."""
+    def abort(self, ids: Any) -> None:
+        self.service.loop.abort_many(self._prefix + str(rid) for rid in ids)
+
+    def close(self) -> None:
+        """The stub went away (or stopped reading): abort everything it had in flight."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            live = list(self._live)
+        self.service.loop.abort_many(live)
+        self._outbox.put(None)  # the writer flushes what is queued, then ends
+
+    def _write(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.close()
+                try:  # wake the handler thread blocked in recv()
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    """Reads one connection's frames; its outputs go back through Connection's writer."""
+
+    server: "_Server"
+
+    def handle(self) -> None:
+        conn = Connection(self.request, self.server.service, self.server.next_number())
+        reader = P.FrameReader()
         try:
-            frames = reader.drain()
-            while not any(f.get("op") == "abort" for f in frames) and not reader.closed:
-                frames = reader.feed(sock)
+            while not reader.closed:
+                for msg in reader.feed(self.request):
+                    self._dispatch(conn, msg)
         except (OSError, ValueError):
-            pass
-        service.loop.abort(rid)
+            pass  # a broken or misbehaving peer: drop it, its requests are aborted
+        finally:
+            conn.close()
 
-    @staticmethod
-    def _relay(sock: socket.socket, service: EngineService, stream: Any) -> None:
-        connected = True
-        for out in stream:
-            if out.finished:
-                service.record(out)
-            if not connected:
-                continue  # drain to the final output; the watcher already aborted
-            try:
-                if out.error:
-                    P.send_frame(sock, {"type": "error", "code": error_code(out.error), "message": out.error})
-                else:
-                    P.send_frame(sock, output_frame(out))
-            except OSError:
-                connected = False
-                service.loop.abort(stream.request_id)
-        if connected:
-            try:
-                sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
+    def _dispatch(self, conn: Connection, msg: Mapping[str, Any]) -> None:
+        op = msg.get("op")
+        service = self.server.service
+        if op == "submit":
+            conn.submit(msg)
+        elif op == "abort":
+            conn.abort(msg.get("ids") or ())
+        elif op == "info":
+            conn.send(service.info())
+        elif op == "stats":
+            conn.send(service.stats(int(msg.get("since", 0))))
+        else:
+            conn.send({"type": "error", "code": P.INVALID_ARG, "message": f"unknown op {op!r}"})
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -222,7 +281,11 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
     def __init__(self, path: str, service: EngineService) -> None:
         self.service = service
+        self._numbers = itertools.count(1)
         super().__init__(path, _Handler)
+
+    def next_number(self) -> int:
+        return next(self._numbers)  # itertools.count is atomic under the GIL
 
 
 def serve(repository: Path, socket_path: str) -> None:
@@ -231,13 +294,14 @@ def serve(repository: Path, socket_path: str) -> None:
 
     params = read_parameters(repository / "tensorrt_llm" / "config.pbtxt")
     # The engine thread holds the GIL between torch calls; with the default
-    # 5 ms switch interval each output waited that long for its socket thread.
+    # 5 ms switch interval a step's frame waited up to that long for its
+    # writer thread.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_dir(params["gpt_model_path"], **engine_overrides(params))
     loop = EngineLoop(engine).start()
-    log.info("engine loaded from %s in %.2fs: %s", params["gpt_model_path"],
-             time.perf_counter() - t0, engine_overrides(params))
+    log.info("engine loaded from %s in %.2fs: %s; %d torch threads", params["gpt_model_path"],
+             time.perf_counter() - t0, engine_overrides(params), torch_threads())
     if os.path.exists(socket_path):
         os.unlink(socket_path)  # a stale socket of a crashed predecessor
     server = _Server(socket_path, EngineService(loop))

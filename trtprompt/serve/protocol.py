@@ -1,9 +1,12 @@
 """The engine process's local protocol: length-prefixed JSON over a unix socket.
 
 A frame is a 4-byte big-endian length and that many bytes of UTF-8 JSON.
-One connection per request: the client sends {"op": "submit", ...} and reads
-frames until one is final; {"op": "abort"} (or closing the connection)
-aborts it. {"op": "stats"} and {"op": "info"} are answered with one frame.
+Each Python-backend stub keeps ONE connection open and multiplexes all its
+requests over it; the engine process answers with ONE frame per engine step
+carrying every output of that step for that connection's requests. The
+frames and their fields are written down in docs/design.md ("Request path
+and engine process protocol"); the stub's side lives in relay.py, the
+engine's in engine_server.py.
 
 Stdlib only: the client side runs inside Triton's Python-backend stub.
 """
@@ -19,12 +22,16 @@ from typing import Any, Mapping
 _HEADER = struct.Struct(">I")
 MAX_FRAME = 64 * 1024 * 1024
 
-# Error codes carried in {"type": "error"} frames; the models map them to
-# Triton's status codes.
+# Error codes carried by error entries and {"type": "error"} replies; the
+# models map them to Triton's status codes.
 INVALID_ARG = "INVALID_ARG"
 UNAVAILABLE = "UNAVAILABLE"
 QUEUE_FULL = "QUEUE_FULL"
 INTERNAL = "INTERNAL"
+
+# What a request in flight is told when its connection to the engine process
+# breaks; the launcher restarts a dead engine process.
+LOST_MESSAGE = "the engine process stopped while generating (it is being restarted); retry the request"
 
 
 class EngineUnavailableError(ConnectionError):
@@ -41,7 +48,16 @@ class EngineError(Exception):
 
 
 def encode_frame(message: Mapping[str, Any]) -> bytes:
+    """Header + JSON body; a body over MAX_FRAME raises EngineError(INVALID_ARG).
+
+    Checked on the sending side so that one oversized request is refused
+    alone instead of making the peer drop the connection every other request
+    of the stub shares.
+    """
     body = json.dumps(message, separators=(",", ":")).encode("utf-8")
+    if len(body) > MAX_FRAME:
+        raise EngineError(INVALID_ARG, f"the request is {len(body)} bytes once encoded, over the engine "
+                                       f"protocol's limit of {MAX_FRAME} bytes per message")
     return _HEADER.pack(len(body)) + body
 
 
@@ -52,9 +68,9 @@ def send_frame(sock: socket.socket, message: Mapping[str, Any]) -> None:
 class FrameReader:
     """Accumulates bytes from a socket and yields whole frames.
 
-    Works with select(): each `feed()` does one recv(), so a frame split over
-    several reads is never blocked on, and frames already buffered are never
-    left waiting for a readiness event that will not come.
+    Each `feed()` does one recv(), so a frame split over several reads is
+    never blocked on and several frames that arrived together come out of
+    one call.
     """
 
     def __init__(self) -> None:
@@ -62,26 +78,25 @@ class FrameReader:
         self.closed = False
 
     def feed(self, sock: socket.socket) -> list[dict[str, Any]]:
-        chunk = sock.recv(1 << 16)
+        chunk = sock.recv(1 << 18)
         if not chunk:
             self.closed = True
         self._buf.extend(chunk)
         return self.drain()
 
-    def push_front(self, frame: Mapping[str, Any]) -> None:
-        self._buf[:0] = encode_frame(frame)
-
     def drain(self) -> list[dict[str, Any]]:
         frames: list[dict[str, Any]] = []
-        while len(self._buf) >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(self._buf)
+        start = 0
+        while len(self._buf) - start >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(self._buf, start)
             if size > MAX_FRAME:
                 raise ValueError(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
-            if len(self._buf) < _HEADER.size + size:
+            end = start + _HEADER.size + size
+            if len(self._buf) < end:
                 break
-            body = bytes(self._buf[_HEADER.size:_HEADER.size + size])
-            del self._buf[:_HEADER.size + size]
-            frames.append(json.loads(body.decode("utf-8")))
+            frames.append(json.loads(self._buf[start + _HEADER.size:end]))
+            start = end
+        del self._buf[:start]
         return frames
 
 
@@ -93,9 +108,6 @@ def recv_frame(sock: socket.socket, reader: FrameReader | None = None) -> dict[s
         if reader.closed:
             raise EngineUnavailableError("engine process closed the connection")
         frames = reader.feed(sock)
-    # One-shot ops send exactly one frame before a reply; keep any extra for later reads.
-    for extra in reversed(frames[1:]):
-        reader.push_front(extra)
     return frames[0]
 
 
@@ -114,7 +126,7 @@ def connect(path: str, timeout: float | None = 5.0) -> socket.socket:
 
 
 def call(path: str, message: Mapping[str, Any], timeout: float = 5.0) -> dict[str, Any]:
-    """One request/reply op (info, stats, ping)."""
+    """One request/reply op (info, stats) on a connection of its own."""
     sock = connect(path, timeout)
     try:
         sock.settimeout(timeout)
@@ -129,52 +141,8 @@ def call(path: str, message: Mapping[str, Any], timeout: float = 5.0) -> dict[st
     return reply
 
 
-class EngineRequest:
-    """One submitted request: a connection whose frames are the request's outputs."""
-
-    def __init__(self, path: str, request_id: str, prompt_token_ids: list[int],
-                 params: Mapping[str, Any], cache_salt: str | None = None) -> None:
-        self.request_id = request_id
-        self.sock = connect(path)
-        self.reader = FrameReader()
-        self.finished = False
-        try:
-            send_frame(self.sock, {"op": "submit", "request_id": request_id,
-                                   "prompt_token_ids": prompt_token_ids, "params": dict(params),
-                                   "cache_salt": cache_salt})
-        except OSError as exc:
-            self.sock.close()
-            raise EngineUnavailableError(f"engine process unavailable: {exc}") from exc
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def read(self) -> list[dict[str, Any]]:
-        """Frames available now (call when select() says readable).
-
-        An error frame raises EngineError; a connection lost before the final
-        output raises EngineUnavailableError.
-        """
-        try:
-            frames = self.reader.feed(self.sock)
-        except OSError as exc:
-            raise EngineUnavailableError(f"lost the engine process: {exc}") from exc
-        for frame in frames:
-            if frame.get("type") == "error":
-                self.finished = True
-                raise EngineError(frame.get("code", INTERNAL), frame.get("message", "engine error"))
-            if frame.get("finished"):
-                self.finished = True
-        if self.reader.closed and not self.finished:
-            raise EngineUnavailableError(
-                "the engine process stopped while generating (it is being restarted); retry the request")
-        return frames
-
-    def abort(self) -> None:
-        try:
-            send_frame(self.sock, {"op": "abort"})
-        except OSError:
-            pass  # the engine aborts a request whose connection closes anyway
-
-    def close(self) -> None:
-        self.sock.close()
+def entry_error(entry: Mapping[str, Any]) -> EngineError | None:
+    """The error an output entry carries, if it is an error entry."""
+    if entry.get("error") is None:
+        return None
+    return EngineError(entry.get("code") or INTERNAL, entry["error"])

@@ -7,13 +7,11 @@ could not: cancellation does not cross it, FACTS.md).
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from trtprompt.prompt.budget import PromptError, PromptPolicy
 from trtprompt.prompt.edge import EdgePrompt, PromptEdge
 from trtprompt.serve import inputs, protocol as P, triton_io as io
-from trtprompt.serve.protocol import EngineRequest
 from trtprompt.tokenizer import Tokenizer
 
 
@@ -37,9 +35,9 @@ class _TextRow:
         self.detok = tok.stream(self.prompt_ids, skip_special_tokens=model.skip_special_tokens)
         self.output_ids: list[int] = []
 
-    def submit(self) -> EngineRequest:
-        return EngineRequest(self.model.socket, uuid.uuid4().hex, self.prompt_ids, self.params,
-                             self.item.cache_salt)
+    def engine_request(self) -> io.RowRequest:
+        item = self.item
+        return io.RowRequest(self.prompt_ids, self.params, item.cache_salt, item.return_perf_metrics)
 
     def response(self, frame: dict[str, Any]) -> list[Any] | None:
         """Output tensors for this frame, or None when it adds nothing to send."""
@@ -85,10 +83,9 @@ class TextModel(io.RowModel):
         self.exclude_default = io.param_bool(params, "exclude_input_in_output", False)
         self.add_special_tokens = io.param_bool(params, "add_special_tokens", True)
         self.skip_special_tokens = io.param_bool(params, "skip_special_tokens", True)
-        self.check_period_s = int(params.get("cancellation_check_period_ms") or 50) / 1000
         self.edge = PromptEdge(PromptPolicy.from_engine_dir(params["gpt_model_path"]), self.tokenizer,
                                self.add_special_tokens, self._engine_limits)
-        self.workers = io.Workers()
+        self.start_relay(self.socket, params)
 
     def _engine_limits(self) -> tuple[int, int]:
         info = P.call(self.socket, {"op": "info"})

@@ -8,7 +8,6 @@ engine request. It also publishes the engine's metrics.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,6 @@ import triton_python_backend_utils as pb_utils
 
 from trtprompt.serve import inputs, triton_io as io
 from trtprompt.serve.metrics import MetricsPublisher
-from trtprompt.serve.protocol import EngineRequest
 
 
 class _TokenRow:
@@ -24,9 +22,9 @@ class _TokenRow:
         self.model, self.index, self.item = model, index, item
         self.output_ids: list[int] = []
 
-    def submit(self) -> EngineRequest:
-        return EngineRequest(self.model.socket, uuid.uuid4().hex, self.item.prompt_token_ids,
-                             self.item.params, self.item.cache_salt)
+    def engine_request(self) -> io.RowRequest:
+        item = self.item
+        return io.RowRequest(item.prompt_token_ids, item.params, item.cache_salt, item.return_perf_metrics)
 
     def response(self, frame: dict[str, Any]) -> list[Any] | None:
         new, finished = frame["new_token_ids"], frame["finished"]
@@ -63,10 +61,9 @@ class TokenModel(io.RowModel):
         self.input_names = [t["name"] for t in cfg["input"]]
         self.socket = io.engine_socket(params)
         self.exclude_default = io.param_bool(params, "exclude_input_in_output", False)
-        self.check_period_s = int(params.get("cancellation_check_period_ms") or 50) / 1000
         period_s = int(params.get("stats_check_period_ms") or 100) / 1000
         self.metrics = MetricsPublisher(pb_utils, self.socket, period_s).start()
-        self.workers = io.Workers()
+        self.start_relay(self.socket, params)
 
     def make_rows(self, tensors: dict[str, Any]) -> list[_TokenRow]:
         n = inputs.batch_size(tensors, "input_ids")

@@ -7,9 +7,11 @@ call (FACTS.md: a separate final send leaves ensemble requests in flight).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -17,8 +19,7 @@ import triton_python_backend_utils as pb_utils
 
 from trtprompt.serve import protocol as P
 from trtprompt.serve.inputs import InputError
-from trtprompt.serve.protocol import EngineRequest
-from trtprompt.serve.relay import Cancelled, abort_all, relay
+from trtprompt.serve.relay import CancelWatcher, EngineClient
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SOCKET_ENV = "TRTPROMPT_ENGINE_SOCKET"
@@ -26,7 +27,7 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 def prefer_quick_thread_switches() -> None:
-    """Let a woken relay thread take the GIL within 0.5 ms instead of 5 ms.
+    """Let the woken reader thread take the GIL within 0.5 ms instead of 5 ms.
 
     Measured: with the default interval the stub's busy thread made every
     streamed response of `ensemble` wait ~5 ms more (first response 6.6 ms
@@ -71,6 +72,10 @@ def text_tensor(name: str, text: str) -> Any:
     return pb_utils.Tensor(name, np.array([[text.encode("utf-8")]], dtype=object))
 
 
+class Cancelled(Exception):
+    """The client cancelled the request; its engine requests were aborted."""
+
+
 def error_for(exc: BaseException) -> Any:
     """The TritonError a failure is reported with."""
     E = pb_utils.TritonError
@@ -95,43 +100,106 @@ def send(sender: Any, tensors: list[Any], final: bool) -> None:
     sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
 
 
-class Row(Protocol):
-    """One batch row of a request: submits itself, turns frames into output tensors."""
+@dataclass(frozen=True)
+class RowRequest:
+    """What one batch row submits to the engine."""
 
-    def submit(self) -> EngineRequest: ...
+    prompt_token_ids: list[int]
+    params: Mapping[str, Any]
+    cache_salt: str | None
+    perf: bool  # the row returns perf metrics: request stats on every output
+
+
+class Row(Protocol):
+    """One batch row of a request: what it submits, and its output entries turned into tensors."""
+
+    def engine_request(self) -> RowRequest: ...
 
     def response(self, frame: dict[str, Any]) -> list[Any] | None: ...
 
 
-def serve_rows(rows: Sequence[Row], sender: Any, check_period_s: float) -> None:
-    """Submit every row, stream their responses; the last one carries the final flag.
+class Job:
+    """One Triton request in flight: its rows' engine requests and its response sender.
 
-    Any failure (the client's cancellation included) aborts the other rows and
-    ends the request with one error response flagged final.
+    Output entries arrive on the EngineClient's reader thread; errors, the
+    client's cancellation (CancelWatcher thread) and submit failures may
+    race with them, so one lock and a done flag make sure exactly one
+    response carries the final flag and nothing is sent after it.
     """
-    submitted: list[EngineRequest] = []
-    remaining = [len(rows)]
 
-    def on_frame(i: int, frame: dict[str, Any]) -> None:
-        if frame["finished"]:
-            remaining[0] -= 1
-            if frame.get("warning"):
-                pb_utils.Logger.log_warn(frame["warning"])
-        out = rows[i].response(frame)
+    def __init__(self, rows: Sequence[Row], sender: Any, client: EngineClient, watcher: CancelWatcher) -> None:
+        self.rows, self.sender, self.client, self.watcher = rows, sender, client, watcher
+        self._lock = threading.Lock()
+        self._done = False
+        self._rids: list[str | None] = [None] * len(rows)
+        self._finished = [False] * len(rows)
+
+    def start(self) -> None:
+        self.watcher.add(self)
+        try:
+            for i, row in enumerate(self.rows):
+                req = row.engine_request()
+                rid = self.client.submit(req.prompt_token_ids, req.params, req.cache_salt, req.perf,
+                                         functools.partial(self.on_entry, i))
+                with self._lock:
+                    self._rids[i] = rid
+                    if self._done:  # an earlier row failed while this one was being submitted
+                        self.client.abort([rid])
+                        return
+        except BaseException as exc:  # noqa: BLE001 - every request ends with a final response
+            self.fail(exc)
+
+    def on_entry(self, i: int, entry: dict[str, Any]) -> None:
+        with self._lock:
+            if self._done:
+                return
+            try:
+                self._on_entry(i, entry)
+            except BaseException as exc:  # noqa: BLE001 - reported to the client
+                self._fail_locked(exc)
+
+    def _on_entry(self, i: int, entry: dict[str, Any]) -> None:
+        error = P.entry_error(entry)
+        if error is not None:
+            self._finished[i] = True
+            raise error
+        if entry["finished"]:
+            self._finished[i] = True
+            if entry.get("warning"):
+                pb_utils.Logger.log_warn(entry["warning"])
+        last = all(self._finished)
+        out = self.rows[i].response(entry)
         if out is not None:
-            send(sender, out, final=remaining[0] == 0)
+            send(self.sender, out, final=last)
+        if last:
+            self._done = True
+            self.watcher.discard(self)
 
-    try:
-        for row in rows:
-            submitted.append(row.submit())
-        relay(submitted, on_frame, sender.is_cancelled, check_period_s)
-    except BaseException as exc:  # noqa: BLE001 - every request ends with a final response
-        abort_all(submitted)
-        send_error(sender, exc)
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if not self._done:
+                self._fail_locked(exc)
+
+    def _fail_locked(self, exc: BaseException) -> None:
+        """Abort the rows still running and end the request with one error response."""
+        self._done = True
+        self.watcher.discard(self)
+        self.client.abort([rid for rid, fin in zip(self._rids, self._finished) if rid is not None and not fin])
+        send_error(self.sender, exc)
+
+    def is_cancelled(self) -> bool:
+        # Under the lock and never after the final response: Triton frees the
+        # response factory with it, and asking then crashes tritonserver
+        # (TRITONBACKEND_ResponseFactoryIsCancelled on a freed factory).
+        with self._lock:
+            return not self._done and self.sender.is_cancelled()
+
+    def cancel(self) -> None:
+        self.fail(Cancelled())
 
 
 class Workers:
-    """Tracks the per-request threads so finalize() can wait for them."""
+    """Tracks the per-request intake threads (parse, tokenize, submit) so finalize() can wait."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -160,14 +228,23 @@ class Workers:
 class RowModel:
     """execute/finalize shared by the decoupled models that relay rows to the engine.
 
-    Each request runs on its own worker thread; subclasses turn a request's
-    tensors into rows (`make_rows`) and set input_names, workers and
-    check_period_s in initialize().
+    A short-lived intake thread per request turns its tensors into rows
+    (`make_rows`: parse, tokenize) and submits them, so one slow request does
+    not hold up execute(); after that the request costs no thread: its
+    outputs come on the EngineClient's reader thread and one CancelWatcher
+    covers every request. Subclasses call `start_relay(socket, params)` and set
+    input_names in initialize().
     """
 
     input_names: list[str]
     workers: Workers
-    check_period_s: float
+    client: EngineClient
+    watcher: CancelWatcher
+
+    def start_relay(self, socket_path: str, params: Mapping[str, str]) -> None:
+        self.client = EngineClient(socket_path)
+        self.watcher = CancelWatcher(int(params.get("cancellation_check_period_ms") or 50) / 1000)
+        self.workers = Workers()
 
     def make_rows(self, tensors: dict[str, Any]) -> Sequence[Row]:
         raise NotImplementedError
@@ -184,10 +261,12 @@ class RowModel:
         except Exception as exc:  # noqa: BLE001 - reported to the client
             send_error(sender, exc)
             return
-        serve_rows(rows, sender, self.check_period_s)
+        Job(rows, sender, self.client, self.watcher).start()
 
     def finalize(self) -> None:
         self.workers.join(5.0)
+        self.watcher.stop()
+        self.client.close()
         return None
 
 
