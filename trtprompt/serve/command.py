@@ -37,6 +37,10 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
     if engine.target == "trtllm":  # Triton's tensorrtllm backend, in the NGC container
         from trtprompt.serve.trtllm_launch import serve_trtllm
 
+        if openai is not None:
+            echo(f"trtprompt serve: the OpenAI front end is not started for the trtllm target; run it beside "
+                 f"tritonserver: python -m trtprompt.serve.openai {engine.path} --grpc-url "
+                 f"{ports.local_host}:{ports.grpc} --host {ports.host} --port {openai.port}")
         return serve_trtllm(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s, echo=echo)
     server = Server(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s,
                     restart_engine=restart, log=echo, openai=openai)

@@ -44,8 +44,11 @@ class Tally:
         """'length' when the request used all of max_tokens, else 'stop' (EOS or a stop string)."""
         return "length" if self.completion_tokens is not None and self.completion_tokens >= max_tokens else "stop"
 
-    def usage(self, tokens_per_block: int | None) -> dict[str, Any]:
-        prompt, completion = self.prompt_tokens or 0, self.completion_tokens or 0
+    def usage(self, tokens_per_block: int | None) -> dict[str, Any] | None:
+        """None when the ensemble returned no token counts (the upstream layout): unknown, not 0."""
+        if self.prompt_tokens is None or self.completion_tokens is None:
+            return None
+        prompt, completion = self.prompt_tokens, self.completion_tokens
         cached = (self.reused_blocks or 0) * (tokens_per_block or 0)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
