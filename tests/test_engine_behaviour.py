@@ -192,3 +192,32 @@ def test_penalties_change_output_and_repetition_penalty_matches_transformers(lla
     freq = run_to_completion(make_engine(llama), {"r": prompt},
                              SamplingParams(max_tokens=10, frequency_penalty=5.0, presence_penalty=1.0))["r"]
     assert len(set(freq)) == len(freq) and freq != plain
+
+
+def test_same_prefix_admitted_together_is_computed_once(llama):
+    """A request whose prefix another request is computing waits a step and reuses it (FCFS kept)."""
+    rng = random.Random(5)
+    prefix = rand_tokens(rng, 40)  # 5 full blocks of 8
+    prompts = {"a": prefix + rand_tokens(rng, 3), "b": prefix + rand_tokens(rng, 3),
+               "c": rand_tokens(rng, 6)}  # c arrives after b: it must not overtake it
+    expected = {rid: hf_greedy(llama, tuple(p), 4) for rid, p in prompts.items()}
+    engine = make_engine(llama, max_num_tokens=256)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, SamplingParams(max_tokens=4))
+    first = engine.step()  # a alone: b waits for a's blocks, c waits behind b
+    assert [o.request_id for o in first] == ["a"]
+    outputs = {rid: [] for rid in prompts}
+    finals = {}
+    for o in first:
+        outputs[o.request_id] += o.new_token_ids
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs[o.request_id] += o.new_token_ids
+            if o.finished:
+                finals[o.request_id] = o
+    assert outputs == expected
+    assert finals["b"].stats.kv_cache_reused_blocks == 5
+    assert finals["b"].stats.prefill_tokens_computed == 3
+    assert finals["b"].stats.first_scheduled_time_ns > finals["a"].stats.first_scheduled_time_ns
+    stats = engine.stats()
+    assert stats.used_num_blocks == 0 and stats.free_num_blocks == stats.max_num_blocks

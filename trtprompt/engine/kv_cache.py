@@ -20,6 +20,11 @@ class KVCacheManager:
         self._num_published: dict[str, int] = {}
         self.reused_blocks = 0
         self.missed_blocks = 0
+        # Prompt blocks a running request has yet to compute, by hash -> that request,
+        # so a later request with the same prefix waits for them instead of computing
+        # them a second time (TensorRT-LLM and vLLM compute them twice).
+        self._in_flight: dict[bytes, str] = {}
+        self._in_flight_of: dict[str, list[bytes]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,6 +86,30 @@ class KVCacheManager:
         req.stats.kv_cache_alloc_total_blocks = len(table)
         return True
 
+    def mark_in_flight(self, req: Request, num_hits: int) -> None:
+        """Register the full prompt blocks req will compute itself (after its num_hits cached ones)."""
+        if not self.enable_block_reuse:
+            return
+        owned = [h for h in req.block_hashes[num_hits:] if h not in self._in_flight]
+        for h in owned:
+            self._in_flight[h] = req.request_id
+        self._in_flight_of[req.request_id] = owned
+
+    def next_block_in_flight(self, req: Request, num_hits: int) -> bool:
+        """True when the next block req would compute is being computed by a running request.
+
+        Checked after find_prefix, so req.block_hashes covers its reusable blocks.
+        """
+        if not self.enable_block_reuse:
+            return False
+        limit = (req.num_tokens - 1) // self.tokens_per_block
+        return num_hits < limit and req.block_hashes[num_hits] in self._in_flight
+
+    def _settle_in_flight(self, request_id: str, hashes: list[bytes]) -> None:
+        for h in hashes:
+            if self._in_flight.get(h) == request_id:
+                del self._in_flight[h]
+
     def record_lookup(self, req: Request, num_hits: int) -> None:
         """Count the prompt's full blocks that missed the cache (for the hit rate)."""
         full = (req.num_tokens - 1) // self.tokens_per_block
@@ -98,6 +127,7 @@ class KVCacheManager:
         start = self._num_published.get(req.request_id, 0)
         for i in range(start, n_full):
             self.pool.cache(table[i], req.block_hashes[i])
+        self._settle_in_flight(req.request_id, req.block_hashes[start:n_full])
         self._num_published[req.request_id] = max(start, n_full)
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -106,6 +136,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         table = self.block_tables.pop(req.request_id, None)
         self._num_published.pop(req.request_id, None)
+        self._settle_in_flight(req.request_id, self._in_flight_of.pop(req.request_id, []))
         if table:
             # Tail blocks are the least likely to be shared: let them be evicted first.
             self.pool.free(reversed(table))

@@ -176,6 +176,10 @@ class Scheduler:
 
     def _admit(self, req: Request, step: _Step) -> bool:
         hits = self.kv.find_prefix(req)
+        if self.kv.next_block_in_flight(req, len(hits)):
+            # A running request is computing this prefix now: wait a step and reuse it
+            # rather than compute it twice (and keep FCFS: nobody overtakes).
+            return False
         tpb = self.kv.tokens_per_block
         remaining = req.num_tokens - len(hits) * tpb
         num_new = self._chunk(req, remaining, step.budget)
@@ -190,6 +194,7 @@ class Scheduler:
         if not self.kv.allocate(req, num_new, hits):
             return False
         self.kv.record_lookup(req, len(hits))
+        self.kv.mark_in_flight(req, len(hits))
         req.status = RequestStatus.RUNNING
         req.admitted_seq = self._admissions
         self._admissions += 1
