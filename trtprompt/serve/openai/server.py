@@ -16,6 +16,8 @@ from pathlib import Path
 
 from trtprompt.serve.openai.config import API_KEY_ENV, FrontendConfig
 
+SWITCH_INTERVAL_S = 0.0005
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m trtprompt.serve.openai", description=__doc__.split("\n")[0])
@@ -35,6 +37,10 @@ def read_api_key(path: Path | None) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # gRPC's aio poller is a thread of its own: with Python's default 5 ms switch interval every
+    # streamed token could wait that long for the GIL (as in the python-backend stub; measured in
+    # BENCHMARKS.md, "OpenAI front end").
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     import uvicorn
 
     from trtprompt.serve.openai.app import create_app
@@ -45,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"openai front end: {exc}", file=sys.stderr)
         return 2
+    # The stdlib event loop: grpc.aio's poller is known to work with it (uvloop is not needed here).
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+                loop="asyncio", timeout_graceful_shutdown=5)
     return 0
