@@ -123,7 +123,7 @@ def build_attention_metadata(seqs: Sequence[SeqSlice], tokens_per_block: int, de
         check_slice(i, seq, tokens_per_block)
     if backend == "reference":
         return attention_reference.build(seqs, tokens_per_block, device)
-    resolved = resolve_attention_backend(backend, device) if backend == "auto" else backend
+    resolved = resolve_attention_backend(backend, device)  # loads the kernel once; cached after
     return attention_paged.build(seqs, tokens_per_block, device, dtype, compiled=resolved == "compiled")
 
 
