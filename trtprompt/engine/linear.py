@@ -10,12 +10,32 @@ at load: torch's int8 weight-only matmul (`_weight_int8pack_mm`) ran at
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 LINEAR_BACKENDS: tuple[str, ...] = ("onednn", "reference")
 # The M a prepacked weight is tuned for; measured insensitive between decode and prefill sizes.
 ONEDNN_BATCH_HINT = 32
+# oneDNN keeps one compiled primitive per distinct input shape, and the engine's token count
+# changes every step: with oneDNN's default capacity (1,024) the engine's RSS grew for many
+# rounds of varied load (issue 11). The cap keeps the shapes of a working set (every decode
+# batch size of a step window plus recent chunk sizes) and bounds the rest; its cost on decode
+# is measured by scripts/onednn_cache_cost.py (BENCHMARKS.md "Soak"). An operator's own
+# ONEDNN_PRIMITIVE_CACHE_CAPACITY wins.
+ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+ONEDNN_CACHE_CAPACITY = 256
+
+
+def cap_primitive_cache() -> None:
+    """Set oneDNN's primitive-cache capacity unless the operator did.
+
+    oneDNN reads it once, when the process creates its first primitive, so this runs before
+    the engine's first oneDNN call (onednn_available); in a process that used oneDNN before,
+    the capacity it started with stays.
+    """
+    os.environ.setdefault(ONEDNN_CACHE_ENV, str(ONEDNN_CACHE_CAPACITY))
 
 
 def _onednn_dtype_ok(dtype: torch.dtype) -> bool:
@@ -28,6 +48,7 @@ def _onednn_dtype_ok(dtype: torch.dtype) -> bool:
 
 def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
     """True when prepacked oneDNN linears run, and agree with F.linear, for this dtype/device."""
+    cap_primitive_cache()
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if not _onednn_dtype_ok(dtype):

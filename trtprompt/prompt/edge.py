@@ -60,11 +60,40 @@ class PromptEdge:
             return EdgePrompt(fitted.ids, 0, fitted.dropped_turns)
         return self.fit_text(text or "", max_tokens, overflow)
 
-    def fit_text(self, text: str, max_tokens: int | None, overflow: str | None = None) -> EdgePrompt:
+    def fit_text(self, text: str, max_tokens: int | None, overflow: str | None = None,
+                 input_name: str = "text_input") -> EdgePrompt:
         """Encode and budget a text prompt (no salt check: for layouts that carry no salt)."""
+        text = self.bound_text(text, overflow, input_name)
         ids = self._tokenizer.encode(text, add_special_tokens=self._add_special_tokens)
         cut = self.budget().fit(ids, max_tokens, overflow)
         return EdgePrompt(cut.ids, cut.prompt_truncated_tokens, 0)
+
+    def text_byte_bound(self) -> int:
+        """Most bytes of text that max_input_len tokens can stand for: more cannot fit."""
+        return self.budget().max_input_len * self._tokenizer.max_token_bytes
+
+    def bound_text(self, text: str, overflow: str | None, input_name: str) -> str:
+        """Refuse (reject) or pre-cut (truncating policies) text that cannot fit, before tokenizing.
+
+        Tokenizing megabytes takes seconds of a core (issue 11). A truncating policy keeps only
+        what it could keep anyway: twice the bound from the end (and, for truncate_middle, from
+        the start), so the cut inside tokenization never reaches the kept tokens; its
+        prompt_truncated_tokens then counts the tokens dropped from that window."""
+        raw = text.encode("utf-8")
+        bound = self.text_byte_bound()
+        if len(raw) <= bound:
+            return text
+        policy = self.policy.effective_overflow(overflow)
+        if policy == "reject":
+            raise PromptError(
+                f"input '{input_name}' is {len(raw)} bytes, more than the {bound} bytes that "
+                f"max_input_len ({self.budget().max_input_len}) tokens can hold (this tokenizer's "
+                f"longest token is {self._tokenizer.max_token_bytes} bytes); it was not tokenized")
+        window = 2 * bound
+        tail = raw[-window:].decode("utf-8", errors="ignore")
+        if policy == "truncate_left":
+            return tail
+        return raw[:window].decode("utf-8", errors="ignore") + tail
 
 
 def engine_dir_limits(path: str | Path) -> tuple[int, int]:

@@ -12,6 +12,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from trtprompt.engine.request import FLOAT_BOUNDS, SamplingParams, check_bound
+
 Tensors = Mapping[str, np.ndarray]
 
 
@@ -37,8 +39,12 @@ class Item:
     overflow: str | None = None
 
 
-def batch_size(tensors: Tensors, required: str) -> int:
-    return int(tensors[required].shape[0])
+def batch_size(tensors: Tensors, required: str, *alternatives: str) -> int:
+    """Rows of the request, from its required input (or the first alternative present)."""
+    for name in (required, *alternatives):
+        if name in tensors:
+            return int(tensors[name].shape[0])
+    raise InputError(f"input '{required}' is required")
 
 
 def _row(tensors: Tensors, name: str, i: int) -> np.ndarray | None:
@@ -109,18 +115,47 @@ def _sampling(tensors: Tensors, i: int, names: Mapping[str, tuple[str, ...]]) ->
              "temperature": float, "top_p": float, "repetition_penalty": float,
              "presence_penalty": float, "frequency_penalty": float}
     params: dict[str, Any] = {}
+    used: dict[str, str] = {}  # field -> the input that set it, for error messages
     for key, sources in names.items():
         for source in sources:
             value = scalar(tensors, source, i, casts[key])
             if value is not None:
-                params[key] = value
+                params[key], used[key] = value, source
                 break
     max_tokens = params.get("max_tokens")
     if max_tokens is None:
         raise InputError(f"input '{names['max_tokens'][0]}' is required")
     if max_tokens <= 0:
         raise InputError(f"{names['max_tokens'][0]} must be a positive integer, got {max_tokens}")
+    _check_sampling(params, used)
+    for name in IGNORED_FLOATS:  # beam-search only: no effect here, but never a NaN either
+        value = scalar(tensors, name, i, float)
+        if value is not None:
+            _float_bound(name, "length_penalty", value)
     return params
+
+
+# Declared for TensorRT-LLM clients; they only act with beam search, which this target lacks.
+IGNORED_FLOATS = ("length_penalty", "len_penalty")
+
+
+def _float_bound(source: str, key: str, value: float) -> None:
+    try:
+        check_bound(f"input '{source}'", key, value)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+def _check_sampling(params: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """Refuse here, naming the client's input, what SamplingParams would refuse in the engine."""
+    for key, value in params.items():
+        if key in FLOAT_BOUNDS:
+            _float_bound(sources[key], key, value)
+    try:
+        SamplingParams(**params)
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise InputError(f"input '{sources.get(field, field)}': {exc}") from None
 
 
 TEXT_SAMPLING = {
@@ -177,24 +212,40 @@ def words_list(arr: np.ndarray | None, name: str) -> list[list[int]]:
     return out
 
 
-def parse_token_item(tensors: Tensors, i: int, exclude_default: bool) -> Item:
-    """One row of a `tensorrt_llm` request (token ids in, token ids out)."""
-    check_unsupported(tensors, i)
-    if words_list(_row(tensors, "bad_words_list", i), "bad_words_list"):
-        raise InputError("'bad_words_list' is not supported by the torch target")
-    ids = np.asarray(_row(tensors, "input_ids", i)).reshape(-1)
+def prompt_ids(tensors: Tensors, i: int, max_input_len: int | None) -> np.ndarray:
+    """input_ids[:input_lengths] of row i, refused here (before anything reaches the engine) when
+    empty or longer than the engine's max_input_len."""
+    ids = _row(tensors, "input_ids", i)
+    if ids is None:
+        raise InputError("input 'input_ids' is required")
+    ids = np.asarray(ids).reshape(-1)
+    if ids.size == 0:
+        raise InputError("input 'input_ids' is empty: at least one token id is required")
     length = scalar(tensors, "input_lengths", i, int)
     if length is None:
         raise InputError("input 'input_lengths' is required")
     if not 0 < length <= ids.size:
         raise InputError(f"input_lengths ({length}) must be in [1, {ids.size}] (the input_ids length)")
+    if max_input_len is not None and length > max_input_len:
+        raise InputError(f"input 'input_ids': Prompt length ({length}) exceeds maximum input length "
+                         f"({max_input_len}, the engine's max_input_len)")
+    return ids[:length]
+
+
+def parse_token_item(tensors: Tensors, i: int, exclude_default: bool,
+                     max_input_len: int | None = None) -> Item:
+    """One row of a `tensorrt_llm` request (token ids in, token ids out)."""
+    check_unsupported(tensors, i)
+    if words_list(_row(tensors, "bad_words_list", i), "bad_words_list"):
+        raise InputError("'bad_words_list' is not supported by the torch target")
+    ids = prompt_ids(tensors, i, max_input_len)
     params = _sampling(tensors, i, TOKEN_SAMPLING)
     stops = words_list(_row(tensors, "stop_words_list", i), "stop_words_list")
     if stops:
         params["stop_token_ids"] = stops
     salt = scalar(tensors, "cache_salt", i, lambda v: v)
     return Item(
-        params=params, prompt_token_ids=[int(t) for t in ids[:length]],
+        params=params, prompt_token_ids=ids.astype(np.int64).tolist(),
         stream=flag(tensors, "streaming", i),
         exclude_input_in_output=flag(tensors, "exclude_input_in_output", i, exclude_default),
         return_perf_metrics=flag(tensors, "return_perf_metrics", i),

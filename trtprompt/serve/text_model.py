@@ -92,5 +92,5 @@ class TextModel(io.RowModel):
         return int(info["max_input_len"]), int(info["max_seq_len"])
 
     def make_rows(self, tensors: dict[str, Any]) -> list[_TextRow]:
-        n = inputs.batch_size(tensors, "text_input")
+        n = inputs.batch_size(tensors, "text_input", "messages")
         return [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default)) for i in range(n)]

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from trtprompt.serve import inputs, triton_io as io
+from trtprompt.serve import inputs, protocol as P, triton_io as io
 from trtprompt.serve.metrics import MetricsPublisher
 
 
@@ -65,9 +65,17 @@ class TokenModel(io.RowModel):
         self.metrics = MetricsPublisher(pb_utils, self.socket, period_s).start()
         self.start_relay(self.socket, params)
 
+    def max_input_len(self) -> int:
+        """The engine's bound, asked once (a model may load before the engine is up)."""
+        if getattr(self, "_max_input_len", None) is None:
+            self._max_input_len = int(P.call(self.socket, {"op": "info"})["max_input_len"])
+        return self._max_input_len
+
     def make_rows(self, tensors: dict[str, Any]) -> list[_TokenRow]:
         n = inputs.batch_size(tensors, "input_ids")
-        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default)) for i in range(n)]
+        limit = self.max_input_len()  # input_ids past it are refused before reaching the engine
+        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default, limit))
+                for i in range(n)]
 
     def finalize(self) -> None:
         self.metrics.stop()
