@@ -336,6 +336,8 @@ def served_summary(res: dict[str, Any], args: argparse.Namespace) -> dict[str, A
     completed = res["completed"]
     return {"wall_s": res["duration"], "completed": completed, "failed": res.get("failed"),
             "output_tok_s": res["output_throughput"], "total_output_tokens": res.get("total_output_tokens"),
+            # From each server's usage: equal on both sides when both tokenized the prompts alike.
+            "total_input_tokens": res.get("total_input_tokens"),
             "nominal_output_tok_s": completed * args.served_output / res["duration"],
             "mean_ttft_s": res["mean_ttft_ms"] / 1e3,
             "median_itl_s": res["median_itl_ms"] / 1e3, "loadavg_1m": os.getloadavg()[0]}
@@ -425,6 +427,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so a running server is stopped by its context manager.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     prepare(args)
     info = machine()
     log(f"CPU {info['cpu']} (avx512f: {info['avx512f']}), {args.threads} threads per side")
