@@ -58,6 +58,36 @@ inline void dot4(const float* q, const float* rows, int64_t d, float* out) {
   out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
 }
 
+// Blocks sit at scattered places, and hardware prefetchers do not follow a jump to
+// the next one: ask for it while the current block is being read.
+template <typename T>
+inline void prefetch_run(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i, 0, 1);
+}
+
+// e^x for x <= 0 (scores minus their running max), 8 lanes at once: range reduction
+// to 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (about 1 ulp).
+inline vf exp_nonpositive(vf x) {
+  typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+  const vf lo = vf{} - 87.0f;
+  x = x < lo ? lo : x;  // e^-87 is below float32's normal range: as good as 0 next to the max term
+  const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // round to nearest, x <= 0
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 inline void axpy(float a, const float* x, float* y, int64_t d) {
   for (int64_t i = 0; i < d; i += kLanes) store(y + i, load(y + i) + a * load(x + i));
 }
@@ -99,7 +129,13 @@ struct Online {
       const float corr = std::exp(m[j] - nm);  // 0 on the first block (m = -inf)
       l[j] *= corr;
       for (int64_t i = 0; i < d; ++i) acc[j * d + i] *= corr;
-      for (int64_t t = 0; t < n; ++t) {
+      int64_t t = 0;
+      for (; t + kLanes <= n; t += kLanes) {
+        const vf e = exp_nonpositive(load(s + t) - nm);
+        store(s + t, e);
+        l[j] += hsum(e);
+      }
+      for (; t < n; ++t) {
         s[t] = std::exp(s[t] - nm);
         l[j] += s[t];
       }
@@ -118,6 +154,11 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
   for (int64_t b = 0; b * tpb < len; ++b) {
     const int64_t n = std::min(tpb, len - b * tpb);
     const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + kh) * tpb * d;
+    if ((b + 1) * tpb < len) {
+      const int64_t next = (static_cast<int64_t>(table[b + 1]) * sh.kv_heads + kh) * tpb * d;
+      prefetch_run(k_cache + next, tpb * d);
+      prefetch_run(v_cache + next, tpb * d);
+    }
     const int64_t n4 = (n + 3) / 4 * 4;  // rows past n lie inside the block; their scores are unused
     const float* k = rows_as_float(k_cache + base, st.kbuf.data(), n4 * d);
     for (int64_t j = 0; j < g; ++j)
