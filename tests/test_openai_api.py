@@ -132,7 +132,7 @@ def test_bad_requests_name_the_field_and_bound(served: Served) -> None:
     name, limit = model_name(served), EngineInfo.read(served.engine_dir).build_config["max_seq_len"]
     err = error_of(*post(served, "/v1/completions", {"model": name, "prompt": "x", "max_tokens": limit})[::2], 400)
     assert err["param"] == "max_tokens" and f"max_tokens must be in [1, {limit - 1}]" in err["message"]
-    long_prompt = "lorem ipsum dolor " * limit
+    long_prompt = "lorem ipsum dolor " * (limit // 2)  # over max_input_len in tokens (as test_serve_faults)
     for stream in (False, True):  # refused before any byte is streamed: a plain 400 either way
         status, headers, raw = post(served, "/v1/completions", {"model": name, "prompt": long_prompt,
                                                                 "max_tokens": 4, "stream": stream})
