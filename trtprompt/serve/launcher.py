@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 from trtprompt.serve import protocol as P
 from trtprompt.serve.options import EngineInfo, OpenAIOptions, ServeOptions
+from trtprompt.serve.process_group import remove_shm, stop_group
 from trtprompt.serve.repository import RepoContext, write_repository
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
@@ -116,12 +117,15 @@ def child_env(install: TritonInstall, socket_path: str) -> dict[str, str]:
     return env
 
 
-def triton_command(install: TritonInstall, repo: Path, ports: Ports, backend_dir: Path | None) -> list[str]:
+def triton_command(install: TritonInstall, repo: Path, ports: Ports, backend_dir: Path | None,
+                   shm_prefix: str | None = None) -> list[str]:
     cmd = [str(install.binary), f"--model-repository={repo}",
            f"--http-address={ports.host}", f"--http-port={ports.http}",
            f"--grpc-address={ports.host}", f"--grpc-port={ports.grpc}",
            f"--metrics-address={ports.host}", f"--metrics-port={ports.metrics}",
            "--exit-timeout-secs=10", "--log-verbose=0"]
+    if shm_prefix:  # names the python backend's /dev/shm regions, so stop() can find leftovers
+        cmd.append(f"--backend-config=python,shm-region-prefix-name={shm_prefix}")
     if install.bundled:
         cmd += [f"--backend-directory={backend_dir}", "--disable-auto-complete-config",
                 "--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false"]
@@ -153,22 +157,6 @@ def _die_with_parent() -> None:
         pass  # not Linux: a killed launcher may leave its children running
 
 
-def _stop_process(proc: subprocess.Popen | None, timeout_s: float) -> None:
-    """SIGTERM the child's process group, SIGKILL it after timeout_s."""
-    if proc is None or proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 class Server:
     """The engine process + tritonserver for one engine directory."""
 
@@ -188,6 +176,9 @@ class Server:
         self.install = TritonInstall.find()
         self.engine_proc: subprocess.Popen | None = None
         self.triton_proc: subprocess.Popen | None = None
+        # Unique per server: what stop() unlinks from /dev/shm is only ever this server's.
+        self.shm_prefix = f"trtprompt_{os.getpid()}_{self.run_dir.name.replace('-', '_')}_"
+        self.stop_notes: list[str] = []
         self.engine_restarts = 0
         self._stop = threading.Event()
 
@@ -227,7 +218,7 @@ class Server:
 
     def start_triton(self) -> None:
         backend_dir = make_backend_dir(self.run_dir) if self.install.bundled else None
-        cmd = triton_command(self.install, self.repo, self.ports, backend_dir)
+        cmd = triton_command(self.install, self.repo, self.ports, backend_dir, self.shm_prefix)
         self.triton_proc = self._spawn(cmd, self.triton_log)
         base = f"http://{self.ports.local_host}:{self.ports.http}/v2"
         deadline = time.monotonic() + self.ready_timeout_s
@@ -297,11 +288,18 @@ class Server:
         self._stop.set()
 
     def stop(self) -> None:
-        """Triton first (it drains the models), then the engine; no child is left."""
+        """Triton first (it drains the models), then the engine; no process of any child's group
+        and no /dev/shm region of Triton's python backend is left; what had to be killed or
+        removed is logged (trtprompt.serve.process_group)."""
         self._stop.set()
-        _stop_process(self.openai_proc, 10.0)
-        _stop_process(self.triton_proc, 20.0)
-        _stop_process(self.engine_proc, 10.0)
+        notes = stop_group(self.openai_proc, "the OpenAI front end", 10.0)
+        notes += stop_group(self.triton_proc, "tritonserver", 20.0)
+        notes += stop_group(self.engine_proc, "the engine process", 10.0)
+        notes += remove_shm(self.shm_prefix)
+        for note in notes:
+            self.log(f"trtprompt serve: stop: {note}")
+        self.stop_notes += notes
+        self.openai_proc = self.triton_proc = self.engine_proc = None
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
