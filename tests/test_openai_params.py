@@ -124,3 +124,38 @@ def test_triton_errors_map_to_statuses(message: str, status: int, code: str | No
     assert ("Retry-After" in err.headers) == (status in (429, 503))
     if status == 400:
         assert err.param == "prompt"
+
+
+def test_bench_picks_the_client_from_the_url() -> None:
+    from trtprompt.bench.command import bench_api
+    from trtprompt.bench.openai_client import api_base
+
+    assert bench_api(None, None) == "triton"
+    assert bench_api(None, "127.0.0.1:8001") == "triton"
+    assert bench_api(None, "http://127.0.0.1:8003") == "openai"
+    assert bench_api("openai", None) == "openai"  # bench starts a server with the front end
+    with pytest.raises(ValueError, match="--api openai takes an http"):
+        bench_api("openai", "127.0.0.1:8001")
+    with pytest.raises(ValueError, match="--api triton takes a gRPC"):
+        bench_api("triton", "http://127.0.0.1:8003/v1")
+    assert api_base("http://h:1") == api_base("http://h:1/v1/") == "http://h:1/v1"
+
+
+def test_bench_client_folds_sse_events() -> None:
+    from trtprompt.bench.openai_client import _event
+    from trtprompt.client import StreamResult
+
+    result = StreamResult()
+    lines = [b'data: {"choices": [{"index": 0, "text": "Hel"}]}\n', b"\n", b": keep-alive comment\n",
+             b'data: {"choices": [{"index": 0, "delta": {"content": "lo"}}]}\n',
+             b'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n',
+             b'data: {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2, '
+             b'"prompt_tokens_details": {"cached_tokens": 32}}}\n', b"data: [DONE]\n"]
+    for at, line in enumerate(lines):
+        _event(line, result, float(at))
+    assert result.finished and result.error is None
+    assert result.text == "Hello" and result.times == [0.0, 3.0]
+    assert (result.last("num_input_tokens"), result.last("num_output_tokens"), result.last("cached_tokens")) == (7, 2, 32)
+    failed = StreamResult()
+    _event(b'data: {"error": {"message": "queue full", "type": "rate_limit_error"}}\n', failed, 0.0)
+    assert failed.error == "queue full"

@@ -130,19 +130,23 @@ class TritonEnsemble:
             await finished.wait()  # keep our side open until the last response arrived
 
         call = self._stub.ModelStreamInfer(requests())
+        ended = False
         try:
             async for response in call:
                 if response.error_message:
+                    ended = True  # an error response is the request's last
                     raise from_triton(response.error_message)
-                result = InferResult(response.infer_response)
-                piece = _piece(result)
+                piece = _piece(InferResult(response.infer_response))
+                final = response.infer_response.parameters["triton_final_response"].bool_param
+                ended = final
                 if piece is not None:
                     yield piece
-                if response.infer_response.parameters["triton_final_response"].bool_param:
+                if final:
                     return
             raise unavailable("tritonserver closed the stream before the final response")
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(exc) from None
         finally:
-            finished.set()
-            call.cancel()  # no-op after a finished call; aborts the request otherwise
+            finished.set()  # ends our side of the stream: a finished call closes cleanly
+            if not ended:
+                call.cancel()  # left early (client gone): Triton cancels the request
