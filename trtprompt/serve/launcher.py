@@ -165,7 +165,8 @@ class Server:
                  restart_engine: bool = True, log: Callable[[str], None] = print,
                  openai: OpenAIOptions | None = None) -> None:
         self.engine, self.options, self.ports = engine, options, ports
-        self.openai, self.openai_proc = openai, None  # the OpenAI front end (trtprompt.serve.openai)
+        self.openai = openai  # the OpenAI front end (trtprompt.serve.openai), started after tritonserver
+        self.openai_proc: subprocess.Popen | None = None
         self.ready_timeout_s, self.restart_engine, self.log = ready_timeout_s, restart_engine, log
         self._own_run_dir = run_dir is None
         self.run_dir = Path(tempfile.mkdtemp(prefix="trtprompt-serve-")) if run_dir is None else Path(run_dir)
