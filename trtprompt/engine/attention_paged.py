@@ -28,6 +28,11 @@ from trtprompt.engine.cascade import find_shared_prefixes
 
 Parts = tuple[torch.Tensor, torch.Tensor]  # (out [n, heads, d], lse [n, heads] float32)
 
+# Chunks of at most this many new tokens attend to their own tokens in one padded
+# batch per layer (SmallChunks): padding costs (width / n)^2 of tiny work, while a
+# separate flash call per chunk cost ~1 ms each on our CPUs.
+SMALL_CHUNK_TOKENS = 128
+
 
 @dataclass(frozen=True)
 class DecodeBatch:
@@ -44,6 +49,19 @@ class PrefillChunk:
     num_new_tokens: int
     context_blocks: torch.Tensor | None  # blocks of the cached context after any shared prefix
     context_len: int  # tokens of that context
+
+
+@dataclass(frozen=True)
+class SmallChunks:
+    """Prefill chunks short enough to attend to their own tokens in one padded batch.
+
+    The CPU flash kernel costs milliseconds per call whatever the size, so many
+    short chunks (the suffixes after a shared prefix) go through one call.
+    """
+
+    rows: torch.Tensor  # [C, width] packed rows of each chunk, padded with its last row
+    valid: torch.Tensor  # [C * width] bool: the padded positions that are real rows
+    mask: torch.Tensor  # [C, 1, width, width] additive causal mask (padding keys masked), model dtype
 
 
 @dataclass(frozen=True)
@@ -114,12 +132,14 @@ class PagedMetadata:
     slot_offsets: torch.Tensor
     decodes: tuple[DecodeBatch, ...]
     prefills: tuple[PrefillChunk, ...]
+    small: SmallChunks | None  # the own-token part of short chunks, batched
     groups: tuple[PrefixGroup, ...]
     compiled: bool
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                scale: float) -> torch.Tensor:
-        if not self.prefills and not self.groups and len(self.decodes) == 1 and self.decodes[0].rows_start == 0:
+        if not self.prefills and not self.groups and self.small is None and len(self.decodes) == 1 \
+                and self.decodes[0].rows_start == 0:
             return self._decode(q, kv_cache, self.decodes[0], scale)[0]  # a pure decode step
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -127,9 +147,12 @@ class PagedMetadata:
             o, l = self._decode(q, kv_cache, dec, scale)
             out.index_copy_(0, dec.rows, o)
             lse.index_copy_(0, dec.rows, l)
+        if self.small is not None:
+            rows, (o, l) = _small_chunks(q, k, v, self.small, scale)
+            out.index_copy_(0, rows, o)
+            lse.index_copy_(0, rows, l)
         for chunk in self.prefills:
-            rows = slice(chunk.start, chunk.start + chunk.num_new_tokens)
-            out[rows], lse[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, scale)
+            self._prefill(q, k, v, kv_cache, chunk, scale, out, lse)
         for group in self.groups:
             qg = q.index_select(0, group.rows)
             shared = attend_unmasked(qg, gather_blocks(kv_cache[0], group.block_ids),
@@ -138,6 +161,20 @@ class PagedMetadata:
             out.index_copy_(0, group.rows, o)
             lse.index_copy_(0, group.rows, l)
         return out
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache, chunk: PrefillChunk,
+                 scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """A chunk's own tokens (unless already done in the small-chunk batch) and its cached context."""
+        rows = slice(chunk.start, chunk.start + chunk.num_new_tokens)
+        batched = self.small is not None and chunk.num_new_tokens <= SMALL_CHUNK_TOKENS
+        parts = (out[rows], lse[rows]) if batched else attend_causal(q[rows], k[rows], v[rows], scale)
+        if chunk.context_blocks is not None:
+            n = chunk.context_len
+            parts = merge(parts, attend_unmasked(q[rows], gather_blocks(kv_cache[0], chunk.context_blocks)[:, :n],
+                                                 gather_blocks(kv_cache[1], chunk.context_blocks)[:, :n], scale))
+        elif batched:
+            return  # nothing to add to what the batch wrote
+        out[rows], lse[rows] = parts
 
     def _decode(self, q: torch.Tensor, kv_cache: KvCache, dec: DecodeBatch, scale: float) -> Parts:
         num = dec.rows.shape[0]
@@ -151,15 +188,24 @@ class PagedMetadata:
         return out.reshape(num, -1, d), lse.reshape(num, -1)
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache, chunk: PrefillChunk,
-             scale: float) -> Parts:
-    own = attend_causal(q, k, v, scale)
-    if chunk.context_blocks is None:
-        return own
-    n = chunk.context_len
-    context = attend_unmasked(q, gather_blocks(kv_cache[0], chunk.context_blocks)[:, :n],
-                              gather_blocks(kv_cache[1], chunk.context_blocks)[:, :n], scale)
-    return merge(own, context)
+def _small_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, small: SmallChunks,
+                  scale: float) -> tuple[torch.Tensor, Parts]:
+    """(packed rows, parts) of every short chunk against its own tokens, in one call."""
+    num, width = small.rows.shape
+    flat = small.rows.reshape(-1)
+    group = q.shape[1] // k.shape[1]
+
+    def batch(x: torch.Tensor) -> torch.Tensor:  # [T, h, d] -> [C, h, width, d]
+        return x.index_select(0, flat).view(num, width, x.shape[1], x.shape[2]).transpose(1, 2)
+
+    kb, vb = batch(k), batch(v)
+    if group > 1:
+        kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
+    mask = small.mask if small.mask.dtype == q.dtype else small.mask.to(q.dtype)
+    out, lse = flash_with_lse(batch(q), kb, vb, scale, mask=mask)
+    out = out.transpose(1, 2).reshape(num * width, q.shape[1], q.shape[2])[small.valid]
+    lse = lse.transpose(1, 2).reshape(num * width, q.shape[1])[small.valid]
+    return flat[small.valid], (out, lse)
 
 
 def _decode_batch(rows: list[int], seqs: list[SeqSlice], skips: list[int], tpb: int, device: torch.device,
@@ -188,6 +234,20 @@ def _prefill_chunk(start: int, seq: SeqSlice, skip: int, tpb: int, device: torch
                         context_len)
 
 
+def _small_chunks_batch(starts: list[int], sizes: list[int], device: torch.device,
+                        dtype: torch.dtype) -> SmallChunks | None:
+    if len(sizes) < 2:
+        return None  # one chunk gains nothing from a batch
+    width = max(sizes)
+    pos = torch.arange(width, device=device)
+    sizes_t = torch.tensor(sizes, device=device)
+    rows = torch.tensor(starts, device=device)[:, None] + torch.minimum(pos[None, :], sizes_t[:, None] - 1)
+    valid = pos[None, :] < sizes_t[:, None]
+    keep = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [C, query, key]
+    mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+    return SmallChunks(rows, valid.reshape(-1), mask[:, None])
+
+
 def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device, dtype: torch.dtype,
           compiled: bool) -> PagedMetadata:
     starts = [0]
@@ -211,5 +271,7 @@ def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device, dtype: torch
                                   tpb, device, dtype, compiled) for p in parts if p)
     prefills = tuple(_prefill_chunk(starts[i], s, skips[i], tpb, device)
                      for i, s in enumerate(seqs) if s.num_new_tokens > 1)
+    short = [c for c in prefills if c.num_new_tokens <= SMALL_CHUNK_TOKENS]
+    small = _small_chunks_batch([c.start for c in short], [c.num_new_tokens for c in short], device, dtype)
     blocks, offsets = slot_tensors(seqs, tpb, device)
-    return PagedMetadata(starts[-1], blocks, offsets, decodes, prefills, tuple(groups), compiled)
+    return PagedMetadata(starts[-1], blocks, offsets, decodes, prefills, small, tuple(groups), compiled)
