@@ -237,12 +237,48 @@ class _Flag:
 
 
 def test_one_watcher_cancels_only_the_cancelled() -> None:
-    watcher = CancelWatcher(0.01)
+    steps = [0]
+    watcher = CancelWatcher(0.01, lambda: steps[0])
     yes, no = _Flag(True), _Flag(False)
     watcher.add(yes)
     watcher.add(no)
+    steps[0] += 1  # a step frame arrived: the next sweep checks everyone
     assert yes.calls.wait(DEADLINE_S)
     watcher.discard(yes)
     time.sleep(0.05)
     watcher.stop()
     assert not no.calls.is_set()
+
+
+class _Counting(_Flag):
+    def __init__(self) -> None:
+        super().__init__(False)
+        self.checks = 0
+
+    def is_cancelled(self) -> bool:
+        self.checks += 1
+        return False
+
+
+def test_watcher_checks_at_most_once_per_step() -> None:
+    steps = [0]
+    watcher = CancelWatcher(0.01, lambda: steps[0], idle_s=3600.0)
+    item = _Counting()
+    watcher.add(item)
+    for _ in range(3):  # three steps, each followed by several periods
+        steps[0] += 1
+        time.sleep(0.1)
+    watcher.stop()
+    assert 1 <= item.checks <= 3
+
+
+def test_watcher_sweeps_without_steps_after_the_idle_bound() -> None:
+    watcher = CancelWatcher(0.01, lambda: 0, idle_s=0.05)
+    item = _Counting()
+    watcher.add(item)
+    deadline = time.monotonic() + DEADLINE_S
+    while item.checks < 2:
+        assert time.monotonic() < deadline, "no idle sweep"
+        time.sleep(0.02)
+    watcher.stop()
+

@@ -18,6 +18,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from trtprompt.serve import protocol as P
@@ -28,13 +29,16 @@ log = logging.getLogger("trtprompt.relay")
 # entry with "finished" true is the last call. Must not block for long:
 # every other request of the stub waits behind it.
 Handler = Callable[[dict[str, Any]], None]
+# CancelWatcher sweeps at least this often even when no step frame came.
+IDLE_SWEEP_S = 0.5
 
 
 class _Session:
     """One connection and the requests submitted on it."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, on_step: Callable[[], None]) -> None:
         self.sock = P.connect(path)
+        self._on_step = on_step
         self._lock = threading.Lock()  # guards _handlers and dead
         self._send_lock = threading.Lock()
         self._handlers: dict[str, Handler] = {}
@@ -75,6 +79,7 @@ class _Session:
             while not reader.closed:
                 for frame in reader.feed(self.sock):
                     if frame.get("type") == "step":
+                        self._on_step()
                         self._dispatch(frame["outputs"])
         except (OSError, ValueError) as exc:
             log.warning("engine connection lost: %s", exc)
@@ -105,11 +110,12 @@ class EngineClient:
         self._lock = threading.Lock()
         self._session: _Session | None = None
         self._ids = itertools.count(1)
+        self._steps = 0
 
     def _live_session(self) -> _Session:
         with self._lock:
             if self._session is None or self._session.dead:
-                self._session = _Session(self.path)  # raises EngineUnavailableError
+                self._session = _Session(self.path, self._count_step)  # raises EngineUnavailableError
             return self._session
 
     def submit(self, prompt_token_ids: list[int], params: Mapping[str, Any], cache_salt: str | None,
@@ -132,6 +138,13 @@ class EngineClient:
                 session.kill(P.LOST_MESSAGE)
                 raise P.EngineUnavailableError(f"engine process unavailable: {exc}") from exc
         return rid
+
+    def steps(self) -> int:
+        """Step frames received so far, over every connection (paces the CancelWatcher)."""
+        return self._steps
+
+    def _count_step(self) -> None:
+        self._steps += 1  # only the live connection's reader thread counts
 
     def abort(self, rids: list[str]) -> None:
         """Best effort: a lost connection aborts its requests in the engine anyway."""
@@ -157,15 +170,21 @@ class Watched(Protocol):
 
 
 class CancelWatcher:
-    """One thread that checks every request in flight for cancellation each period.
+    """One thread that checks every request in flight for cancellation, once per engine step.
 
-    Replaces a polling loop per request: the check (an IPC to Triton) runs
-    once per request per period on one thread, and the thread sleeps while
-    nothing is in flight.
+    Replaces a polling loop per request. A check is an IPC round trip to
+    tritonserver (both processes pay for it), and the engine can act on an
+    abort only between steps, so checking a request more than once per step
+    buys nothing: a sweep runs when `period_s` has passed AND the engine has
+    sent a step frame since the last sweep (`steps()` counts them), or when
+    `idle_s` has passed without one (requests still queued, a long prefill).
+    Under load that is one check per request per step instead of one per
+    period; the thread sleeps while nothing is in flight.
     """
 
-    def __init__(self, period_s: float) -> None:
-        self.period_s = period_s
+    def __init__(self, period_s: float, steps: Callable[[], int], idle_s: float = IDLE_SWEEP_S) -> None:
+        self.period_s, self.idle_s = period_s, max(period_s, idle_s)
+        self._steps = steps
         self._lock = threading.Lock()
         self._items: set[Watched] = set()
         self._busy = threading.Event()
@@ -188,10 +207,15 @@ class CancelWatcher:
         self._thread.join(2.0)
 
     def _run(self) -> None:
+        seen, last = self._steps(), time.monotonic()
         while not self._stop.is_set():
             self._busy.wait()
             if self._stop.wait(self.period_s):
                 return
+            now, steps = time.monotonic(), self._steps()
+            if steps == seen and now - last < self.idle_s:
+                continue
+            seen, last = steps, now
             with self._lock:
                 items = list(self._items)
                 if not items:

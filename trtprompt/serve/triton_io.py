@@ -231,8 +231,8 @@ class RowModel:
     A short-lived intake thread per request turns its tensors into rows
     (`make_rows`: parse, tokenize) and submits them, so one slow request does
     not hold up execute(); after that the request costs no thread: its
-    outputs come on the EngineClient's reader thread and one CancelWatcher
-    covers every request. Subclasses call `start_relay(socket, params)` and set
+    outputs come on the EngineClient's reader thread and one CancelWatcher,
+    paced by the engine's steps, covers every request. Subclasses call `start_relay(socket, params)` and set
     input_names in initialize().
     """
 
@@ -243,7 +243,8 @@ class RowModel:
 
     def start_relay(self, socket_path: str, params: Mapping[str, str]) -> None:
         self.client = EngineClient(socket_path)
-        self.watcher = CancelWatcher(int(params.get("cancellation_check_period_ms") or 50) / 1000)
+        self.watcher = CancelWatcher(int(params.get("cancellation_check_period_ms") or 50) / 1000,
+                                     self.client.steps)
         self.workers = Workers()
 
     def make_rows(self, tensors: dict[str, Any]) -> Sequence[Row]:
