@@ -39,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trtprompt.client import LLMClient, make_input, text_inputs, token_inputs  # noqa: E402
+from trtprompt.client import LLMClient, make_input, text_inputs  # noqa: E402
 from trtprompt.serve import protocol as P  # noqa: E402
 from trtprompt.serve.bad_inputs import CASES, ask, limits_of  # noqa: E402
 from trtprompt.serve.process_group import group_members  # noqa: E402
