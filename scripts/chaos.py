@@ -289,12 +289,16 @@ def _rss_mib(pid: int) -> float:
 
 
 def part_soak(server: Server, report: Report, rounds: int) -> list[float]:
-    """Each round: prompts of many lengths, streamed and not, greedy and sampled, 8 at a time."""
+    """Each round: 48 prompts of lengths drawn anew (seeded by the round) up to ~700 tokens, so
+    every round brings token counts not seen before; greedy and sampled; 8 at a time."""
+    import random
+
     pid = server.info()["pid"]
     rss = []
     for r in range(rounds):
-        jobs = [lambda n=n: greedy(server, "soak " * (7 * n + 3 * r % 11 + 1), 8 + n % 24,
-                                   **({"top_k": 5, "seed": n} if n % 3 else {}))
+        rng = random.Random(r)
+        jobs = [lambda n=n, words=rng.randint(1, 350): greedy(server, "soak " * words, 8 + n % 24,
+                                                              **({"top_k": 5, "seed": n} if n % 3 else {}))
                 for n in range(1, 49)]
         for i in range(0, len(jobs), 8):
             for res in _run_threads(jobs[i:i + 8]):
