@@ -1,18 +1,19 @@
-"""What bounding oneDNN's primitive cache costs: RSS growth and linear time, per cache capacity.
+"""What bounding the per-shape caches costs: RSS growth and linear time, per pair of capacities.
 
-oneDNN keeps one compiled primitive per distinct input shape; the engine's token count changes
-every step, so the default cache (1,024 primitives) made the engine's RSS climb for many rounds
-(issue 11). trtprompt caps it (trtprompt/engine/linear.py, ONEDNN_CACHE_CAPACITY). This script
+oneDNN keeps one compiled primitive per distinct input shape and ideep an LRU of per-shape
+computations above it; the engine's token count changes every step, so the defaults (1,024
+each) made the engine's RSS climb for many rounds (issue 11). trtprompt caps both
+(trtprompt/engine/linear.py). This script
 runs the demo `small` model's linears (hidden 512, intermediate 1376, 8 layers, vocab 4,000)
-through prepacked oneDNN, in a fresh process per capacity because oneDNN reads the capacity
-once, and reports per capacity:
+through prepacked oneDNN, in a fresh process per pair because the capacities are read once,
+and reports per pair (oneDNN primitives / ideep LRU entries):
 
 - RSS after `--rounds` rounds of a mixed load (decode at batch 1-64 plus prefill chunks of
   random sizes up to 512 tokens), first and last round;
 - decode time: a full decode step's linears at batch sizes that drift one by one, as a
   continuously batched engine's do (ms per step).
 
-    .venv/bin/python scripts/onednn_cache_cost.py --caps 0,64,256,1024 --rounds 10
+    .venv/bin/python scripts/onednn_cache_cost.py --caps 256/64,1024/1024 --rounds 3
 """
 
 from __future__ import annotations
@@ -73,19 +74,22 @@ def _child(rounds: int, seed: int) -> dict[str, object]:
 
 
 @click.command()
-@click.option("--caps", default="0,64,256,1024", show_default=True, help="capacities to compare")
+@click.option("--caps", default="256/64,1024/1024", show_default=True,
+              help="ONEDNN_PRIMITIVE_CACHE_CAPACITY/LRU_CACHE_CAPACITY pairs to compare")
 @click.option("--rounds", default=10, show_default=True)
 @click.option("--child", type=int, default=None, hidden=True)
 def main(caps: str, rounds: int, child: int | None) -> None:
     if child is not None:
         print(json.dumps(_child(rounds, seed=1)))
         return
-    for cap in (int(c) for c in caps.split(",")):
-        env = dict(os.environ, ONEDNN_PRIMITIVE_CACHE_CAPACITY=str(cap), OMP_NUM_THREADS="2")
-        out = subprocess.run([sys.executable, __file__, "--rounds", str(rounds), "--child", str(cap)],
+    for pair in caps.split(","):
+        onednn, ideep = pair.split("/")
+        env = dict(os.environ, ONEDNN_PRIMITIVE_CACHE_CAPACITY=onednn, LRU_CACHE_CAPACITY=ideep,
+                   OMP_NUM_THREADS="2")
+        out = subprocess.run([sys.executable, __file__, "--rounds", str(rounds), "--child", "1"],
                              env=env, capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"capacity {cap:5d}: RSS {r['rss_first_mib']:.0f} -> {r['rss_last_mib']:.0f} MiB over "
+        print(f"capacities {pair:>9}: RSS {r['rss_first_mib']:.0f} -> {r['rss_last_mib']:.0f} MiB over "
               f"{rounds} rounds {r['rss_by_round']}; decode step linears {r['decode_step_ms']:.2f} ms")
 
 

@@ -18,24 +18,28 @@ import torch.nn.functional as F
 LINEAR_BACKENDS: tuple[str, ...] = ("onednn", "reference")
 # The M a prepacked weight is tuned for; measured insensitive between decode and prefill sizes.
 ONEDNN_BATCH_HINT = 32
-# oneDNN keeps one compiled primitive per distinct input shape, and the engine's token count
-# changes every step: with oneDNN's default capacity (1,024) the engine's RSS grew for many
-# rounds of varied load (issue 11). The cap keeps the shapes of a working set (every decode
-# batch size of a step window plus recent chunk sizes) and bounds the rest; its cost on decode
-# is measured by scripts/onednn_cache_cost.py (BENCHMARKS.md "Soak"). An operator's own
-# ONEDNN_PRIMITIVE_CACHE_CAPACITY wins.
+# Two caches keep an entry per distinct input shape, and the engine's token count changes
+# every step: oneDNN's primitive cache (default 1,024 primitives) and, above it, ideep's LRU
+# of per-shape computations that torch's _linear_pointwise goes through (LRU_CACHE_CAPACITY,
+# default 1,024). Unbounded by use, they made the engine's RSS climb for many rounds of varied
+# load (issue 11; BENCHMARKS.md "Soak" has the rounds with each cap). The caps keep a working
+# set (the few token counts of neighbouring steps) and bound the rest. An operator's own
+# values win.
 ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 ONEDNN_CACHE_CAPACITY = 256
+IDEEP_CACHE_ENV = "LRU_CACHE_CAPACITY"
+IDEEP_CACHE_CAPACITY = 64
 
 
 def cap_primitive_cache() -> None:
-    """Set oneDNN's primitive-cache capacity unless the operator did.
+    """Set both caches' capacities unless the operator did.
 
-    oneDNN reads it once, when the process creates its first primitive, so this runs before
-    the engine's first oneDNN call (onednn_available); in a process that used oneDNN before,
-    the capacity it started with stays.
+    They are read once, when the process first uses them, so this runs before the engine's
+    first oneDNN call (onednn_available); in a process that used oneDNN before, the
+    capacities it started with stay.
     """
     os.environ.setdefault(ONEDNN_CACHE_ENV, str(ONEDNN_CACHE_CAPACITY))
+    os.environ.setdefault(IDEEP_CACHE_ENV, str(IDEEP_CACHE_CAPACITY))
 
 
 def _onednn_dtype_ok(dtype: torch.dtype) -> bool:
