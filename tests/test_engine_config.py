@@ -51,8 +51,8 @@ def test_model_config_refuses_unknown_architecture_and_bad_gqa():
 
 @pytest.mark.parametrize("kwargs,msg", [
     ({"max_tokens": 0}, "max_tokens must be a positive integer"),
-    ({"top_p": 1.5}, "top_p must be in"),
-    ({"temperature": -1.0}, "temperature must be >= 0"),
+    ({"top_p": 1.5}, r"top_p must be a finite number in \[0, 1\], got 1.5"),
+    ({"temperature": -1.0}, r"temperature must be a finite number in \[0, 100\], got -1.0"),
     ({"seed": -1}, "seed must be in"),
     ({"stop_token_ids": ((),)}, "empty sequence"),
 ])
