@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from trtprompt.bench.runner import LoadSpec, run_load  # noqa: E402
 from trtprompt.bench.workloads import Workload, WorkloadSpec, make_workload  # noqa: E402
+from trtprompt.serve.ports import free_ports  # noqa: E402
+from trtprompt.serve.process_group import descendants  # noqa: E402
 from trtprompt.tokenizer import Tokenizer  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -44,23 +46,6 @@ TICK = os.sysconf("SC_CLK_TCK")
 def cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def descendants(pid: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
 
 
 def role(pid: int) -> str:
@@ -89,17 +74,6 @@ def start_serve(code: Path, engine_dir: Path, run_dir: Path, ports: list[int],
             raise SystemExit(f"serve from {code} did not start:\n{run_dir.with_suffix('.log').read_text()}")
         time.sleep(0.2)
     return proc
-
-
-def free_ports(n: int) -> list[int]:
-    import socket
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def served(code: Path, engine_dir: Path, work: Workload, warm: Workload, concurrency: int,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from trtprompt.client import LLMClient, make_input, text_inputs  # noqa: E402
 from trtprompt.serve import protocol as P  # noqa: E402
 from trtprompt.serve.bad_inputs import CASES, ask, limits_of  # noqa: E402
+from trtprompt.serve.ports import free_ports  # noqa: E402
 from trtprompt.serve.process_group import group_members  # noqa: E402
 from trtprompt.tokenizer import Tokenizer  # noqa: E402
 
@@ -79,18 +79,8 @@ class Server:
         return P.call(str(self.run_dir / "engine.sock"), {"op": "stats", "since": 1 << 62})
 
 
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def start(engine_dir: Path, work: Path, timeout_s: float = 180.0) -> Server:
-    grpc, http, metrics = _ports(3)
+    grpc, http, metrics = free_ports(3)
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
     log = run_dir.with_suffix(".log")
     cmd = [sys.executable, "-m", "trtprompt.cli", "serve", str(engine_dir), "--run-dir", str(run_dir),

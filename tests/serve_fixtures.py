@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,19 +22,11 @@ import pytest
 
 from trtprompt.client import LLMClient, StreamResult, text_inputs, token_inputs
 from trtprompt.serve import protocol as P
+from trtprompt.serve.ports import free_ports
+from trtprompt.serve.process_group import descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 120.0
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @dataclass
@@ -102,24 +93,6 @@ class Served:
         assert result.finished
 
 
-def _children(pid: int) -> list[int]:
-    """All descendants of pid (from /proc)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
 def _alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -144,7 +117,7 @@ def start_server(engine_dir: Path, run_dir: Path, *extra: str) -> Served:
             stop_server(served)
             pytest.fail(f"trtprompt serve did not become ready:\n{log_path.read_text(errors='replace')}")
         time.sleep(0.1)
-    served.child_pids = _children(proc.pid)
+    served.child_pids = descendants(proc.pid)
     return served
 
 
@@ -162,7 +135,7 @@ def stop_server(served: Served) -> int | None:
 
 
 def check_stopped_cleanly(served: Served) -> None:
-    served.child_pids = _children(served.proc.pid)  # the engine may have been restarted
+    served.child_pids = descendants(served.proc.pid)  # the engine may have been restarted
     code = stop_server(served)
     leftovers = [pid for pid in served.child_pids if _alive(pid)]
     for pid in leftovers:

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator
 import openai
 import pytest
 
-from serve_fixtures import Served, _alive, _children, check_stopped_cleanly, start_server
+from serve_fixtures import Served, _alive, check_stopped_cleanly, start_server
+from trtprompt.serve.process_group import descendants
 
 pytestmark = pytest.mark.server
 KEY = "sk-test-0123456789"
@@ -86,7 +87,7 @@ def test_queue_full_is_429_with_retry_after(strict: Served) -> None:
 
 
 def test_engine_restart_is_503_then_service_resumes(strict: Served) -> None:
-    engines = [p for p in _children(strict.proc.pid)
+    engines = [p for p in descendants(strict.proc.pid)
                if b"trtprompt.serve.engine_server" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(engines) == 1
     os.kill(engines[0], signal.SIGKILL)

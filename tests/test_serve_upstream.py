@@ -10,7 +10,8 @@ from typing import Iterator
 
 import pytest
 
-from serve_fixtures import Oracle, Served, _alive, _children, check_stopped_cleanly, start_server
+from serve_fixtures import Oracle, Served, _alive, check_stopped_cleanly, start_server
+from trtprompt.serve.process_group import descendants
 
 pytestmark = pytest.mark.server
 
@@ -74,7 +75,7 @@ def test_errors_reach_the_client_and_the_server_keeps_serving(upstream: Served) 
 
 
 def test_no_restart_stops_the_server_when_the_engine_dies(upstream: Served) -> None:
-    children = _children(upstream.proc.pid)
+    children = descendants(upstream.proc.pid)
     os.kill(upstream.engine_info()["pid"], signal.SIGKILL)
     assert upstream.proc.wait(60) == 1
     assert "--no-restart: stopping the server" in upstream.log_path.read_text()

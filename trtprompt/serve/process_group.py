@@ -37,6 +37,24 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below pid in the process tree (read from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def describe(pids: Sequence[int]) -> str:
     names = []
     for pid in pids:
