@@ -29,8 +29,11 @@ from trtprompt.engine.cascade import find_shared_prefixes
 Parts = tuple[torch.Tensor, torch.Tensor]  # (out [n, heads, d], lse [n, heads] float32)
 
 # Chunks of at most this many new tokens attend to their own tokens in one padded
-# batch per layer (SmallChunks): padding costs (width / n)^2 of tiny work, while a
-# separate flash call per chunk cost ~1 ms each on our CPUs.
+# batch per layer (SmallChunks): padding costs (width / n)^2 of tiny work, and one
+# call replaces a parallel region per chunk. On a quiet machine that saves little
+# (a [1, 8, 32, 64] flash call takes ~60 us); when the cores are shared (a served
+# engine beside Triton and its clients) each region waits for a descheduled thread,
+# and 63 suffix chunks took 12.9 s per step instead of 3.7 s (BENCHMARKS.md).
 SMALL_CHUNK_TOKENS = 128
 
 
@@ -55,8 +58,8 @@ class PrefillChunk:
 class SmallChunks:
     """Prefill chunks short enough to attend to their own tokens in one padded batch.
 
-    The CPU flash kernel costs milliseconds per call whatever the size, so many
-    short chunks (the suffixes after a shared prefix) go through one call.
+    One call instead of one per chunk (the suffixes after a shared prefix): see
+    SMALL_CHUNK_TOKENS for what that saves and when.
     """
 
     rows: torch.Tensor  # [C, width] packed rows of each chunk, padded with its last row
