@@ -101,10 +101,34 @@ def write_kv(kv_cache: KvCache, k: torch.Tensor, v: torch.Tensor, meta: Attentio
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
 
 
+def gather_tables(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[S, kv_heads, max_blocks * tpb, d] copy of each block-table row's blocks, in order."""
+    num_seqs, max_blocks = tables.shape
+    _, kv_heads, tpb, d = cache.shape
+    blocks = cache.index_select(0, tables.reshape(-1)).view(num_seqs, max_blocks, kv_heads, tpb, d)
+    return blocks.transpose(1, 2).reshape(num_seqs, kv_heads, max_blocks * tpb, d)
+
+
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """[kv_heads, len(block_ids) * tokens_per_block, head_size] copy of the listed blocks, in order."""
-    blocks = cache.index_select(0, block_ids.reshape(-1))  # [n, kv_heads, tpb, d]
-    return blocks.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])
+    return gather_tables(cache, block_ids.reshape(1, -1))[0]
+
+
+def contiguous_start(rows: list[int]) -> int | None:
+    """rows[0] when rows are consecutive (a slice can select them), else None."""
+    return rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else None
+
+
+def take_rows(x: torch.Tensor, rows: torch.Tensor, rows_start: int | None) -> torch.Tensor:
+    """x's packed rows: a slice where they are consecutive, a gather otherwise."""
+    if rows_start is not None:
+        return x[rows_start:rows_start + rows.shape[0]]
+    return x.index_select(0, rows)
+
+
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where keep, -inf elsewhere: the mask form the CPU flash kernel takes (of the query's dtype)."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
 
 
 def build_attention_metadata(seqs: Sequence[SeqSlice], tokens_per_block: int, device: torch.device,

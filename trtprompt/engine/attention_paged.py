@@ -22,8 +22,17 @@ from typing import Sequence
 import torch
 
 from trtprompt.engine import kernels
-from trtprompt.engine.attention import KvCache, SeqSlice, gather_blocks, slot_tensors
-from trtprompt.engine.attention_reference import MAX_DECODE_GROUP_BLOCKS, decode_groups, gather_tables
+from trtprompt.engine.attention import (
+    KvCache,
+    SeqSlice,
+    additive_mask,
+    contiguous_start,
+    gather_blocks,
+    gather_tables,
+    slot_tensors,
+    take_rows,
+)
+from trtprompt.engine.attention_reference import MAX_DECODE_GROUP_BLOCKS, decode_groups
 from trtprompt.engine.cascade import find_shared_prefixes
 
 Parts = tuple[torch.Tensor, torch.Tensor]  # (out [n, heads, d], lse [n, heads] float32)
@@ -118,11 +127,18 @@ def attend_unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return unfold_heads(out[0], lse[0], q.shape[0])
 
 
+def repeat_kv(k: torch.Tensor, v: torch.Tensor, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V with each kv head repeated for its GQA group (along dim), where a causal mask
+    runs along query rows and heads therefore cannot fold into them."""
+    group = heads // k.shape[dim]
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=dim), v.repeat_interleave(group, dim=dim)
+
+
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Parts:
     """A chunk's rows q [n, heads, d] against its own new tokens k/v [n, kv_heads, d], causally."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:  # the causal mask runs along query rows, so heads cannot fold: repeat K/V instead
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    k, v = repeat_kv(k, v, q.shape[1], dim=1)
     out, lse = flash_with_lse(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                               v.transpose(0, 1).unsqueeze(0), scale, causal=True)
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
@@ -181,13 +197,13 @@ class PagedMetadata:
 
     def _decode(self, q: torch.Tensor, kv_cache: KvCache, dec: DecodeBatch, scale: float) -> Parts:
         num = dec.rows.shape[0]
-        qd = q[dec.rows_start:dec.rows_start + num] if dec.rows_start is not None else q.index_select(0, dec.rows)
+        qd = take_rows(q, dec.rows, dec.rows_start)
         if self.compiled:
             return kernels.paged_decode(qd.contiguous(), kv_cache[0], kv_cache[1], dec.tables, dec.lens, scale)
+        assert dec.mask is not None  # built for every pure-torch batch (_decode_batch)
         kv_heads, d = kv_cache[0].shape[1], kv_cache[0].shape[3]
-        mask = dec.mask if dec.mask is None or dec.mask.dtype == q.dtype else dec.mask.to(q.dtype)
         out, lse = flash_with_lse(qd.view(num, kv_heads, -1, d), gather_tables(kv_cache[0], dec.tables),
-                                  gather_tables(kv_cache[1], dec.tables), scale, mask=mask)
+                                  gather_tables(kv_cache[1], dec.tables), scale, mask=dec.mask.to(q.dtype))
         return out.reshape(num, -1, d), lse.reshape(num, -1)
 
 
@@ -196,16 +212,12 @@ def _small_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, small: Smal
     """(packed rows, parts) of every short chunk against its own tokens, in one call."""
     num, width = small.rows.shape
     flat = small.rows.reshape(-1)
-    group = q.shape[1] // k.shape[1]
 
     def batch(x: torch.Tensor) -> torch.Tensor:  # [T, h, d] -> [C, h, width, d]
         return x.index_select(0, flat).view(num, width, x.shape[1], x.shape[2]).transpose(1, 2)
 
-    kb, vb = batch(k), batch(v)
-    if group > 1:
-        kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
-    mask = small.mask if small.mask.dtype == q.dtype else small.mask.to(q.dtype)
-    out, lse = flash_with_lse(batch(q), kb, vb, scale, mask=mask)
+    kb, vb = repeat_kv(batch(k), batch(v), q.shape[1], dim=1)
+    out, lse = flash_with_lse(batch(q), kb, vb, scale, mask=small.mask.to(q.dtype))
     out = out.transpose(1, 2).reshape(num * width, q.shape[1], q.shape[2])[small.valid]
     lse = lse.transpose(1, 2).reshape(num * width, q.shape[1])[small.valid]
     return flat[small.valid], (out, lse)
@@ -217,13 +229,12 @@ def _decode_batch(rows: list[int], seqs: list[SeqSlice], skips: list[int], tpb: 
     width = max(-(-n // tpb) for n in lens)
     tables = [list(s.block_table[skip:skip + width]) for s, skip in zip(seqs, skips)]
     tables = [t + [0] * (width - len(t)) for t in tables]
-    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
     mask = None
     if not compiled:
         keep = torch.arange(width * tpb, device=device)[None, :] < lens_t[:, None]
-        mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))[:, None, None]
-    return DecodeBatch(torch.tensor(rows, dtype=torch.long, device=device), rows[0] if contiguous else None,
+        mask = additive_mask(keep, dtype)[:, None, None]
+    return DecodeBatch(torch.tensor(rows, dtype=torch.long, device=device), contiguous_start(rows),
                        torch.tensor(tables, dtype=torch.int32 if compiled else torch.long, device=device),
                        lens_t, mask)
 
@@ -247,8 +258,7 @@ def _small_chunks_batch(starts: list[int], sizes: list[int], device: torch.devic
     rows = torch.tensor(starts, device=device)[:, None] + torch.minimum(pos[None, :], sizes_t[:, None] - 1)
     valid = pos[None, :] < sizes_t[:, None]
     keep = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [C, query, key]
-    mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
-    return SmallChunks(rows, valid.reshape(-1), mask[:, None])
+    return SmallChunks(rows, valid.reshape(-1), additive_mask(keep, dtype)[:, None])
 
 
 def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device, dtype: torch.dtype,

@@ -13,7 +13,15 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from trtprompt.engine.attention import KvCache, SeqSlice, gather_blocks, slot_tensors
+from trtprompt.engine.attention import (
+    KvCache,
+    SeqSlice,
+    contiguous_start,
+    gather_blocks,
+    gather_tables,
+    slot_tensors,
+    take_rows,
+)
 
 # Bounds on per-layer temporaries: a decode group gathers at most this many
 # (padded) blocks; a masked prefill attends at most this many query rows at once
@@ -91,10 +99,9 @@ def _decode_plan(rows: list[int], seqs: list[SeqSlice], tpb: int, device: torch.
               for s in seqs]
     lens = torch.tensor(lengths, dtype=torch.long, device=device)
     mask = torch.arange(max_blocks * tpb, device=device)[None, :] < lens[:, None]
-    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodePlan(
         rows=torch.tensor(rows, dtype=torch.long, device=device),
-        rows_start=rows[0] if contiguous else None,
+        rows_start=contiguous_start(rows),
         block_tables=torch.tensor(tables, dtype=torch.long, device=device),
         mask=mask[:, None, None, :],
     )
@@ -159,20 +166,9 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cac
     return out[0].transpose(0, 1)  # [n, heads, d]
 
 
-def gather_tables(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[S, kv_heads, max_blocks * tpb, d] copy of each row's blocks."""
-    num_seqs, max_blocks = tables.shape
-    _, kv_heads, tpb, d = cache.shape
-    blocks = cache.index_select(0, tables.reshape(-1)).view(num_seqs, max_blocks, kv_heads, tpb, d)
-    return blocks.transpose(1, 2).reshape(num_seqs, kv_heads, max_blocks * tpb, d)
-
-
 def _decode_attention(q: torch.Tensor, kv_cache: KvCache, plan: DecodePlan, scale: float) -> torch.Tensor:
     num_seqs = plan.block_tables.shape[0]
-    if plan.rows_start is not None:
-        qd = q[plan.rows_start:plan.rows_start + num_seqs]
-    else:
-        qd = q.index_select(0, plan.rows)
+    qd = take_rows(q, plan.rows, plan.rows_start)
     kv_heads, head_size = kv_cache[0].shape[1], kv_cache[0].shape[3]
     # Grouped heads become the query-length axis of their kv head: no K/V repeat needed.
     qg = qd.view(num_seqs, kv_heads, -1, head_size)
