@@ -49,15 +49,17 @@ def _i(name: str, value: Any, dtype: Any) -> Any:
     return make_input(name, value, dtype)
 
 
+def _assemble(required: dict[str, Callable[[], Any]], drop: tuple[str, ...], extra: dict[str, Any]) -> list[Any]:
+    """The required inputs but those dropped, then each extra (name -> (value, dtype))."""
+    out = [make() for name, make in required.items() if name not in drop]
+    return out + [_i(name, value, dtype) for name, (value, dtype) in extra.items()]
+
+
 def _text(prompt: Any = "hi", max_tokens: Any = 4, drop: tuple[str, ...] = (), **extra: Any) -> Callable[[Limits], Any]:
     def build(limits: Limits) -> list[Any]:
         p = prompt(limits) if callable(prompt) else prompt
-        ins = {"text_input": lambda: _i("text_input", p, None),
-               "max_tokens": lambda: _i("max_tokens", max_tokens, np.int32)}
-        out = [make() for name, make in ins.items() if name not in drop]
-        for name, (value, dtype) in extra.items():
-            out.append(_i(name, value, dtype))
-        return out
+        return _assemble({"text_input": lambda: _i("text_input", p, None),
+                          "max_tokens": lambda: _i("max_tokens", max_tokens, np.int32)}, drop, extra)
     return build
 
 
@@ -67,13 +69,9 @@ def _tok(ids: Any = (1, 2, 3), length: Any = None, out_len: int = 4, drop: tuple
         seq = ids(limits) if callable(ids) else list(ids)
         arr = np.asarray(seq, dtype=np.int32).reshape(1, -1)
         n = len(seq) if length is None else length
-        ins = {"input_ids": lambda: _i("input_ids", arr, np.int32),
-               "input_lengths": lambda: _i("input_lengths", n, np.int32),
-               "request_output_len": lambda: _i("request_output_len", out_len, np.int32)}
-        out = [make() for name, make in ins.items() if name not in drop]
-        for name, (value, dtype) in extra.items():
-            out.append(_i(name, value, dtype))
-        return out
+        return _assemble({"input_ids": lambda: _i("input_ids", arr, np.int32),
+                          "input_lengths": lambda: _i("input_lengths", n, np.int32),
+                          "request_output_len": lambda: _i("request_output_len", out_len, np.int32)}, drop, extra)
     return build
 
 
