@@ -18,14 +18,13 @@ import sysconfig
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 from trtprompt.serve import protocol as P
 from trtprompt.serve.options import EngineInfo, OpenAIOptions, ServeOptions
+from trtprompt.serve.ports import http_ok
 from trtprompt.serve.process_group import remove_shm, stop_group
 from trtprompt.serve.repository import RepoContext, write_repository
 
@@ -139,14 +138,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text[-lines:])
 
 
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def _die_with_parent() -> None:
     """In the child: get SIGTERM if the launcher dies, even by SIGKILL (Linux)."""
     try:
@@ -227,8 +218,8 @@ class Server:
             if self.triton_proc.poll() is not None:
                 raise LaunchError(f"tritonserver exited with code {self.triton_proc.returncode}; "
                                   f"{self.triton_log}:\n{log_tail(self.triton_log)}")
-            if _http_ok(f"{base}/health/ready") and all(
-                    _http_ok(f"{base}/models/{m}/ready") for m in self.model_names()):
+            if http_ok(f"{base}/health/ready") and all(
+                    http_ok(f"{base}/models/{m}/ready") for m in self.model_names()):
                 return
             time.sleep(0.2)
         raise LaunchError(f"tritonserver's models were not ready within {self.ready_timeout_s:.0f}s; "

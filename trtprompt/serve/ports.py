@@ -1,8 +1,10 @@
-"""Free loopback ports, for servers started by tests, benchmarks and the chaos script."""
+"""Loopback ports: free ones for the servers tests and benchmarks start, and readiness probes."""
 
 from __future__ import annotations
 
 import socket
+import urllib.error
+import urllib.request
 
 
 def free_ports(n: int) -> list[int]:
@@ -14,3 +16,12 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def http_ok(url: str, timeout_s: float = 1.0) -> bool:
+    """True when url answers HTTP 200 now (a readiness or health probe)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False

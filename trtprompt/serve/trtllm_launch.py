@@ -17,14 +17,13 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 from trtprompt.serve.launcher import LaunchError, Ports, log_tail
 from trtprompt.serve.options import EngineInfo, ServeOptions
+from trtprompt.serve.ports import http_ok
 
 CORE_MODEL = "tensorrt_llm"
 MAX_PORT = 65535
@@ -87,14 +86,6 @@ def launch_command(spec: TrtllmLaunchSpec) -> list[str]:
     return cmd
 
 
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM the launcher's process group (mpirun forwards it to the ranks), SIGKILL after 30 s."""
     for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 5.0)):
@@ -117,7 +108,7 @@ def wait_ready(proc: subprocess.Popen, spec: TrtllmLaunchSpec, timeout_s: float,
         if proc.poll() is not None:
             raise LaunchError(f"tritonserver exited with code {proc.returncode} before it was ready; "
                               f"last log lines:\n{log_tail(log_file)}")
-        if _ready(url):
+        if http_ok(url):
             return
         time.sleep(0.5)
     raise LaunchError(f"tritonserver was not ready within {timeout_s:.0f} s (engine load can take minutes: "

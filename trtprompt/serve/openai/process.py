@@ -12,12 +12,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Callable, Sequence
 
 from trtprompt.serve.options import OpenAIOptions
+from trtprompt.serve.ports import http_ok
 
 Spawn = Callable[[Sequence[str], Path], subprocess.Popen]
 
@@ -39,14 +38,6 @@ def frontend_command(opts: OpenAIOptions, engine_dir: Path, grpc_url: str, host:
     cmd = [sys.executable, "-m", "trtprompt.serve.openai", str(engine_dir), "--grpc-url", grpc_url,
            "--host", host, "--port", str(opts.port)]
     return cmd + (["--api-key-file", str(key_file)] if key_file is not None else [])
-
-
-def _health(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def start_frontend(opts: OpenAIOptions, engine_dir: Path, host: str, local_host: str, grpc_port: int,
@@ -79,7 +70,7 @@ def _wait_healthy(proc: subprocess.Popen, port: int, local_host: str, log: Path,
             text = log.read_text(encoding="utf-8", errors="replace")[-3000:] if log.is_file() else ""
             raise FrontendError(f"the OpenAI front end exited with code {proc.returncode} (port {port} "
                                 f"taken? --openai-port or --no-openai); {log}:\n{text}")
-        if _health(f"http://{local_host}:{port}/health"):
+        if http_ok(f"http://{local_host}:{port}/health"):
             return
         time.sleep(0.1)
     raise FrontendError(f"the OpenAI front end did not answer /health within {timeout_s:.0f}s; see {log}")
