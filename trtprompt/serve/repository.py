@@ -17,27 +17,17 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from trtprompt.serve.options import EngineInfo, ServeOptions
+from trtprompt.serve.tensors import PERF_OUTPUTS, Tensor
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 
 # (name, type, dims, optional); dims exclude the batch dimension.
-Tensor = tuple[str, str, Sequence[int], bool]
-
-PERF_OUTPUTS: tuple[Tensor, ...] = (
-    ("kv_cache_alloc_new_blocks", "INT32", [1], False),
-    ("kv_cache_reused_blocks", "INT32", [1], False),
-    ("kv_cache_alloc_total_blocks", "INT32", [1], False),
-    ("arrival_time_ns", "INT64", [1], False),
-    ("first_scheduled_time_ns", "INT64", [1], False),
-    ("first_token_time_ns", "INT64", [1], False),
-    ("last_token_time_ns", "INT64", [1], False),
-)
 # Inputs a TensorRT-LLM client may send that the torch target cannot honour;
 # declared so the model can answer them with a clear INVALID_ARG.
 UNSUPPORTED_INPUTS: tuple[Tensor, ...] = (

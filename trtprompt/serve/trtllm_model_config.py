@@ -20,7 +20,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from trtprompt.engine.config import check_runtime_policy
-from trtprompt.serve.repository import PERF_OUTPUTS
+from trtprompt.serve.tensors import PERF_OUTPUTS, Tensor
 
 MODEL_NAME = "tensorrt_llm"
 BACKEND = "tensorrtllm"
@@ -28,7 +28,6 @@ EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
 TRITON_DTYPES: dict[str, str] = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
 
 # (name, type, dims, optional); scalar [1] inputs are reshaped to [] as the backend expects.
-Tensor = tuple[str, str, Sequence[int], bool]
 SCALAR_INPUTS: tuple[tuple[str, str], ...] = (
     ("end_id", "INT32"), ("pad_id", "INT32"), ("beam_width", "INT32"), ("temperature", "FP32"),
     ("runtime_top_k", "INT32"), ("runtime_top_p", "FP32"), ("runtime_top_p_min", "FP32"),
