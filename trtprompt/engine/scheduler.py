@@ -3,7 +3,9 @@
 One rule per step: move each request's computed-token count toward its
 token count, within max_num_tokens tokens and max_batch_size requests.
 Generation requests go first, then context chunks (running ones, then
-waiting ones in arrival order).
+waiting ones in arrival order). These are TensorRT-LLM's batch manager
+rules (docs/design.md, "Scheduler"); tests/test_scheduler.py states each
+one as a test.
 """
 
 from __future__ import annotations
@@ -32,14 +34,9 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
     num_context_requests: int = 0
     num_generation_requests: int = 0
     total_context_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class _Step:
@@ -96,15 +93,15 @@ class Scheduler:
         self.waiting.append(req)
         self.num_waiting += 1
 
-    def has_work(self) -> bool:
-        return self.num_waiting > 0 or bool(self.running)
-
     def is_generation(self, req: Request) -> bool:
         return req.num_output > 0 and req.num_tokens - req.num_computed_tokens == 1
 
     def schedule(self) -> SchedulerOutput:
         self.running = [r for r in self.running if not r.is_finished]
         step = _Step(self.cfg.max_num_tokens, self.cfg.max_batch_size)
+        # Generation first: a generating request costs one token and holds a
+        # client waiting for its next token, so it never waits behind a
+        # prompt chunk (TensorRT-LLM schedules generation before context too).
         self._schedule_running(step, generation=True)
         self._schedule_running(step, generation=False)
         self._admit_waiting(step)
@@ -127,8 +124,12 @@ class Scheduler:
     def _allocate_or_preempt(self, req: Request, num_new: int, step: _Step) -> bool:
         while not self.kv.allocate(req, num_new):
             if self.guaranteed:
+                # Admission reserved every block this request can need; running
+                # out means the reservation accounting is wrong, not the load.
                 raise RuntimeError(
                     f"guaranteed_no_evict reservation broken for request {req.request_id}")
+            # The newest admission is the victim: it has the least work to
+            # redo and the older requests keep their arrival-order progress.
             victim = self.running[-1]
             self._preempt(victim, step)
             if victim is req:
@@ -136,7 +137,10 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Request, step: _Step) -> None:
-        """Recompute-style preemption: drop the KV, requeue at the front."""
+        """Recompute-style preemption: drop the KV, requeue at the front.
+
+        At the front, because it arrived before everything still waiting
+        (FCFS); recompute rather than swap, as there is no host KV pool."""
         self.running.pop()
         if victim.request_id in step.ids:
             step.remove(victim)
@@ -147,7 +151,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
         self.num_waiting += 1
-        step.out.preempted.append(victim)
 
     def _chunk(self, req: Request, remaining: int, budget: int) -> int:
         if remaining <= budget:
@@ -156,6 +159,8 @@ class Scheduler:
         # max_num_tokens; it is chunked even when chunked context is off.
         if not (self.cfg.enable_chunked_context or req.stats.num_preemptions):
             return 0
+        # A chunk that is not the last ends on a block boundary, so every
+        # block but the last is complete (and publishable for reuse) after it.
         tpb = self.kv.tokens_per_block
         return (budget // tpb) * tpb
 
@@ -186,6 +191,9 @@ class Scheduler:
         if num_new == 0:
             return False
         if self.guaranteed:
+            # guaranteed_no_evict: admit only if prompt + max output fit in the
+            # free blocks not already promised to running requests, so nothing
+            # admitted is ever preempted.
             total = self.kv.blocks_for(req.num_prompt_tokens + req.max_output_tokens)
             needed = self.kv.free_blocks_needed(hits, total - len(hits))
             if needed > self.kv.num_free_blocks - self._outstanding_reservations():
