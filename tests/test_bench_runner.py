@@ -50,12 +50,16 @@ def test_poisson_arrivals_and_duration_bound(served) -> None:  # type: ignore[no
     assert len(result.records) == 6 and all(r.ok and r.num_output_tokens == 3 for r in result.records)
     starts = [r.start_s for r in result.records]
     assert len(set(starts)) == 6  # released one by one at seeded exponential gaps
-    # One at a time, 64 tokens each (tens of ms per request): a 0.2 s bound leaves some unsent.
-    wl64 = make_workload(WorkloadSpec("random", num_requests=6, input_len=20, output_len=64, seed=6), _tok(served))
-    bounded = run_load(served.url, wl64, LoadSpec(concurrency=1, warmup=0, duration_s=0.2), None, progress=False)
-    assert 1 <= len(bounded.records) < 6
-    assert len(bounded.records) + bounded.not_sent == 6
-    assert all(r.ok and r.start_s <= 0.2 for r in bounded.records)
+    # A duration bound: the seeded arrivals (0.5/s, seed 2) fall at about 1.1 s, 1.7 s, 5.0 s, ...,
+    # so with a 3 s bound the last four arrive after it and are never sent, whatever the machine's
+    # speed, and only the first two can have been sent.
+    wl8 = make_workload(WorkloadSpec("random", num_requests=6, input_len=20, output_len=8, seed=6), _tok(served))
+    bounded = run_load(served.url, wl8, LoadSpec(concurrency=None, rate=0.5, seed=2, warmup=0, max_inflight=6,
+                                                 duration_s=3.0), None, progress=False)
+    first_two = {r.index for r in wl8.requests[:2]}
+    assert bounded.not_sent >= 4 and len(bounded.records) + bounded.not_sent == 6
+    assert {r.index for r in bounded.records} <= first_two
+    assert all(r.ok and r.num_output_tokens == 8 for r in bounded.records)
 
 
 def test_multi_turn_waits_for_the_previous_turn(served) -> None:  # type: ignore[no-untyped-def]

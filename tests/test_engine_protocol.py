@@ -261,15 +261,25 @@ class _Counting(_Flag):
 
 
 def test_watcher_checks_at_most_once_per_step() -> None:
-    steps = [0]
-    watcher = CancelWatcher(0.01, lambda: steps[0], idle_s=3600.0)
+    steps, read = [0], threading.Event()
+
+    def count_steps() -> int:
+        read.set()
+        return steps[0]
+
+    watcher = CancelWatcher(0.01, count_steps, idle_s=3600.0)
+    assert read.wait(DEADLINE_S)  # the watcher took its starting count before the first step
     item = _Counting()
     watcher.add(item)
-    for _ in range(3):  # three steps, each followed by several periods
+    deadline = time.monotonic() + DEADLINE_S
+    for step in range(1, 4):  # three steps, each followed by several periods
         steps[0] += 1
-        time.sleep(0.1)
+        while item.checks < step:
+            assert time.monotonic() < deadline, f"no sweep after step {step}"
+            time.sleep(0.01)
+        time.sleep(0.05)  # room for extra sweeps, which must not happen
     watcher.stop()
-    assert 1 <= item.checks <= 3
+    assert item.checks == 3
 
 
 def test_watcher_sweeps_without_steps_after_the_idle_bound() -> None:

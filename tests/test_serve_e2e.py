@@ -89,7 +89,7 @@ def test_shared_prefix_reuses_blocks(served: Served) -> None:
     second = served.text(prefix + "Another question?", 4, return_perf_metrics=True)
     assert first.error is None and second.error is None
     assert second.last("kv_cache_reused_blocks") > 0
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while (served.metric("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="reused") or 0) <= 0:
         assert time.monotonic() < deadline, "reused-blocks metric never moved"
         time.sleep(0.1)
@@ -163,7 +163,10 @@ def test_model_config_metadata_and_statistics(served: Served) -> None:
 
 def test_metrics_named_like_the_tensorrt_llm_backend(served: Served) -> None:
     served.text("metrics please", 4)
-    time.sleep(0.3)  # two stats polls
+    deadline = time.monotonic() + 60  # the metrics model publishes on its next stats poll
+    while not served.metric("trtprompt_time_to_first_token_seconds_count"):
+        assert time.monotonic() < deadline, "the request never reached /metrics"
+        time.sleep(0.05)
     for kind in ("max", "free", "used", "tokens_per", "reused", "fraction"):
         assert served.metric("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type=kind) is not None, kind
     assert served.metric("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="tokens_per") == 32

@@ -130,13 +130,13 @@ def test_more_requests_than_max_queue_size(served: Served) -> None:
     served.assert_healthy()
 
 
-def _wait_for_abort(served: Served, aborted_before: int, timeout_s: float = 1.0) -> float:
+def _wait_for_abort(served: Served, aborted_before: int, timeout_s: float = 60.0) -> None:
     t0 = time.monotonic()
     while True:
         stats = served.engine_stats()
         if (stats["finished"].get("aborted", 0) == aborted_before + 1 and stats["active_requests"] == 0
                 and stats["used_num_blocks"] == 0):
-            return time.monotonic() - t0
+            return
         assert time.monotonic() - t0 < timeout_s, f"not aborted within {timeout_s}s: {stats}"
         time.sleep(0.02)
 
@@ -150,8 +150,11 @@ def test_client_cancel_aborts_and_frees_blocks(served: Served, model: str) -> No
     partial = client.infer(model, inputs, stop_after=3)
     assert len(partial.responses) == 3 and not partial.finished
     assert served.engine_stats()["used_num_blocks"] > 0
+    lengths = served.engine_stats()["finished"].get("length", 0)
     client.close(cancel=True)
-    assert _wait_for_abort(served, aborted) < 1.0
+    # Ended by the abort (counted as "aborted", its blocks freed), long before its 1800 tokens.
+    _wait_for_abort(served, aborted)
+    assert served.engine_stats()["finished"].get("length", 0) == lengths
     served.assert_healthy()
 
 
