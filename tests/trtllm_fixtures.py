@@ -14,15 +14,20 @@ FIXTURES = Path(__file__).parent / "fixtures" / "trtllm"
 NAMES: tuple[str, ...] = ("good", "no_paged_context_fmha", "gather_context_logits", "tp2")
 
 
-def make_engine_dir(name: str, dest: Path, tokenizer_from: Path | None = None) -> Path:
-    """Copy a fixture to dest, add one placeholder rank<N>.engine per rank and, if given, a tokenizer."""
-    shutil.copytree(FIXTURES / name, dest)
+def make_engine_dir(name: str, dest: Path, tokenizer_from: Path | None = None, *,
+                    trtllm_build: bool = False, tokenizer_beside: bool = False) -> Path:
+    """Copy a fixture to dest, add one placeholder rank<N>.engine per rank and, if given, a tokenizer.
+
+    trtllm_build: leave out trtprompt.json, so dest is exactly what plain `trtllm-build` writes
+    (config.json + rank<N>.engine). tokenizer_beside: put the tokenizer files next to the engine
+    instead of in tokenizer/ (how many users keep them)."""
+    shutil.copytree(FIXTURES / name, dest, ignore=shutil.ignore_patterns("trtprompt.json") if trtllm_build else None)
     mapping = json.loads((dest / "config.json").read_text(encoding="utf-8"))["pretrained_config"]["mapping"]
     for rank in range(mapping["world_size"]):
         (dest / f"rank{rank}.engine").write_bytes(b"placeholder: not a TensorRT engine\n")
     if tokenizer_from is not None:
-        tok = dest / "tokenizer"
-        tok.mkdir()
+        tok = dest if tokenizer_beside else dest / "tokenizer"
+        tok.mkdir(exist_ok=True)
         for file in tokenizer_from.iterdir():
             if file.name.startswith("tokenizer") or file.suffix == ".jinja":
                 shutil.copy2(file, tok / file.name)

@@ -101,13 +101,15 @@ def _print_trtllm_commands(req: Any) -> None:
 @main.command()
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect(engine_dir: Path, as_json: bool) -> None:
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path),
+              help="Tokenizer dir (default: the engine's tokenizer/, or files beside a trtllm-build engine).")
+def inspect(engine_dir: Path, as_json: bool, tokenizer_dir: Path | None) -> None:
     """Show an engine's bounds, runtime policy, memory plan and provenance."""
     from trtprompt.engine_dir import read_engine_dir
     from trtprompt.report import inspect_data, inspect_text
 
     try:
-        engine = read_engine_dir(engine_dir)
+        engine = read_engine_dir(engine_dir, tokenizer_dir)
     except UserError as exc:
         raise _fail(exc) from exc
     click.echo(json.dumps(inspect_data(engine), indent=2) if as_json else inspect_text(engine))
@@ -166,6 +168,8 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
               help="Bearer key the OpenAI-compatible API requires (default: none required).")
 @click.option("--layout", type=click.Choice(["fused", "upstream"]), help="Model layout (default fused).")
 @click.option("--repo-only", type=click.Path(path_type=Path), help="Write the model repository here and exit.")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path),
+              help="Tokenizer dir (default: the engine's tokenizer/, or files beside a trtllm-build engine).")
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Keep socket, repository and logs here.")
 @click.option("--ready-timeout", default=120.0, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--no-restart", is_flag=True, help="Stop (instead of restarting) if the engine process dies.")
@@ -177,7 +181,8 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
 @click.option("--cancellation-check-period-ms", type=int)
 @click.option("--stats-check-period-ms", type=int)
 def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_port: int, openai_port: int,
-          no_openai: bool, api_key: str | None, repo_only: Path | None, run_dir: Path | None,
+          no_openai: bool, api_key: str | None, repo_only: Path | None, tokenizer_dir: Path | None,
+          run_dir: Path | None,
           ready_timeout: float, no_restart: bool, **overrides: Any) -> None:
     """Serve ENGINE_DIR behind a real tritonserver (TensorRT-LLM ensemble interface) and an OpenAI-compatible API."""
     from trtprompt.serve.command import run_serve
@@ -187,7 +192,8 @@ def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_p
     try:
         openai = None if no_openai else OpenAIOptions(openai_port, api_key or None)
         code = run_serve(engine_dir, overrides, Ports(host, grpc_port, http_port, metrics_port),
-                         repo_only=repo_only, run_dir=run_dir, ready_timeout_s=ready_timeout,
+                         repo_only=repo_only, tokenizer=tokenizer_dir, run_dir=run_dir,
+                         ready_timeout_s=ready_timeout,
                          restart=not no_restart, echo=lambda m: click.echo(m, err=True), openai=openai)
     except (UserError, ValueError) as exc:
         raise _fail(exc) from exc

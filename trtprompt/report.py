@@ -33,6 +33,8 @@ def _fmt(value: Any) -> str:
 
 def _table(title: str, rows: Iterable[tuple[str, Any]]) -> list[str]:
     rows = list(rows)
+    if not rows:  # e.g. the prompt policy of an engine trtllm-build wrote
+        return [title, "  none recorded: the defaults apply"]
     width = max(len(k) for k, _ in rows)
     return [title] + [f"  {k.ljust(width)}  {_fmt(v)}" for k, v in rows]
 
@@ -76,7 +78,8 @@ def plan_table(ckpt: Checkpoint, profile: Profile, plan: BuildPlan) -> str:
 
 def inspect_data(engine: EngineDir) -> dict[str, Any]:
     meta = engine.meta
-    bounds = {k: v for k, v in engine.build_config.items() if k != "plugin_config"}
+    # Scalars only: trtllm-build also records nested settings (lora_config) that are not bounds.
+    bounds = {k: v for k, v in engine.build_config.items() if not isinstance(v, (dict, list))}
     return {
         "path": str(engine.path),
         "target": engine.target,
@@ -90,6 +93,7 @@ def inspect_data(engine: EngineDir) -> dict[str, Any]:
         "prompt": dict(meta["prompt"]),
         "memory_plan": dict(meta["memory_plan"]),
         "provenance": {"profile": meta["profile"].get("name"), "source": meta["source"],
+                       "built_by": meta["source"].get("built_by", "trtprompt"),
                        "versions": meta.get("versions", {}), "built_at": meta.get("built_at")},
     }
 
@@ -104,9 +108,12 @@ def inspect_text(engine: EngineDir) -> str:
     lines += _table("plugin config", data["plugin_config"].items())
     lines += _table("runtime policy", data["runtime"].items())
     lines += _table("prompt policy", data["prompt"].items())
-    lines += _table("memory plan", _memory_rows(mem))
+    if mem:
+        lines += _table("memory plan", _memory_rows(mem))
+    else:  # trtllm-build records none; TensorRT-LLM sizes the pool at load from free GPU memory
+        lines += ["memory plan", "  not recorded (engine built by trtllm-build, not trtprompt)"]
     lines += _table("provenance", [
-        ("profile", prov["profile"]), ("source", prov["source"].get("path")),
+        ("built by", prov["built_by"]), ("profile", prov["profile"]), ("source", prov["source"].get("path")),
         ("source sha256", prov["source"].get("sha256")), ("built at", prov["built_at"]),
         *[(f"{k} version", v) for k, v in prov["versions"].items()],
     ])

@@ -24,7 +24,6 @@ instructions live), truncate_left.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from trtprompt.profile import OVERFLOW_POLICIES
@@ -69,13 +68,6 @@ class PromptPolicy:
         known = {k: data[k] for k in ("overflow", "keep_turns", "truncate_separator", "output_reserve",
                                       "require_cache_salt") if k in data and data[k] is not None}
         return cls(**known)
-
-    @classmethod
-    def from_engine_dir(cls, path: str | Path) -> "PromptPolicy":
-        import json
-
-        meta = json.loads((Path(path) / "trtprompt.json").read_text(encoding="utf-8"))
-        return cls.from_mapping(meta.get("prompt") or {})
 
     def effective_overflow(self, requested: str | None) -> str:
         """The policy for one request: the profile's, or a stricter one the request asks for."""

@@ -10,14 +10,16 @@ to the client as INVALID_ARG.
 
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from trtprompt.prompt.budget import PromptBudget, PromptError, PromptPolicy
 from trtprompt.prompt.chat import fit_chat, parse_messages
+
+if TYPE_CHECKING:
+    from trtprompt.engine_dir import EngineDir
 
 
 @dataclass(frozen=True)
@@ -96,13 +98,18 @@ class PromptEdge:
         return raw[:window].decode("utf-8", errors="ignore") + tail
 
 
-def engine_dir_limits(path: str | Path) -> tuple[int, int]:
+def engine_dir_limits(engine: str | Path | EngineDir,
+                      enable_chunked_context: bool | None = None) -> tuple[int, int]:
     """(max_input_len, max_seq_len) of an engine dir, by TensorRT-LLM's runtime rule: max_seq_len - 1
     with chunked context, else min(max_seq_len - 1, max_num_tokens). For models that cannot ask
-    the engine (the GPU target's preprocessing)."""
-    root = Path(path)
-    build = json.loads((root / "config.json").read_text(encoding="utf-8"))["build_config"]
-    meta = json.loads((root / "trtprompt.json").read_text(encoding="utf-8"))
+    the engine (the GPU target's preprocessing). enable_chunked_context: what the server runs with
+    (None: the engine's recorded runtime policy)."""
+    from trtprompt.engine_dir import EngineDir, read_engine_dir
+
+    if not isinstance(engine, EngineDir):
+        engine = read_engine_dir(engine)
+    build = engine.build_config
     seq, num = int(build["max_seq_len"]), int(build["max_num_tokens"])
-    chunked = bool((meta.get("runtime") or {}).get("enable_chunked_context"))
+    chunked = engine.runtime.get("enable_chunked_context") if enable_chunked_context is None \
+        else enable_chunked_context
     return (seq - 1 if chunked else min(seq - 1, num)), seq

@@ -14,16 +14,17 @@ from trtprompt.serve.repository import RepoContext, write_repository
 
 
 def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
-              repo_only: Path | None = None, run_dir: Path | None = None,
+              repo_only: Path | None = None, tokenizer: Path | None = None, run_dir: Path | None = None,
               ready_timeout_s: float = 120.0, restart: bool = True,
               echo: Callable[[str], None] = print, openai: OpenAIOptions | None = None) -> int:
     """Serve ENGINE_DIR until SIGINT/SIGTERM; or, with repo_only, write the repository and return.
 
     openai: also run the OpenAI-compatible front end (trtprompt.serve.openai) on its port.
+    tokenizer: where the tokenizer is (default: the engine's own; see read_engine_dir).
 
     Raises ValueError for an engine or options that cannot be served.
     """
-    engine = EngineInfo.read(engine_dir)
+    engine = EngineInfo.read(engine_dir, tokenizer)
     options = resolve_options(engine, overrides)
     if openai is not None:
         openai.check_ports({"gRPC": ports.grpc, "HTTP": ports.http, "metrics": ports.metrics})

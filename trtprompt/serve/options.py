@@ -7,48 +7,20 @@ same values land in the model repository for either target.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
 from trtprompt.engine.config import check_runtime_policy
+from trtprompt.engine_dir import EngineDir
 
 LAYOUTS = ("fused", "upstream")
 DISABLE_FLAGS = {"enable_chunked_context": "--disable-chunked-context",
                  "enable_kv_cache_reuse": "--disable-kv-cache-reuse"}
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """The parts of an engine directory the serve layer reads."""
-
-    path: Path
-    target: str
-    pretrained_config: Mapping[str, Any]
-    build_config: Mapping[str, Any]
-    runtime: Mapping[str, Any]
-
-    @classmethod
-    def read(cls, path: str | Path) -> "EngineInfo":
-        root = Path(path).resolve()
-        cfg_file, meta_file = root / "config.json", root / "trtprompt.json"
-        for f in (cfg_file, meta_file):
-            if not f.is_file():
-                raise ValueError(f"{root} is not an engine directory: {f.name} is missing "
-                                 "(build one with `trtprompt build`)")
-        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
-        return cls(root, meta.get("target", "torch"), cfg["pretrained_config"],
-                   cfg["build_config"], dict(meta.get("runtime") or {}))
-
-    @property
-    def tokenizer_dir(self) -> Path:
-        return self.path / "tokenizer"
-
-    @property
-    def plugin_config(self) -> Mapping[str, Any]:
-        return self.build_config.get("plugin_config") or {}
+# The serve layer's name for an engine directory; read with EngineInfo.read(path, tokenizer=None),
+# which is trtprompt.engine_dir.read_engine_dir (one reader for every consumer).
+EngineInfo = EngineDir
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from trtprompt.engine_dir import read_engine_dir
 from trtprompt.prompt.budget import PromptError, PromptPolicy
 from trtprompt.prompt.edge import PromptEdge, engine_dir_limits
 from trtprompt.serve import inputs, triton_io as io
@@ -42,9 +43,10 @@ class PreprocessingModel:
         self.input_names = [t["name"] for t in cfg["input"]]
         self.tokenizer = Tokenizer.from_dir(params["tokenizer_dir"])
         self.add_special_tokens = io.param_bool(params, "add_special_tokens", True)
-        path = params["gpt_model_path"]
-        self.edge = PromptEdge(PromptPolicy.from_engine_dir(path), self.tokenizer, self.add_special_tokens,
-                               lambda: engine_dir_limits(path))
+        engine = read_engine_dir(params["gpt_model_path"], params["tokenizer_dir"])
+        chunked = io.param_bool(params, "enable_chunked_context", bool(engine.runtime.get("enable_chunked_context")))
+        self.edge = PromptEdge(PromptPolicy.from_mapping(engine.prompt), self.tokenizer, self.add_special_tokens,
+                               lambda: engine_dir_limits(engine, chunked))
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []

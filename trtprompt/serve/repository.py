@@ -230,7 +230,8 @@ def fused_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
 
 def preprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
     params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "add_special_tokens": True,
-              "gpt_model_path": str(ctx.engine.path)}  # its prompt policy and bounds (issue 5)
+              "gpt_model_path": str(ctx.engine.path),  # its prompt policy and bounds (issue 5)
+              "enable_chunked_context": ctx.options.enable_chunked_context}  # decides max_input_len
     return _base("preprocessing", ctx.max_batch_size, PRE_INPUTS, PRE_OUTPUTS, params)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trtprompt.engine_dir import read_engine_dir
 from trtprompt.prompt.budget import PromptError, PromptPolicy
 from trtprompt.prompt.edge import EdgePrompt, PromptEdge
 from trtprompt.serve import inputs, protocol as P, triton_io as io
@@ -83,8 +84,8 @@ class TextModel(io.RowModel):
         self.exclude_default = io.param_bool(params, "exclude_input_in_output", False)
         self.add_special_tokens = io.param_bool(params, "add_special_tokens", True)
         self.skip_special_tokens = io.param_bool(params, "skip_special_tokens", True)
-        self.edge = PromptEdge(PromptPolicy.from_engine_dir(params["gpt_model_path"]), self.tokenizer,
-                               self.add_special_tokens, self._engine_limits)
+        policy = PromptPolicy.from_mapping(read_engine_dir(params["gpt_model_path"], params["tokenizer_dir"]).prompt)
+        self.edge = PromptEdge(policy, self.tokenizer, self.add_special_tokens, self._engine_limits)
         self.start_relay(self.socket, params)
 
     def _engine_limits(self) -> tuple[int, int]:

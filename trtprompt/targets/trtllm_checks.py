@@ -13,7 +13,6 @@ Only the standard library is used: this runs on machines without TensorRT-LLM.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from trtprompt.engine_dir import check_rank_engines, load_engine_config
 from trtprompt.errors import EngineDirError, TargetUnavailableError
 
 CONTAINER = "nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"
@@ -50,14 +50,7 @@ class TrtllmEngineConfig:
     @classmethod
     def read(cls, engine_dir: str | Path) -> "TrtllmEngineConfig":
         root = Path(engine_dir)
-        file = root / "config.json"
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except FileNotFoundError as exc:
-            raise EngineDirError(f"{root} is not an engine directory: config.json is missing") from exc
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise EngineDirError(f"{file} is not valid JSON: {exc}") from exc
-        return cls.from_dict(root, data)
+        return cls.from_dict(root, load_engine_config(root))
 
     @property
     def plugin(self) -> Mapping[str, Any]:
@@ -160,10 +153,7 @@ def check_runtime_flags(engine: TrtllmEngineConfig, flags: Mapping[str, Any]) ->
 
 
 def check_rank_files(engine: TrtllmEngineConfig) -> None:
-    _, _, world = engine.parallelism()
-    missing = [f"rank{r}.engine" for r in range(world) if not (engine.path / f"rank{r}.engine").is_file()]
-    if missing:
-        raise EngineDirError(f"{engine.path} is incomplete for world size {world}: missing {', '.join(missing)}")
+    check_rank_engines(engine.path, engine.parallelism()[2])
 
 
 def check_world_size(engine: TrtllmEngineConfig, world_size: int | None) -> int:
