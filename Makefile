@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 $(DEMO_CKPT)/config.json: | $(STAMP)
-	$(PY) scripts/make_demo_checkpoint.py $(DEMO_CKPT) --size small
+	$(VENV)/bin/trtprompt demo-checkpoint $(DEMO_CKPT) --size small
 
 $(DEMO_ENGINE)/config.json: $(DEMO_CKPT)/config.json
 	$(VENV)/bin/trtprompt build $(DEMO_CKPT) -o $(DEMO_ENGINE) --profile $(PROFILE) --force

@@ -1,7 +1,7 @@
 """Make small Hugging Face checkpoints with random weights, fully offline.
 
-Used by `scripts/make_demo_checkpoint.py` and by the tests. The tokenizer is a
-byte-level BPE trained on the text shipped in `trtprompt/data/`, so nothing is
+Used by `trtprompt demo-checkpoint` (scripts/make_demo_checkpoint.py wraps it) and by
+the tests. The tokenizer is a byte-level BPE trained on the text shipped in `trtprompt/data/`, so nothing is
 downloaded. Weights are deterministic for a seed.
 """
 

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import click
 
+from trtprompt import checkpoint_maker as demo  # standard library only at import time
 from trtprompt.engine.config import CAPACITY_POLICIES
 from trtprompt.errors import UserError
 
@@ -96,6 +97,28 @@ def _print_trtllm_commands(req: Any) -> None:
     parallel = Parallelism(req.tp_size, req.pp_size)
     run_build(req, dry_run=True, on_plan=lambda c, p, plan: click.echo(
         commands_for_plan(c.path, c.architecture, c.tokenizer_files, plan, out, parallel), nl=False))
+
+
+@main.command("demo-checkpoint")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--arch", type=click.Choice(list(demo.ARCHITECTURES)), default="llama",
+              show_default=True, help="Hugging Face architecture to write.")
+@click.option("--size", type=click.Choice(list(demo.SIZES)), default="tiny", show_default=True,
+              help="Model shape (checkpoint_maker.SIZES).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Weight seed.")
+@click.option("--tie/--no-tie", default=None, help="Tie lm_head to the embeddings (default: Qwen ties).")
+@click.option("--vocab-size", type=int, default=None, help="Tokenizer training target.")
+@click.option("--rope", type=click.Choice(list(demo.ROPE_CHOICES)), default="default", show_default=True,
+              help="RoPE scaling (llama3: Llama only).")
+def demo_checkpoint(out: Path, arch: str, size: str, seed: int, tie: bool | None, vocab_size: int | None,
+                    rope: str) -> None:
+    """Write a Hugging Face checkpoint with random weights and an offline-trained tokenizer to OUT."""
+    try:
+        spec = demo.DemoSpec(arch=arch, size=size, seed=seed, tie=tie, vocab_size=vocab_size, rope=rope)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    path = demo.make_demo_checkpoint(out, spec)
+    click.echo(f"wrote {spec.size} {demo.ARCHITECTURES[spec.arch]} checkpoint (seed {seed}) to {path}")
 
 
 @main.command()

@@ -18,7 +18,9 @@ from typing import Any, Mapping
 from trtprompt.engine.config import CAPACITY_POLICIES
 from trtprompt.errors import ProfileError
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+# trtprompt/profiles is a symlink to the repo's top-level profiles/ (where users look); a wheel
+# carries the files themselves as package data (pyproject.toml), so both find them here.
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "fp8", "int4_awq")
 SCHEDULER_POLICIES: tuple[str, ...] = CAPACITY_POLICIES

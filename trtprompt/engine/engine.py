@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -40,6 +40,10 @@ class EngineStats:
     reused_blocks: int
     missed_blocks: int
     cache_hit_rate: float
+    queried_tokens: int  # prompt tokens of every prefix lookup
+    hit_tokens: int  # of those, tokens served from reused blocks
+    evicted_blocks: int  # reusable blocks evicted to be handed out again
+    fragmentation: float  # docs/monitoring/README.md, "KV fragmentation"
     preemptions: int
     iteration_counter: int
     active_requests: int
@@ -221,6 +225,7 @@ class LLMEngine:
             request_id=req.request_id, new_token_ids=new, finished=req.is_finished,
             num_input_tokens=req.num_prompt_tokens, num_output_tokens=req.num_emitted,
             finish_reason=req.finish_reason, error=error, warning=req.warning, stats=req.stats,
+            stopped_by_end_id=req.finish_reason is FinishReason.STOP and req.stop_trim == 0,
         )
 
     def stats(self) -> EngineStats:
@@ -234,6 +239,9 @@ class LLMEngine:
             used_num_blocks=kv.num_used_blocks(), cached_free_blocks=kv.pool.num_cached_free,
             tokens_per_block=kv.tokens_per_block, reused_blocks=kv.reused_blocks,
             missed_blocks=kv.missed_blocks, cache_hit_rate=kv.reused_blocks / lookups if lookups else 0.0,
+            queried_tokens=kv.queried_tokens, hit_tokens=kv.reused_blocks * kv.tokens_per_block,
+            evicted_blocks=kv.pool.evicted_blocks,
+            fragmentation=kv_fragmentation(kv, self.requests.values(), sched.guaranteed),
             preemptions=sched.num_preemptions, iteration_counter=self.iteration_counter,
             active_requests=len(self.requests), waiting_requests=sched.num_waiting,
             max_batch_size=self.scheduler_config.max_batch_size,
@@ -242,3 +250,23 @@ class LLMEngine:
             total_context_tokens=last.total_context_tokens, paused_requests=paused,
             timestamp_ns=time.time_ns(),
         )
+
+
+def kv_fragmentation(kv: KVCacheManager, requests: Iterable[Request], reserving: bool) -> float:
+    """Share of the KV slots held for requests that hold no token (0.0 when none are held).
+
+    Held slots: every used block's, plus, under guaranteed_no_evict, the blocks reserved
+    for a request's whole output but not allocated yet. Empty among them: the unwritten
+    tail of each request's blocks (its partly filled last block, blocks allocated ahead)
+    and every reserved block. Shared prefix blocks are full, so counting them once per
+    request adds no empty slot. O(requests), like a scheduling pass.
+    """
+    tpb = kv.tokens_per_block
+    empty = reserved = 0
+    for req in requests:
+        held = len(kv.block_tables.get(req.request_id, ()))
+        empty += max(held * tpb - req.num_computed_tokens, 0)
+        if reserving:
+            reserved += max(req.reserved_blocks - held, 0)
+    slots = (kv.num_used_blocks() + reserved) * tpb
+    return (empty + reserved * tpb) / slots if slots else 0.0

@@ -25,7 +25,6 @@ import socketserver
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -34,15 +33,11 @@ from trtprompt.engine.errors import EngineRequestError, QueueFullError
 from trtprompt.engine.request import RequestOutput, RequestStats, SamplingParams
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.serve import protocol as P
+from trtprompt.serve.metrics_engine import RequestCounters, config_labels, process_usage
 from trtprompt.serve.repository import read_parameters
 
 log = logging.getLogger("trtprompt.engine_server")
 
-_BOOL_KEYS = ("enable_kv_cache_reuse", "enable_chunked_context")
-_INT_KEYS = ("max_tokens_in_paged_kv_cache", "max_queue_size", "max_num_tokens", "triton_max_batch_size")
-_FLOAT_KEYS = ("kv_cache_free_gpu_mem_fraction",)
-# Finished-request timings kept for the metrics model's histograms.
-_TIMINGS_KEPT = 8192
 _STATS_FIELDS = tuple(f.name for f in fields(RequestStats))
 SWITCH_INTERVAL_S = 0.0005
 
@@ -111,13 +106,11 @@ def error_code(message: str) -> str:
 class EngineService:
     """The engine plus what the socket handlers share."""
 
-    def __init__(self, loop: Any) -> None:  # loop: EngineLoop
+    def __init__(self, loop: Any, restarts: int = 0) -> None:  # loop: EngineLoop
         self.loop = loop
         self.engine = loop.engine
-        self._lock = threading.Lock()
-        self._timings: deque[dict[str, float]] = deque(maxlen=_TIMINGS_KEPT)
-        self._seq = 0
-        self._finished: dict[str, int] = {}
+        self.restarts = restarts  # how often the launcher restarted this engine process before
+        self.counters = RequestCounters(self.engine.kv.tokens_per_block)  # for /metrics
         files = getattr(self.engine, "files", None)
         self.prompt_policy = PromptPolicy.from_mapping(files.prompt if files is not None else {})
 
@@ -129,14 +122,13 @@ class EngineService:
                 "enable_chunked_context": sched.enable_chunked_context,
                 "enable_kv_cache_reuse": self.engine.config.kv_cache.enable_block_reuse,
                 "vocab_size": self.engine.model_config.vocab_size,
-                "eos_token_ids": sorted(self.engine.eos_token_ids), "torch_threads": torch_threads()}
+                "eos_token_ids": sorted(self.engine.eos_token_ids), "torch_threads": torch_threads(),
+                "config_labels": config_labels(self.engine)}
 
     def stats(self, since: int) -> dict[str, Any]:
-        with self._lock:
-            timings = [t for t in self._timings if t["seq"] > since]
-            seq, finished = self._seq, dict(self._finished)
-        return {"type": "stats", **asdict(self.loop.stats()), "seq": seq, "timings": timings,
-                "in_flight": self.loop.num_in_flight(), "finished": finished}
+        return {"type": "stats", **asdict(self.loop.stats()), **self.counters.snapshot(since),
+                "in_flight": self.loop.num_in_flight(), "pid": os.getpid(), "restarts": self.restarts,
+                **process_usage()}
 
     def record(self, out: RequestOutput) -> None:
         """Count a finished request and keep its timings for the histograms."""
@@ -214,6 +206,7 @@ class Connection:
             with self._lock:
                 self._live.pop(engine_rid, None)
             code = P.QUEUE_FULL if isinstance(exc, QueueFullError) else P.INVALID_ARG
+            service.counters.refused("rejected_queue_full" if code == P.QUEUE_FULL else "invalid")
             self.send({"type": "step", "outputs": [{"id": rid, "finished": True, "error": str(exc),
                                                    "code": code}]})
 
@@ -271,6 +264,8 @@ class _Handler(socketserver.BaseRequestHandler):
             conn.send(service.info())
         elif op == "stats":
             conn.send(service.stats(int(msg.get("since", 0))))
+        elif op == "refused":  # a serving model refused a request (metrics_engine.report_refused)
+            service.counters.refused(str(msg.get("reason")))
         else:
             conn.send({"type": "error", "code": P.INVALID_ARG, "message": f"unknown op {op!r}"})
 
@@ -288,7 +283,7 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         return next(self._numbers)  # itertools.count is atomic under the GIL
 
 
-def serve(repository: Path, socket_path: str) -> None:
+def serve(repository: Path, socket_path: str, restarts: int = 0) -> None:
     from trtprompt.engine.engine import LLMEngine
     from trtprompt.engine.loop import EngineLoop
 
@@ -304,7 +299,7 @@ def serve(repository: Path, socket_path: str) -> None:
              time.perf_counter() - t0, engine_overrides(params), torch_threads())
     if os.path.exists(socket_path):
         os.unlink(socket_path)  # a stale socket of a crashed predecessor
-    server = _Server(socket_path, EngineService(loop))
+    server = _Server(socket_path, EngineService(loop, restarts))
     os.chmod(socket_path, 0o600)
     stop = threading.Event()
 
@@ -327,9 +322,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repository", required=True, type=Path)
     ap.add_argument("--socket", required=True)
+    ap.add_argument("--restarts", type=int, default=0, help="times the launcher restarted the engine before")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
-    serve(args.repository, args.socket)
+    serve(args.repository, args.socket, args.restarts)
 
 
 if __name__ == "__main__":

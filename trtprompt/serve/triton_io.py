@@ -261,6 +261,7 @@ class RowModel:
             rows = self.make_rows(tensors)
         except Exception as exc:  # noqa: BLE001 - reported to the client
             send_error(sender, exc)
+            report_refused("invalid" if isinstance(exc, InputError) else "error", self.client.path)
             return
         Job(rows, sender, self.client, self.watcher).start()
 
