@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from trtprompt.error_codes import ErrorCode, tagged
 from trtprompt.serve.openai.errors import APIError, from_triton
 from trtprompt.serve.openai.params import ModelLimits, parse_request
 
@@ -110,20 +111,34 @@ def test_unknown_model_is_404() -> None:
     assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
 
 
-@pytest.mark.parametrize("message, status, code", [
-    ("queue full: 64 requests already waiting (max_queue_size=64)", 429, "queue_full"),
-    ("engine process unavailable (it is not running or is restarting): [Errno 111]", 503, "engine_unavailable"),
-    ("the engine process stopped while generating (it is being restarted); retry the request", 503,
+@pytest.mark.parametrize("code, text, status, openai_code", [
+    (ErrorCode.QUEUE_FULL, "queue full: 64 requests already waiting (max_queue_size=64)", 429, "queue_full"),
+    (ErrorCode.UNAVAILABLE, "engine process unavailable (it is not running or is restarting): [Errno 111]", 503,
      "engine_unavailable"),
-    ("lost the engine process: [Errno 104] Connection reset by peer", 503, "engine_unavailable"),
-    ("Prompt length (3000) exceeds maximum input length (2047)", 400, None),
+    (ErrorCode.UNAVAILABLE, "the engine process stopped while generating (it is being restarted); retry the request",
+     503, "engine_unavailable"),
+    (ErrorCode.TOO_LONG, "Prompt length (3000) exceeds maximum input length (2047)", 400, None),
+    (ErrorCode.INVALID_ARGUMENT, "input 'top_k': top_k must be >= 0, got -1", 400, None),
+    (ErrorCode.CANCELLED, "request cancelled by the client", 499, "cancelled"),
+    (ErrorCode.INTERNAL, "engine error: the model step failed: RuntimeError: boom", 500, "internal_error"),
 ])
-def test_triton_errors_map_to_statuses(message: str, status: int, code: str | None) -> None:
-    err = from_triton(message)
-    assert (err.status, err.code, err.message) == (status, code, message)
-    assert ("Retry-After" in err.headers) == (status in (429, 503))
-    if status == 400:
-        assert err.param == "prompt"
+def test_triton_errors_map_to_statuses(code: ErrorCode, text: str, status: int, openai_code: str | None) -> None:
+    # As the stub sends it (the code as a tag), and as Triton's ensemble relays it (with its prefix).
+    for message, shown in ((tagged(code, text), text),
+                           (f"in ensemble 'ensemble', {tagged(code, text)}", f"in ensemble 'ensemble', {text}")):
+        err = from_triton(message)
+        assert (err.status, err.code, err.message) == (status, openai_code, shown)
+        assert ("Retry-After" in err.headers) == (status in (429, 503))
+        assert err.param == {ErrorCode.TOO_LONG: "prompt", ErrorCode.INVALID_ARGUMENT: "top_k"}.get(code)
+
+
+@pytest.mark.parametrize("message, status", [
+    ("Exceeds maximum queue size", 429),  # tritonserver's own request queue
+    ("Prompt length (3000) exceeds maximum input length (2047)", 400),  # the tensorrtllm backend
+    ("unexpected shape for input 'stop_words'", 400),
+])
+def test_untagged_triton_errors(message: str, status: int) -> None:
+    assert (from_triton(message).status, from_triton(message).message) == (status, message)
 
 
 def test_bench_picks_the_client_from_the_url() -> None:

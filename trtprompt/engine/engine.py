@@ -24,6 +24,7 @@ from trtprompt.engine.scheduler import Scheduler, SchedulerOutput
 from trtprompt.engine.stopping import check_stop, visible_output_len
 from trtprompt.engine.validation import RequestLimits, validate_request
 from trtprompt.engine.weights import load_model_from_safetensors
+from trtprompt.error_codes import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,7 @@ class LLMEngine:
             request_id=req.request_id, new_token_ids=new, finished=req.is_finished,
             num_input_tokens=req.num_prompt_tokens, num_output_tokens=req.num_emitted,
             finish_reason=req.finish_reason, error=error, warning=req.warning, stats=req.stats,
+            error_code=None if error is None else ErrorCode.INTERNAL,  # a step or sampling fault
             stopped_by_end_id=req.finish_reason is FinishReason.STOP and req.stop_trim == 0,
         )
 

@@ -1,15 +1,19 @@
 """Errors the engine raises for requests it cannot accept.
 
 Messages follow TensorRT-LLM's wording so clients see the same text on
-either target.
+either target; each error carries its code (trtprompt/error_codes.py).
 """
 
+from trtprompt.error_codes import CodedError, ErrorCode
 
-class EngineRequestError(ValueError):
+
+class EngineRequestError(CodedError):
     """A request the engine refuses; the message is meant for the client."""
 
 
 class InputTooLongError(EngineRequestError):
+    code = ErrorCode.TOO_LONG
+
     def __init__(self, prompt_len: int, max_input_len: int) -> None:
         super().__init__(
             f"Prompt length ({prompt_len}) exceeds maximum input length ({max_input_len})"
@@ -19,6 +23,8 @@ class InputTooLongError(EngineRequestError):
 
 
 class QueueFullError(EngineRequestError):
+    code = ErrorCode.QUEUE_FULL
+
     def __init__(self, max_queue_size: int) -> None:
         super().__init__(
             f"queue full: {max_queue_size} requests already waiting (max_queue_size={max_queue_size})"
@@ -28,3 +34,7 @@ class QueueFullError(EngineRequestError):
 
 class DuplicateRequestError(EngineRequestError):
     pass
+
+
+class EngineStoppingError(EngineRequestError):
+    code = ErrorCode.UNAVAILABLE

@@ -21,7 +21,8 @@ from collections import deque
 from typing import Iterable, Iterator, Protocol, Sequence
 
 from trtprompt.engine.engine import EngineStats, LLMEngine
-from trtprompt.engine.errors import DuplicateRequestError, EngineRequestError, QueueFullError
+from trtprompt.engine.errors import DuplicateRequestError, EngineRequestError, EngineStoppingError, QueueFullError
+from trtprompt.error_codes import ErrorCode
 from trtprompt.engine.request import FinishReason, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,10 @@ class RequestStream:
         self._loop.abort(self.request_id)
 
 
-def error_output(request_id: str, message: str) -> RequestOutput:
+def error_output(request_id: str, message: str, code: ErrorCode) -> RequestOutput:
     return RequestOutput(request_id=request_id, new_token_ids=[], finished=True,
                          num_input_tokens=0, num_output_tokens=0,
-                         finish_reason=FinishReason.ERROR, error=message)
+                         finish_reason=FinishReason.ERROR, error=message, error_code=code)
 
 
 class EngineLoop:
@@ -94,7 +95,7 @@ class EngineLoop:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._fail_owned("engine stopped before the request finished")
+        self._fail_owned("engine stopped before the request finished", ErrorCode.UNAVAILABLE)
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                cache_salt: str | None = None) -> RequestStream:
@@ -110,7 +111,7 @@ class EngineLoop:
         limit = self.engine.scheduler_config.max_queue_size
         with self._lock:
             if self._stopping:
-                raise EngineRequestError("engine is shutting down")
+                raise EngineStoppingError("engine is shutting down")
             if request_id in self._owners:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
             if limit is not None and self._pending_adds + self.engine.scheduler.num_waiting >= limit:
@@ -150,7 +151,7 @@ class EngineLoop:
                 try:
                     self.engine.add_request(rid, prompt, params, salt, arrival_ns)
                 except EngineRequestError as exc:
-                    rejected.append(error_output(rid, str(exc)))
+                    rejected.append(error_output(rid, str(exc), exc.code))
             elif not self.engine.abort(item[1]):
                 log.debug("abort of unknown or finished request %s", item[1])
         if rejected:
@@ -171,18 +172,18 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - one broken sink must not stop the loop
                 log.exception("an output sink failed; its outputs of this step are lost")
 
-    def _fail_owned(self, message: str) -> None:
+    def _fail_owned(self, message: str, code: ErrorCode) -> None:
         """End every request that still has an owner with an error output."""
         with self._lock:
             rids = list(self._owners)
-        self._deliver([error_output(rid, message) for rid in rids])
+        self._deliver([error_output(rid, message, code) for rid in rids])
 
     def _fail_all(self, exc: BaseException) -> None:
         log.exception("engine step failed; failing all in-flight requests")
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
         self.engine.step()  # flush the aborts so the blocks are released
-        self._fail_owned(f"engine error: {exc}")
+        self._fail_owned(f"engine error: {exc}", ErrorCode.INTERNAL)
 
     def _run(self) -> None:
         while not self._stopping:

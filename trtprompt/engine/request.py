@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from trtprompt.error_codes import ErrorCode, FieldError
+
 
 @dataclass(frozen=True)
 class Bound:
@@ -38,11 +40,11 @@ FLOAT_BOUNDS: dict[str, Bound] = {
 }
 
 
-def check_bound(shown_name: str, field_name: str, value: float) -> None:
-    """Raise ValueError naming `shown_name` (the client's input name) if value is outside its bound."""
+def check_bound(field_name: str, value: float) -> None:
+    """Raise FieldError naming field_name if value is outside its bound."""
     bound = FLOAT_BOUNDS[field_name]
     if not bound.allows(float(value)):
-        raise ValueError(f"{shown_name} must be a finite number in {bound.describe()}, got {value!r}")
+        raise FieldError(field_name, f"must be a finite number in {bound.describe()}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -70,19 +72,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise FieldError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
         for name in ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            check_bound(name, name, getattr(self, name))
+            check_bound(name, getattr(self, name))
         if self.top_p is not None:
-            check_bound("top_p", "top_p", self.top_p)
+            check_bound("top_p", self.top_p)
         if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise FieldError("top_k", f"must be >= 0, got {self.top_k}")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise FieldError("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+            raise FieldError("seed", f"must be in [0, 2**64), got {self.seed}")
         if any(len(s) == 0 for s in self.stop_token_ids):
-            raise ValueError("stop_token_ids must not contain an empty sequence")
+            raise FieldError("stop_token_ids", "must not contain an empty sequence")
 
     @property
     def greedy(self) -> bool:
@@ -135,6 +137,7 @@ class RequestOutput:
     num_output_tokens: int
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_code: ErrorCode | None = None  # set with error
     # Set when prompt + max_tokens exceeded max_seq_len and the output was shortened.
     warning: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)

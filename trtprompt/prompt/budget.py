@@ -26,17 +26,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from trtprompt.error_codes import CodedError, ErrorCode
 from trtprompt.profile import OVERFLOW_POLICIES
 
 # Strictest first; a request may move left of the profile's policy, never right.
 STRICTNESS: tuple[str, ...] = ("reject", "truncate_middle", "truncate_left")
 
 
-class PromptError(ValueError):
+class PromptError(CodedError):
     """A prompt the edge refuses; the message is meant for the client (INVALID_ARG)."""
 
 
 class PromptTooLongError(PromptError):
+    code = ErrorCode.TOO_LONG
+
     def __init__(self, prompt_len: int, limit: int, max_input_len: int, reserve: int) -> None:
         text = f"Prompt length ({prompt_len}) exceeds maximum input length ({limit})"
         if limit != max_input_len:

@@ -38,6 +38,9 @@ from trtprompt.serve.repository import read_parameters
 
 log = logging.getLogger("trtprompt.engine_server")
 
+_BOOL_KEYS = ("enable_kv_cache_reuse", "enable_chunked_context")
+_INT_KEYS = ("max_tokens_in_paged_kv_cache", "max_queue_size", "max_num_tokens", "triton_max_batch_size")
+_FLOAT_KEYS = ("kv_cache_free_gpu_mem_fraction",)
 _STATS_FIELDS = tuple(f.name for f in fields(RequestStats))
 SWITCH_INTERVAL_S = 0.0005
 
@@ -132,18 +135,7 @@ class EngineService:
 
     def record(self, out: RequestOutput) -> None:
         """Count a finished request and keep its timings for the histograms."""
-        s = out.stats
-        reason = out.finish_reason.value if out.finish_reason else "unknown"
-        with self._lock:
-            self._finished[reason] = self._finished.get(reason, 0) + 1
-            if s.first_token_time_ns is None or s.first_scheduled_time_ns is None:
-                return
-            self._seq += 1
-            self._timings.append({
-                "seq": self._seq,
-                "ttft_s": (s.first_token_time_ns - s.arrival_time_ns) / 1e9,
-                "prefill_s": (s.first_token_time_ns - s.first_scheduled_time_ns) / 1e9,
-            })
+        self.counters.record(out, error_code(out.error) if out.error else None)
 
     def check_bounds(self, params: SamplingParams) -> None:
         bound = self.engine.scheduler_config.max_seq_len - 1

@@ -13,11 +13,12 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from trtprompt.engine.request import FLOAT_BOUNDS, SamplingParams, check_bound
+from trtprompt.error_codes import CodedError, ErrorCode, FieldError
 
 Tensors = Mapping[str, np.ndarray]
 
 
-class InputError(ValueError):
+class InputError(CodedError):
     """A request the server refuses; the message names the input."""
 
 
@@ -141,21 +142,24 @@ IGNORED_FLOATS = ("length_penalty", "len_penalty")
 
 def _float_bound(source: str, key: str, value: float) -> None:
     try:
-        check_bound(f"input '{source}'", key, value)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
+        check_bound(key, value)
+    except FieldError as exc:
+        raise _named(exc, source) from None
+
+
+def _named(exc: FieldError, source: str) -> InputError:
+    """The refusal of one field, naming the client's input that set it."""
+    if exc.field in FLOAT_BOUNDS:
+        return InputError(f"input '{source}' {exc.rule}")
+    return InputError(f"input '{source}': {exc}")
 
 
 def _check_sampling(params: Mapping[str, Any], sources: Mapping[str, str]) -> None:
     """Refuse here, naming the client's input, what SamplingParams would refuse in the engine."""
-    for key, value in params.items():
-        if key in FLOAT_BOUNDS:
-            _float_bound(sources[key], key, value)
     try:
         SamplingParams(**params)
-    except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        raise InputError(f"input '{sources.get(field, field)}': {exc}") from None
+    except FieldError as exc:
+        raise _named(exc, sources.get(exc.field, exc.field)) from None
 
 
 TEXT_SAMPLING = {
@@ -228,7 +232,7 @@ def prompt_ids(tensors: Tensors, i: int, max_input_len: int | None) -> np.ndarra
         raise InputError(f"input_lengths ({length}) must be in [1, {ids.size}] (the input_ids length)")
     if max_input_len is not None and length > max_input_len:
         raise InputError(f"input 'input_ids': Prompt length ({length}) exceeds maximum input length "
-                         f"({max_input_len}, the engine's max_input_len)")
+                         f"({max_input_len}, the engine's max_input_len)", ErrorCode.TOO_LONG)
     return ids[:length]
 
 

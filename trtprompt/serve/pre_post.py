@@ -73,7 +73,7 @@ class PreprocessingModel:
         try:  # the engine dir's overflow policy (trtprompt.prompt.budget)
             ids = self.edge.fit_text(text, out_len).ids
         except PromptError as exc:
-            raise inputs.InputError(str(exc)) from None
+            raise inputs.InputError(str(exc), exc.code) from None
         return {"ids": ids, "out_len": out_len,
                 "stop": words_tensor(words["STOP_WORDS_DICT"]), "bad": words_tensor(words["BAD_WORDS_DICT"]),
                 "end_id": eos if end_id is None else end_id,

@@ -19,15 +19,17 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from trtprompt.error_codes import ErrorCode, parse_code
+
 _HEADER = struct.Struct(">I")
 MAX_FRAME = 64 * 1024 * 1024
 
-# Error codes carried by error entries and {"type": "error"} replies; the
-# models map them to Triton's status codes.
-INVALID_ARG = "INVALID_ARG"
-UNAVAILABLE = "UNAVAILABLE"
-QUEUE_FULL = "QUEUE_FULL"
-INTERNAL = "INTERNAL"
+# Short names of the codes error entries and {"type": "error"} replies carry
+# (their statuses: trtprompt/error_codes.py).
+INVALID_ARG = ErrorCode.INVALID_ARGUMENT
+UNAVAILABLE = ErrorCode.UNAVAILABLE
+QUEUE_FULL = ErrorCode.QUEUE_FULL
+INTERNAL = ErrorCode.INTERNAL
 
 # What a request in flight is told when its connection to the engine process
 # breaks; the launcher restarts a dead engine process.
@@ -37,10 +39,14 @@ LOST_MESSAGE = "the engine process stopped while generating (it is being restart
 class EngineUnavailableError(ConnectionError):
     """The engine process cannot be reached (not started yet, restarting, dead)."""
 
+    code = ErrorCode.UNAVAILABLE
+
 
 @dataclass(frozen=True)
 class EngineError(Exception):
-    code: str
+    """An error entry or reply of the engine process, with its code."""
+
+    code: ErrorCode
     message: str
 
     def __str__(self) -> str:
@@ -137,7 +143,7 @@ def call(path: str, message: Mapping[str, Any], timeout: float = 5.0) -> dict[st
     finally:
         sock.close()
     if reply.get("type") == "error":
-        raise EngineError(reply.get("code", INTERNAL), reply.get("message", "engine error"))
+        raise EngineError(parse_code(reply.get("code")), reply.get("message", "engine error"))
     return reply
 
 
@@ -145,4 +151,4 @@ def entry_error(entry: Mapping[str, Any]) -> EngineError | None:
     """The error an output entry carries, if it is an error entry."""
     if entry.get("error") is None:
         return None
-    return EngineError(entry.get("code") or INTERNAL, entry["error"])
+    return EngineError(parse_code(entry.get("code")), entry["error"])

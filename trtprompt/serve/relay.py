@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
+from trtprompt.error_codes import ErrorCode
 from trtprompt.serve import protocol as P
 
 log = logging.getLogger("trtprompt.relay")
@@ -71,7 +72,7 @@ class _Session:
         except OSError:
             pass
         for rid, handler in handlers.items():
-            _call(handler, {"id": rid, "finished": True, "error": message, "code": P.UNAVAILABLE})
+            _call(handler, {"id": rid, "finished": True, "error": message, "code": ErrorCode.UNAVAILABLE})
 
     def _read(self) -> None:
         reader = P.FrameReader()

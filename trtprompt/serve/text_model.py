@@ -26,7 +26,7 @@ class _TextRow:
             self.prompt: EdgePrompt = model.edge.prepare(item.text, item.messages, item.overflow,
                                                          item.cache_salt, item.params.get("max_tokens"))
         except PromptError as exc:
-            raise inputs.InputError(str(exc)) from None
+            raise inputs.InputError(str(exc), exc.code) from None
         self.prompt_ids = self.prompt.ids
         self.params = dict(item.params)
         if item.stop_words:

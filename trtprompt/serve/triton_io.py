@@ -19,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 
 from trtprompt.serve import protocol as P
 from trtprompt.serve.inputs import InputError
+from trtprompt.serve.metrics_engine import report_refused
 from trtprompt.serve.relay import CancelWatcher, EngineClient
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

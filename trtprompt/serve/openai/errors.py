@@ -1,11 +1,10 @@
-"""OpenAI's error shape and the mapping from Triton's errors to HTTP statuses.
+"""OpenAI's error shape, answered for an error code with the status the one table gives.
 
 Triton's gRPC stream carries an error's message only, no status code
-(docs/openai.md), so a stream error is classified by the message texts the
-serving path is known to use: the engine's queue-full refusal, the engine
-process being away (restarting), and everything else the ensemble refuses as
-bad input. gRPC call failures (tritonserver itself unreachable) do carry a
-status code.
+(docs/openai.md), so the serving path tags each message with its code and
+`from_triton` reads the tag back (trtprompt/error_codes.py: the codes, their
+HTTP statuses, and the few untagged messages of tritonserver itself). gRPC
+call failures (tritonserver itself unreachable) do carry a status code.
 """
 
 from __future__ import annotations
@@ -14,16 +13,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from trtprompt.error_codes import STATUSES, ErrorCode, classify, split_tag
+
 RETRY_AFTER_S = 1
-# Message fragments -> (status, type, code). First match wins.
-_TRITON_MESSAGES: tuple[tuple[str, int, str, str], ...] = (
-    ("queue full", 429, "rate_limit_error", "queue_full"),
-    ("exceeds maximum queue size", 429, "rate_limit_error", "queue_full"),  # Triton's own queue
-    ("engine process unavailable", 503, "service_unavailable", "engine_unavailable"),
-    ("engine process stopped", 503, "service_unavailable", "engine_unavailable"),
-    ("lost the engine process", 503, "service_unavailable", "engine_unavailable"),
-    ("internal error", 500, "server_error", "internal_error"),
-)
 # Ensemble input names in error messages -> the OpenAI parameter they come from.
 _PARAMS = {"text_input": "prompt", "messages": "messages", "max_tokens": "max_tokens",
            "prompt length": "prompt", "cache_salt": "cache_salt", "stop_words": "stop", "top_k": "top_k",
@@ -57,20 +49,26 @@ def unauthorized(message: str) -> APIError:
                     {"WWW-Authenticate": "Bearer"})
 
 
+def api_error(code: ErrorCode, message: str, param: str | None = None) -> APIError:
+    """The API error for a code: status, type and code from trtprompt/error_codes.py."""
+    status = STATUSES[code]
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status.retry else {}
+    return APIError(status.http, message, status.openai_type, param, status.openai_code, headers)
+
+
 def unavailable(message: str) -> APIError:
-    return APIError(503, message, "service_unavailable", None, "engine_unavailable",
-                    {"Retry-After": str(RETRY_AFTER_S)})
+    return api_error(ErrorCode.UNAVAILABLE, message)
 
 
 def from_triton(message: str) -> APIError:
-    """The API error for an error the ensemble answered a request with."""
-    text = _strip_prefix(message)
-    lower = text.lower()
-    for fragment, status, kind, code in _TRITON_MESSAGES:
-        if fragment in lower:
-            headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
-            return APIError(status, text, kind, None, code, headers)
-    return bad_request(text, _param_of(lower), None)
+    """The API error for an error the ensemble answered a request with (the tag's code)."""
+    code = classify(message)
+    text = _strip_prefix(split_tag(message)[1])
+    if code is ErrorCode.TOO_LONG:
+        return api_error(code, text, "prompt")
+    if code is ErrorCode.INVALID_ARGUMENT:
+        return api_error(code, text, _param_of(text.lower()))
+    return api_error(code, text)
 
 
 def _strip_prefix(message: str) -> str:
