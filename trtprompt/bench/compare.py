@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from trtprompt import rules
 from trtprompt.bench import report
 from trtprompt.bench.runner import LoadSpec, RunResult, run_load
 from trtprompt.bench.workloads import Workload, WorkloadSpec, make_workload
@@ -158,11 +159,11 @@ def level_workload(plan: BenchPlan, level: int, tokenizer: Any, max_input_len: i
 
 
 def max_input_len(build: Mapping[str, Any], chunked: bool, max_num_tokens: int | None = None) -> int | None:
-    """TensorRT-LLM's rule: max_seq_len - 1 with chunked context, else also at most max_num_tokens."""
+    """TensorRT-LLM's rule (rules.max_input_len); None when the build records no max_seq_len."""
     max_seq = build.get("max_seq_len")
     if max_seq is None:
         return None
-    return max_seq - 1 if chunked else min(max_seq - 1, max_num_tokens or build["max_num_tokens"])
+    return rules.max_input_len(max_seq, max_num_tokens or build["max_num_tokens"], chunked)
 
 
 def _engine_limits(plan: BenchPlan) -> tuple[Any, int | None, int | None]:

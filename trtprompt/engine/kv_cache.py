@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-from trtprompt.engine.block_pool import Block, BlockPool, hash_block
+from typing import Sequence
+
+from trtprompt.engine.block_pool import Block, BlockHash, BlockPool, hash_block
 from trtprompt.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], tokens_per_block: int,
+                        salt: str | None, num_full: int) -> None:
+    """Extend the chained hashes of token_ids' full blocks up to num_full (the salt seeds block 0).
+
+    The one hash chain: the engine (incrementally, per request) and prompt/reuse.py (lint's
+    estimate) both use it, so the estimate names the blocks the engine caches.
+    """
+    while len(hashes) < num_full:
+        i = len(hashes)
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block(parent, token_ids[i * tokens_per_block:(i + 1) * tokens_per_block], salt))
 
 
 class KVCacheManager:
@@ -35,14 +50,8 @@ class KVCacheManager:
 
     def _update_hashes(self, req: Request, upto_tokens: int) -> None:
         """Extend req.block_hashes over every full block within the first upto_tokens tokens."""
-        tpb = self.tokens_per_block
-        n_full = upto_tokens // tpb
-        hashes = req.block_hashes
-        while len(hashes) < n_full:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            tokens = req.all_token_ids[i * tpb:(i + 1) * tpb]
-            hashes.append(hash_block(parent, tokens, req.cache_salt))
+        extend_block_hashes(req.block_hashes, req.all_token_ids, self.tokens_per_block, req.cache_salt,
+                            upto_tokens // self.tokens_per_block)
 
     def find_prefix(self, req: Request) -> list[Block]:
         """Longest run of cached full blocks for req, never covering its last token.

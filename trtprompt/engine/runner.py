@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from trtprompt.engine.attention import AttentionMetadata, SeqSlice, build_attention_metadata
+from trtprompt.engine.host_memory import keep_freed_memory
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.model import DecoderModel
 from trtprompt.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -18,6 +23,8 @@ class ModelRunner:
         self.tokens_per_block = tokens_per_block
         self.device = device
         self.attention_backend = attention_backend  # resolved: "compiled", "torch" or "reference"
+        if self.device.type == "cpu":  # activations live in host memory: keep their pages mapped
+            log.info("host memory: %s", keep_freed_memory())
 
     def metadata(self, slices: list[SeqSlice]) -> AttentionMetadata:
         return build_attention_metadata(slices, self.tokens_per_block, self.device,

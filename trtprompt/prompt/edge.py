@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from trtprompt.prompt.budget import PromptBudget, PromptError, PromptPolicy
 from trtprompt.prompt.chat import fit_chat, parse_messages
+from trtprompt.rules import max_input_len
 
 if TYPE_CHECKING:
     from trtprompt.engine_dir import EngineDir
@@ -112,4 +113,4 @@ def engine_dir_limits(engine: str | Path | EngineDir,
     seq, num = int(build["max_seq_len"]), int(build["max_num_tokens"])
     chunked = engine.runtime.get("enable_chunked_context") if enable_chunked_context is None \
         else enable_chunked_context
-    return (seq - 1 if chunked else min(seq - 1, num)), seq
+    return max_input_len(seq, num, bool(chunked)), seq

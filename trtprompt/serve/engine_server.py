@@ -29,7 +29,9 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from trtprompt.engine.errors import EngineRequestError, QueueFullError
+from trtprompt import knobs
+from trtprompt.engine.errors import EngineRequestError
+from trtprompt.error_codes import ErrorCode, code_of
 from trtprompt.engine.request import RequestOutput, RequestStats, SamplingParams
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.serve import protocol as P
@@ -38,28 +40,13 @@ from trtprompt.serve.repository import read_parameters
 
 log = logging.getLogger("trtprompt.engine_server")
 
-_BOOL_KEYS = ("enable_kv_cache_reuse", "enable_chunked_context")
-_INT_KEYS = ("max_tokens_in_paged_kv_cache", "max_queue_size", "max_num_tokens", "triton_max_batch_size")
-_FLOAT_KEYS = ("kv_cache_free_gpu_mem_fraction",)
 _STATS_FIELDS = tuple(f.name for f in fields(RequestStats))
 SWITCH_INTERVAL_S = 0.0005
 
 
 def engine_overrides(params: Mapping[str, str]) -> dict[str, Any]:
     """LLMEngine.from_engine_dir keyword arguments from tensorrt_llm's parameters."""
-    out: dict[str, Any] = {}
-    for key in _BOOL_KEYS:
-        if key in params:
-            out[key] = params[key].strip().lower() == "true"
-    for key in _INT_KEYS:
-        if params.get(key):
-            out["max_batch_size" if key == "triton_max_batch_size" else key] = int(params[key])
-    for key in _FLOAT_KEYS:
-        if params.get(key):
-            out[key] = float(params[key])
-    if params.get("batch_scheduler_policy"):
-        out["batch_scheduler_policy"] = params["batch_scheduler_policy"]
-    return out
+    return knobs.from_parameters(params, knobs.ENGINE_KEYS)
 
 
 def sampling_params(raw: Mapping[str, Any]) -> SamplingParams:
@@ -76,7 +63,8 @@ def output_entry(out: RequestOutput, request_id: str, perf: bool) -> dict[str, A
     for perf metrics, on every output: they are the bulk of an entry.
     """
     if out.error:
-        return {"id": request_id, "finished": True, "error": out.error, "code": error_code(out.error)}
+        return {"id": request_id, "finished": True, "error": out.error,
+                "code": out.error_code or ErrorCode.INTERNAL}
     entry: dict[str, Any] = {"id": request_id, "new_token_ids": out.new_token_ids, "finished": out.finished,
                              "num_input_tokens": out.num_input_tokens,
                              "num_output_tokens": out.num_output_tokens}
@@ -93,17 +81,6 @@ def torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()
-
-
-def error_code(message: str) -> str:
-    """The code of an error the loop delivers as a finished output."""
-    if message.startswith("queue full"):
-        return P.QUEUE_FULL
-    if message.startswith("engine error"):
-        return P.INTERNAL
-    if message.startswith("engine stopped") or "shutting down" in message:
-        return P.UNAVAILABLE
-    return P.INVALID_ARG
 
 
 class EngineService:
@@ -135,14 +112,7 @@ class EngineService:
 
     def record(self, out: RequestOutput) -> None:
         """Count a finished request and keep its timings for the histograms."""
-        self.counters.record(out, error_code(out.error) if out.error else None)
-
-    def check_bounds(self, params: SamplingParams) -> None:
-        bound = self.engine.scheduler_config.max_seq_len - 1
-        if params.max_tokens > bound:
-            raise EngineRequestError(
-                f"max_tokens ({params.max_tokens}) exceeds the engine's maximum output length "
-                f"({bound} = max_seq_len - 1)")
+        self.counters.record(out, out.error_code)
 
 
 class Connection:
@@ -190,14 +160,13 @@ class Connection:
             self._live[engine_rid] = bool(msg.get("perf"))
         try:
             params = sampling_params(msg.get("params") or {})
-            service.check_bounds(params)
             service.prompt_policy.check_salt(msg.get("cache_salt"))
             service.loop.add(engine_rid, list(msg["prompt_token_ids"]), params, self,
                              cache_salt=msg.get("cache_salt"))
         except (EngineRequestError, ValueError, TypeError, KeyError) as exc:
             with self._lock:
                 self._live.pop(engine_rid, None)
-            code = P.QUEUE_FULL if isinstance(exc, QueueFullError) else P.INVALID_ARG
+            code = code_of(exc, ErrorCode.INVALID_ARGUMENT)  # a malformed submit is bad input
             service.counters.refused("rejected_queue_full" if code == P.QUEUE_FULL else "invalid")
             self.send({"type": "step", "outputs": [{"id": rid, "finished": True, "error": str(exc),
                                                    "code": code}]})
@@ -259,7 +228,7 @@ class _Handler(socketserver.BaseRequestHandler):
         elif op == "refused":  # a serving model refused a request (metrics_engine.report_refused)
             service.counters.refused(str(msg.get("reason")))
         else:
-            conn.send({"type": "error", "code": P.INVALID_ARG, "message": f"unknown op {op!r}"})
+            conn.send({"type": "error", "code": ErrorCode.INVALID_ARGUMENT, "message": f"unknown op {op!r}"})
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from trtprompt.engine.config import check_runtime_policy
+from trtprompt import knobs, rules
 from trtprompt.engine_dir import EngineDir
 
-LAYOUTS = ("fused", "upstream")
+LAYOUTS = knobs.LAYOUTS
 DISABLE_FLAGS = {"enable_chunked_context": "--disable-chunked-context",
                  "enable_kv_cache_reuse": "--disable-kv-cache-reuse"}
 
@@ -24,46 +24,15 @@ EngineInfo = EngineDir
 
 
 @dataclass(frozen=True)
+@knobs.knob_fields(knobs.SERVE_KEYS, runtime=True)
 class ServeOptions:
-    """Runtime values for one server; None means "the engine's default"."""
+    """Runtime values for one server, one field per serve knob (trtprompt/knobs.py).
 
-    enable_chunked_context: bool = False
-    enable_kv_cache_reuse: bool = True
-    batch_scheduler_policy: str = "guaranteed_no_evict"
-    kv_cache_free_gpu_mem_fraction: float = 0.9
-    max_tokens_in_paged_kv_cache: int | None = None
-    max_queue_size: int | None = None
-    max_queue_delay_microseconds: int | None = None
-    max_batch_size: int | None = None
-    max_num_tokens: int | None = None
-    max_beam_width: int = 1
-    exclude_input_in_output: bool = False
-    cancellation_check_period_ms: int = 50
-    stats_check_period_ms: int = 100
-    layout: str = "fused"
+    max_batch_size and max_num_tokens: None means "the engine's build value".
+    """
 
     def __post_init__(self) -> None:
-        check_runtime_policy(self.batch_scheduler_policy, self.kv_cache_free_gpu_mem_fraction)
-        for name in ("max_tokens_in_paged_kv_cache", "max_queue_size", "max_batch_size",
-                     "max_num_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_queue_delay_microseconds is not None and self.max_queue_delay_microseconds < 0:
-            raise ValueError("max_queue_delay_microseconds must be >= 0, "
-                             f"got {self.max_queue_delay_microseconds}")
-        for name in ("cancellation_check_period_ms", "stats_check_period_ms", "max_beam_width"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
-
-    def engine_overrides(self) -> dict[str, Any]:
-        """The keyword arguments LLMEngine.from_engine_dir takes."""
-        keys = ("enable_chunked_context", "enable_kv_cache_reuse", "batch_scheduler_policy",
-                "kv_cache_free_gpu_mem_fraction", "max_tokens_in_paged_kv_cache", "max_queue_size",
-                "max_batch_size", "max_num_tokens")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        knobs.check_all(self, knobs.SERVE_KEYS, runtime=True)
 
 
 def resolve_options(engine: EngineInfo, overrides: Mapping[str, Any]) -> ServeOptions:
@@ -97,15 +66,7 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
     if opts.enable_kv_cache_reuse and build.get("gather_context_logits"):
         raise ValueError("enable_kv_cache_reuse cannot work with an engine built with "
                          "gather_context_logits; rebuild without it or serve with --disable-kv-cache-reuse")
-    for key in ("max_batch_size", "max_num_tokens"):
-        value, bound = getattr(opts, key), build.get(key)
-        if value is not None and bound is not None and value > bound:
-            raise ValueError(f"{key}={value} exceeds the engine's build-time {key} ({bound}); "
-                             "runtime values may lower build bounds, never raise them")
-    beam = build.get("max_beam_width", 1)
-    if opts.max_beam_width > beam:
-        raise ValueError(f"max_beam_width={opts.max_beam_width} exceeds the engine's build-time "
-                         f"max_beam_width ({beam})")
+    rules.check_not_raised({k: getattr(opts, k) for k in knobs.LOWERABLE_KEYS}, build)
     if engine.target == "torch" and opts.max_beam_width != 1:
         raise ValueError("max_beam_width must be 1 for the torch target (no beam search)")
 

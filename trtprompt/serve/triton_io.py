@@ -2,7 +2,8 @@
 
 Imports triton_python_backend_utils, so it is importable only inside
 Triton's Python stub. Errors are sent together with the final flag in one
-call (FACTS.md: a separate final send leaves ensemble requests in flight).
+call (docs/design.md, "Triton facts": a separate final send leaves ensemble
+requests in flight), their message tagged with their code (error_codes.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from trtprompt.knobs import KNOBS
+from trtprompt.error_codes import STATUSES, ErrorCode, code_of, tagged
 from trtprompt.serve import protocol as P
 from trtprompt.serve.inputs import InputError
 from trtprompt.serve.metrics_engine import report_refused
@@ -76,21 +79,19 @@ def text_tensor(name: str, text: str) -> Any:
 class Cancelled(Exception):
     """The client cancelled the request; its engine requests were aborted."""
 
+    code = ErrorCode.CANCELLED
+
+    def __str__(self) -> str:
+        return "request cancelled by the client"
+
 
 def error_for(exc: BaseException) -> Any:
-    """The TritonError a failure is reported with."""
+    """The TritonError a failure is reported with: its code's Triton status, the code as a tag."""
+    code = code_of(exc, None)
+    message = str(exc) if code is not None else f"internal error: {type(exc).__name__}: {exc}"
+    code = code or ErrorCode.INTERNAL
     E = pb_utils.TritonError
-    if isinstance(exc, Cancelled):
-        return E("request cancelled by the client", E.CANCELLED)
-    if isinstance(exc, InputError):
-        return E(str(exc), E.INVALID_ARG)
-    if isinstance(exc, P.EngineUnavailableError):
-        return E(str(exc), E.UNAVAILABLE)
-    if isinstance(exc, P.EngineError):
-        codes = {P.INVALID_ARG: E.INVALID_ARG, P.QUEUE_FULL: E.UNAVAILABLE,
-                 P.UNAVAILABLE: E.UNAVAILABLE}
-        return E(str(exc), codes.get(exc.code, E.INTERNAL))
-    return E(f"internal error: {type(exc).__name__}: {exc}", E.INTERNAL)
+    return E(tagged(code, message), getattr(E, STATUSES[code].triton))
 
 
 def send_error(sender: Any, exc: BaseException) -> None:
@@ -244,7 +245,8 @@ class RowModel:
 
     def start_relay(self, socket_path: str, params: Mapping[str, str]) -> None:
         self.client = EngineClient(socket_path)
-        self.watcher = CancelWatcher(int(params.get("cancellation_check_period_ms") or 50) / 1000,
+        period_ms = params.get("cancellation_check_period_ms") or KNOBS["cancellation_check_period_ms"].default
+        self.watcher = CancelWatcher(int(period_ms) / 1000,
                                      self.client.steps)
         self.workers = Workers()
 

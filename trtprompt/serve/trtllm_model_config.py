@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from trtprompt.engine.config import check_runtime_policy
+from trtprompt import knobs
 from trtprompt.serve.tensors import PERF_OUTPUTS, Tensor
 
 MODEL_NAME = "tensorrt_llm"
@@ -65,7 +65,15 @@ OUTPUTS: tuple[Tensor, ...] = (
 )
 
 
+# The knobs this model's config.pbtxt carries (typed, defaulted and checked by trtprompt/knobs.py).
+MODEL_KNOBS: tuple[str, ...] = (
+    "enable_kv_cache_reuse", "enable_chunked_context", "batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction",
+    "max_tokens_in_paged_kv_cache", "max_beam_width", "max_queue_size", "max_queue_delay_microseconds",
+    "exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms")
+
+
 @dataclass(frozen=True)
+@knobs.knob_fields(MODEL_KNOBS)
 class TrtllmModelParams:
     """Every value the `tensorrt_llm` model's config.pbtxt carries."""
 
@@ -73,17 +81,6 @@ class TrtllmModelParams:
     dtype: str  # engine dtype: the prompt-embedding table's type
     max_attention_window_size: int  # the engine's max_seq_len: full attention, never a silent window
     triton_max_batch_size: int
-    enable_kv_cache_reuse: bool = True
-    enable_chunked_context: bool = False
-    batch_scheduler_policy: str = "guaranteed_no_evict"
-    kv_cache_free_gpu_mem_fraction: float = 0.9
-    max_tokens_in_paged_kv_cache: int | None = None
-    max_beam_width: int = 1
-    max_queue_size: int = 0  # Triton: 0 means no limit
-    max_queue_delay_microseconds: int = 0
-    exclude_input_in_output: bool = False
-    cancellation_check_period_ms: int = 100
-    stats_check_period_ms: int = 100
     iter_stats_max_iterations: int = 1000
     request_stats_max_iterations: int = 0
     normalize_log_probs: bool = True
@@ -92,18 +89,13 @@ class TrtllmModelParams:
     def __post_init__(self) -> None:
         if self.dtype not in TRITON_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(TRITON_DTYPES)}, got {self.dtype!r}")
-        check_runtime_policy(self.batch_scheduler_policy, self.kv_cache_free_gpu_mem_fraction)
-        for name in ("max_attention_window_size", "triton_max_batch_size", "max_beam_width",
-                     "cancellation_check_period_ms", "stats_check_period_ms"):
+        knobs.check_all(self, MODEL_KNOBS)
+        for name in ("max_attention_window_size", "triton_max_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_queue_size", "max_queue_delay_microseconds", "iter_stats_max_iterations",
-                     "request_stats_max_iterations"):
+        for name in ("iter_stats_max_iterations", "request_stats_max_iterations"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        cap = self.max_tokens_in_paged_kv_cache
-        if cap is not None and cap < 1:
-            raise ValueError(f"max_tokens_in_paged_kv_cache must be >= 1 or unset, got {cap}")
 
     @classmethod
     def from_engine(cls, engine_dir: Path, pretrained_config: Mapping[str, Any], build_config: Mapping[str, Any],
@@ -173,7 +165,7 @@ def tensorrt_llm_model_config(p: TrtllmModelParams) -> mc.ModelConfig:
     batching = cfg.dynamic_batching
     batching.preferred_batch_size.append(p.triton_max_batch_size)
     batching.max_queue_delay_microseconds = p.max_queue_delay_microseconds
-    batching.default_queue_policy.max_queue_size = p.max_queue_size
+    batching.default_queue_policy.max_queue_size = p.max_queue_size or 0  # Triton: 0 means no limit
     _inputs(cfg, p.dtype)
     for name, kind, dims, optional in OUTPUTS:
         _add(cfg.output, name, kind, dims, optional)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 
 from trtprompt.engine_dir import check_rank_engines, load_engine_config
 from trtprompt.errors import EngineDirError, TargetUnavailableError
+from trtprompt.rules import raised_bounds
 
 CONTAINER = "nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"
 PINNED_VERSION = "1.2.1"
@@ -119,12 +120,8 @@ def check_built_engine(engine_dir: str | Path, runtime: Mapping[str, Any]) -> Tr
 
 
 def _bound_problems(engine: TrtllmEngineConfig, flags: Mapping[str, Any]) -> list[str]:
-    build, problems = engine.build_config, []
-    for key in ("max_batch_size", "max_num_tokens", "max_beam_width"):
-        value, bound = flags.get(key), build.get(key)
-        if value is not None and bound is not None and value > bound:
-            problems.append(f"{key}={value} exceeds the engine's build-time {key} ({bound}); runtime "
-                            "values may lower build-time limits, never raise them")
+    build = engine.build_config
+    problems = raised_bounds(flags, build)
     cap, seq = flags.get("max_tokens_in_paged_kv_cache"), build.get("max_seq_len")
     tpb = int(engine.plugin.get("tokens_per_block", 32))
     if cap is not None and seq is not None and cap // tpb < math.ceil(seq / tpb):
