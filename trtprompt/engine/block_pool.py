@@ -98,6 +98,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, Block] = {}
         self.num_cached_free = 0  # free blocks still holding a reusable hash
+        self.evicted_blocks = 0  # reusable blocks whose hash was dropped to hand them out again
 
     @property
     def num_free_blocks(self) -> int:
@@ -131,6 +132,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                self.evicted_blocks += 1
             block.block_hash = None
 
     def cache(self, block: Block, block_hash: BlockHash) -> None:

@@ -35,6 +35,7 @@ class KVCacheManager:
         self._num_published: dict[str, int] = {}
         self.reused_blocks = 0
         self.missed_blocks = 0
+        self.queried_tokens = 0  # prompt tokens of every lookup (hits are reused_blocks * tokens_per_block)
         # Prompt blocks a running request has yet to compute, by hash -> that request,
         # so a later request with the same prefix waits for them instead of computing
         # them a second time (TensorRT-LLM and vLLM compute them twice).
@@ -123,6 +124,7 @@ class KVCacheManager:
         """Count the prompt's full blocks that missed the cache (for the hit rate)."""
         full = (req.num_tokens - 1) // self.tokens_per_block
         self.missed_blocks += max(full - num_hits, 0)
+        self.queried_tokens += req.num_tokens
 
     def cache_computed(self, req: Request) -> None:
         """Publish req's full blocks whose KV is now computed (early reuse)."""

@@ -141,6 +141,8 @@ class RequestOutput:
     # Set when prompt + max_tokens exceeded max_seq_len and the output was shortened.
     warning: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    # STOP by the end token rather than a stop word (monitoring counts them apart).
+    stopped_by_end_id: bool = False
 
 
 class Request:

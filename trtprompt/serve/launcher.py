@@ -192,8 +192,10 @@ class Server:
                                     preexec_fn=_die_with_parent, env=child_env(self.install, self.socket_path))
 
     def start_engine(self) -> None:
+        # A restart is counted before it is started: the engine reports the count on /metrics.
         cmd = [sys.executable, "-m", "trtprompt.serve.engine_server",
-               "--repository", str(self.repo), "--socket", self.socket_path]
+               "--repository", str(self.repo), "--socket", self.socket_path,
+               "--restarts", str(self.engine_restarts)]
         self.engine_proc = self._spawn(cmd, self.engine_log)
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
@@ -267,12 +269,12 @@ class Server:
                 if not self.restart_engine:
                     self.log("--no-restart: stopping the server")
                     return 1
+                self.engine_restarts += 1
                 try:
                     self.start_engine()
                 except LaunchError as exc:
                     self.log(str(exc))
                     return 1
-                self.engine_restarts += 1
                 self.log(f"engine process restarted (pid {self.engine_proc.pid})")
         return 0
 

@@ -1,0 +1,138 @@
+"""Every series trtprompt puts on Triton's /metrics, declared once.
+
+The publisher (serve/metrics.py) exports these, `trtprompt bench` reads them
+back (bench/report.py), and docs/monitoring/ documents and charts them. Names
+follow the TensorRT-LLM backend where it has the series (`nv_trt_llm_*`
+gauges, kept exactly as the backend labels them) and Prometheus conventions
+otherwise: `trtprompt_` prefix, base units, `_total` counters, `_seconds`
+histograms. Pure data: no Triton import, so the bench and tests use it too.
+Each value comes from one engine stats reply (engine_server.EngineService.stats).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+Source = Callable[[Mapping[str, Any]], float]
+
+
+def key(name: str) -> Source:
+    return lambda stats: float(stats[name])
+
+
+def _used_fraction(stats: Mapping[str, Any]) -> float:
+    return stats["used_num_blocks"] / stats["max_num_blocks"] if stats["max_num_blocks"] else 0.0
+
+
+# The TensorRT-LLM backend's gauge families: family -> (help, label name, {label value: source}).
+BACKEND_GAUGES: dict[str, tuple[str, str, dict[str, Source]]] = {
+    "nv_trt_llm_kv_cache_block_metrics": ("TRT LLM KV cache block metrics", "kv_cache_block_type", {
+        "max": key("max_num_blocks"), "free": key("free_num_blocks"), "used": key("used_num_blocks"),
+        "tokens_per": key("tokens_per_block"), "reused": key("reused_blocks"), "missed": key("missed_blocks"),
+        "fraction": _used_fraction, "cache_hit_rate": key("cache_hit_rate"),
+    }),
+    "nv_trt_llm_request_metrics": ("TRT LLM request metrics", "request_type", {
+        "active": key("active_requests"), "max": key("max_batch_size"), "scheduled": key("scheduled_requests"),
+        "context": key("context_requests"), "waiting": key("waiting_requests"),
+    }),
+    "nv_trt_llm_inflight_batcher_metrics": ("TRT LLM inflight_batcher-specific metrics",
+                                            "inflight_batcher_specific_metric", {
+        "total_context_tokens": key("total_context_tokens"), "generation_requests": key("generation_requests"),
+        "paused_requests": key("paused_requests"),
+    }),
+    "nv_trt_llm_general_metrics": ("General TRT LLM metrics", "general_type", {
+        "timestamp": lambda s: float(s["timestamp_ns"] // 1000), "iteration_counter": key("iteration_counter"),
+    }),
+}
+KV_FAMILY = "nv_trt_llm_kv_cache_block_metrics"
+REQUEST_FAMILY = "nv_trt_llm_request_metrics"
+
+# Why a request ended, as counted by trtprompt_requests_finished_total's `reason` label.
+# end_id: the end token; stop: a stop word; invalid / rejected_queue_full: refused
+# before running (by the serving models or the engine); error: failed while running.
+FINISH_REASONS = ("length", "stop", "end_id", "aborted", "error", "rejected_queue_full", "invalid")
+
+
+@dataclass(frozen=True)
+class Series:
+    """One trtprompt_* family: a counter or gauge read from the stats reply."""
+
+    name: str
+    kind: str  # "counter" | "gauge"
+    help: str
+    source: Source
+
+
+PREFIX_QUERIED_BLOCKS = "trtprompt_prefix_cache_queried_blocks_total"
+PREFIX_HIT_BLOCKS = "trtprompt_prefix_cache_hit_blocks_total"
+PREFIX_QUERIED_TOKENS = "trtprompt_prefix_cache_queried_tokens_total"
+PREFIX_HIT_TOKENS = "trtprompt_prefix_cache_hit_tokens_total"
+EVICTED_BLOCKS = "trtprompt_prefix_cache_evicted_blocks_total"
+FRAGMENTATION = "trtprompt_kv_cache_fragmentation_ratio"
+PREEMPTIONS = "trtprompt_preemptions_total"
+RESTARTS = "trtprompt_engine_restarts_total"
+PROCESS_CPU = "trtprompt_engine_process_cpu_seconds_total"
+PROCESS_RSS = "trtprompt_engine_process_resident_memory_bytes"
+
+SERIES: tuple[Series, ...] = (
+    Series(PREFIX_QUERIED_BLOCKS, "counter", "Full prompt blocks looked up in the prefix cache",
+           lambda s: float(s["reused_blocks"] + s["missed_blocks"])),
+    Series(PREFIX_HIT_BLOCKS, "counter", "Prompt blocks found in the prefix cache and reused", key("reused_blocks")),
+    Series(PREFIX_QUERIED_TOKENS, "counter", "Prompt tokens of requests looked up in the prefix cache",
+           key("queried_tokens")),
+    Series(PREFIX_HIT_TOKENS, "counter", "Prompt tokens served from reused prefix-cache blocks", key("hit_tokens")),
+    Series(EVICTED_BLOCKS, "counter", "Reusable KV blocks evicted from the prefix cache to be handed out again",
+           key("evicted_blocks")),
+    Series(FRAGMENTATION, "gauge", "Share of the KV slots held for requests that hold no token "
+           "(docs/monitoring/README.md)", key("fragmentation")),
+    Series(PREEMPTIONS, "counter", "Requests preempted (their KV blocks freed, recomputed later)",
+           key("preemptions")),
+    Series(RESTARTS, "counter", "Times the launcher restarted a dead engine process", key("restarts")),
+    Series(PROCESS_CPU, "counter", "User and system CPU time of the engine process", key("process_cpu_seconds")),
+    Series(PROCESS_RSS, "gauge", "Resident memory of the engine process", key("process_resident_memory_bytes")),
+)
+
+FINISHED = "trtprompt_requests_finished_total"
+FINISHED_HELP = "Requests ended, by reason (length, stop, end_id, aborted, error, rejected_queue_full, invalid)"
+
+INFO = "trtprompt_engine_info"
+INFO_HELP = "The running engine's build and runtime configuration (value 1; a change is a reconfiguration)"
+INFO_LABELS = ("engine_id", "profile", "policy", "max_seq_len", "max_num_tokens", "tokens_per_block")
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0)
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A histogram fed with one observation per finished request (a key of its timing entry)."""
+
+    name: str
+    help: str
+    timing_key: str
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+
+
+QUEUE_TIME = "trtprompt_request_queue_time_seconds"
+TTFT = "trtprompt_time_to_first_token_seconds"
+PREFILL_TIME = "trtprompt_prefill_time_seconds"
+INTER_TOKEN = "trtprompt_inter_token_latency_seconds"
+E2E = "trtprompt_e2e_request_latency_seconds"
+CACHED_TOKENS = "trtprompt_request_prefix_cache_hit_tokens"
+
+HISTOGRAMS: tuple[Histogram, ...] = (
+    Histogram(QUEUE_TIME, "Time from a request's arrival at the engine to its first scheduling", "queue_s"),
+    Histogram(TTFT, "Time from a request's arrival at the engine to its first output token", "ttft_s"),
+    Histogram(PREFILL_TIME, "Time from a request's first scheduling to its first output token", "prefill_s"),
+    Histogram(INTER_TOKEN, "Mean time between a request's output tokens (one observation per request "
+              "with two or more)", "itl_s"),
+    Histogram(E2E, "Time from a request's arrival at the engine to its last output token", "e2e_s"),
+    Histogram(CACHED_TOKENS, "Prompt tokens a request took from the prefix cache", "cached_tokens",
+              TOKEN_BUCKETS),
+)
+
+
+def trtprompt_families() -> list[str]:
+    """Every trtprompt_* family name (what `promtool check metrics` is run on)."""
+    return [s.name for s in SERIES] + [FINISHED, INFO] + [h.name for h in HISTOGRAMS]
