@@ -60,7 +60,7 @@ def test_load_by_path_and_sections(tmp_path: Path) -> None:
     ("[build]\ntokens_per_block = 48\n", "build.tokens_per_block must be a power of two in [1, 1024], got 48"),
     ("[build]\ndtype = \"float64\"\n", "build.dtype must be one of auto, float32, bfloat16, float16 (or unset)"),
     ("[runtime]\nkv_cache_free_gpu_mem_fraction = 1.5\n",
-     "runtime.kv_cache_free_gpu_mem_fraction must be a number in [0.01, 1], got 1.5"),
+     "runtime.kv_cache_free_gpu_mem_fraction must be a number in (0, 1], got 1.5"),
     ("[runtime]\nenable_chunked_context = 1\n", "runtime.enable_chunked_context must be true or false"),
     ("[prompt]\noverflow = \"drop\"\n",
      "prompt.overflow must be one of reject, truncate_left, truncate_middle, got 'drop'"),

@@ -16,6 +16,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
+from trtprompt import rules
 from trtprompt.checkpoint import expected_weight_shapes, is_layer_linear
 from trtprompt.engine.config import ModelConfig
 from trtprompt.errors import PlanError
@@ -183,16 +184,12 @@ def _check_target(profile: Profile, target: str) -> None:
 
 def memory_plan(pc: Mapping[str, Any], profile: Profile, bounds: BuildBounds, dtype: str,
                 kv_budget_bytes: int | None, budget_source: str) -> MemoryPlan:
-    """KV pool = min(max_tokens_in_paged_kv_cache, fraction x budget / bytes per token), in whole blocks."""
+    """The KV pool the engine will allocate (rules.kv_pool_blocks, the engine's own rule)."""
     per_token = ModelConfig.from_pretrained_config(pc).kv_bytes_per_token(DTYPE_BYTES[dtype])
     tpb = bounds.tokens_per_block
-    caps = []
-    if profile.max_tokens_in_paged_kv_cache is not None:
-        caps.append(profile.max_tokens_in_paged_kv_cache)
-    if kv_budget_bytes is not None:
-        caps.append(int(kv_budget_bytes * profile.kv_cache_free_gpu_mem_fraction) // per_token)
-    tokens = min(caps) if caps else None
-    blocks = tokens // tpb if tokens is not None else None
+    pool = rules.kv_pool(per_token, tpb, profile.max_tokens_in_paged_kv_cache, profile.kv_cache_free_gpu_mem_fraction,
+                         kv_budget_bytes, bounds.max_batch_size, bounds.max_seq_len)
+    tokens, blocks = pool if pool is not None else (None, None)
     per_seq = math.ceil(bounds.max_seq_len / tpb)
     return MemoryPlan(
         weight_bytes=weight_bytes(pc, dtype, profile.quantization),
@@ -235,7 +232,6 @@ def make_plan(pc: Mapping[str, Any], profile: Profile, target: str, source_dtype
     bounds = resolve_bounds(pc, profile)
     mem = memory_plan(pc, profile, bounds, dtype, kv_budget_bytes, budget_source)
     _check_memory(mem, bounds)
-    runtime_input = (bounds.max_seq_len - 1 if profile.enable_chunked_context
-                     else min(bounds.max_seq_len - 1, bounds.max_num_tokens))
+    runtime_input = rules.max_input_len(bounds.max_seq_len, bounds.max_num_tokens, profile.enable_chunked_context)
     return BuildPlan(target, dtype, profile.quantization, QUANT_ALGOS[profile.quantization], bounds, mem,
                      runtime_input, _warnings(profile, bounds, dtype, target))

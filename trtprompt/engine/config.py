@@ -10,13 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from trtprompt import rules
+from trtprompt.knobs import CAPACITY_POLICIES, KNOBS
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-CAPACITY_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 # "auto": the compiled in-place kernel where it builds, else pure torch (attention.py).
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "compiled", "torch", "reference")
 
@@ -28,18 +30,8 @@ def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def check_runtime_policy(batch_scheduler_policy: str, kv_cache_free_gpu_mem_fraction: float) -> None:
-    """The two runtime-policy values every layer (engine, serve options, GPU config) accepts alike."""
-    if batch_scheduler_policy not in CAPACITY_POLICIES:
-        raise ValueError(f"batch_scheduler_policy must be one of {', '.join(CAPACITY_POLICIES)}, "
-                         f"got {batch_scheduler_policy!r}")
-    if not 0.0 < kv_cache_free_gpu_mem_fraction <= 1.0:
-        raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1], "
-                         f"got {kv_cache_free_gpu_mem_fraction}")
-
-
-def is_power_of_two(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
+__all__ = ["CAPACITY_POLICIES", "ATTENTION_BACKENDS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "KvCacheConfig",
+           "SchedulerConfig", "EngineConfig"]
 
 
 @dataclass(frozen=True)
@@ -100,34 +92,26 @@ class KvCacheConfig:
     the smaller wins (TensorRT-LLM's rule).
     """
 
-    tokens_per_block: int = 32
-    enable_block_reuse: bool = True
+    tokens_per_block: int = KNOBS["tokens_per_block"].default
+    enable_block_reuse: bool = KNOBS["enable_kv_cache_reuse"].default
     max_tokens_in_paged_kv_cache: int | None = None
-    kv_cache_free_gpu_mem_fraction: float = 0.9
+    kv_cache_free_gpu_mem_fraction: float = KNOBS["kv_cache_free_gpu_mem_fraction"].default
     memory_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        _positive("tokens_per_block", self.tokens_per_block)
-        if not is_power_of_two(self.tokens_per_block):
-            raise ValueError(f"tokens_per_block must be a power of two, got {self.tokens_per_block}")
-        _positive("max_tokens_in_paged_kv_cache", self.max_tokens_in_paged_kv_cache, allow_none=True)
+        for name in ("tokens_per_block", "max_tokens_in_paged_kv_cache", "kv_cache_free_gpu_mem_fraction"):
+            KNOBS[name].check(getattr(self, name))
         _positive("memory_budget_bytes", self.memory_budget_bytes, allow_none=True)
-        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
-            raise ValueError(
-                "kv_cache_free_gpu_mem_fraction must be in (0, 1], "
-                f"got {self.kv_cache_free_gpu_mem_fraction}"
-            )
         if self.max_tokens_in_paged_kv_cache is None and self.memory_budget_bytes is None:
             raise ValueError("set max_tokens_in_paged_kv_cache or memory_budget_bytes")
 
-    def num_blocks(self, bytes_per_token: int) -> int:
-        tokens: list[int] = []
-        if self.max_tokens_in_paged_kv_cache is not None:
-            tokens.append(self.max_tokens_in_paged_kv_cache)
-        if self.memory_budget_bytes is not None:
-            budget = int(self.memory_budget_bytes * self.kv_cache_free_gpu_mem_fraction)
-            tokens.append(budget // bytes_per_token)
-        return min(tokens) // self.tokens_per_block
+    def num_blocks(self, bytes_per_token: int, max_batch_size: int | None = None,
+                   max_seq_len: int | None = None) -> int:
+        """The pool's blocks (rules.kv_pool; given the scheduler's bounds, capped by them)."""
+        pool = rules.kv_pool(bytes_per_token, self.tokens_per_block, self.max_tokens_in_paged_kv_cache,
+                             self.kv_cache_free_gpu_mem_fraction, self.memory_budget_bytes, max_batch_size, max_seq_len)
+        assert pool is not None  # __post_init__ requires a token cap or a budget
+        return pool[1]
 
 
 @dataclass(frozen=True)
@@ -135,31 +119,22 @@ class SchedulerConfig:
     max_batch_size: int
     max_num_tokens: int
     max_seq_len: int
-    enable_chunked_context: bool = False
-    batch_scheduler_policy: str = "guaranteed_no_evict"
+    enable_chunked_context: bool = KNOBS["enable_chunked_context"].default
+    batch_scheduler_policy: str = KNOBS["batch_scheduler_policy"].default
     # None: unbounded. Counts requests accepted but not yet finished
     # beyond those running, as TensorRT-LLM's executor does.
     max_queue_size: int | None = None
 
     def __post_init__(self) -> None:
-        _positive("max_batch_size", self.max_batch_size)
-        _positive("max_num_tokens", self.max_num_tokens)
-        _positive("max_seq_len", self.max_seq_len)
-        if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")
-        _positive("max_queue_size", self.max_queue_size, allow_none=True)
-        if self.batch_scheduler_policy not in CAPACITY_POLICIES:
-            raise ValueError(
-                f"batch_scheduler_policy must be one of {', '.join(CAPACITY_POLICIES)}, "
-                f"got {self.batch_scheduler_policy!r}"
-            )
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "batch_scheduler_policy",
+                     "max_queue_size"):
+            KNOBS[name].check(getattr(self, name))
+        if self.max_seq_len is None or self.max_num_tokens is None:
+            raise ValueError("the engine needs max_seq_len and max_num_tokens")
 
     @property
     def max_input_len(self) -> int:
-        """TensorRT-LLM's runtime rule: chunking lifts the max_num_tokens cap."""
-        if self.enable_chunked_context:
-            return self.max_seq_len - 1
-        return min(self.max_seq_len - 1, self.max_num_tokens)
+        return rules.max_input_len(self.max_seq_len, self.max_num_tokens, self.enable_chunked_context)
 
 
 @dataclass(frozen=True)
@@ -174,6 +149,11 @@ class EngineConfig:
     # One of ATTENTION_BACKENDS; "reference" is the gather path tests compare with.
     attention_backend: str = "auto"
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def kv_num_blocks(self, bytes_per_token: int) -> int:
+        """The pool the engine allocates: the KV config's, capped by what the scheduler can use."""
+        sched = self.scheduler
+        return self.kv_cache.num_blocks(bytes_per_token, sched.max_batch_size, sched.max_seq_len)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

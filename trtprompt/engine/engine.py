@@ -87,10 +87,7 @@ class LLMEngine:
     def _num_blocks(config: EngineConfig, dtype: torch.dtype) -> int:
         tpb = config.kv_cache.tokens_per_block
         per_token = config.model.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
-        sched = config.scheduler
-        # More blocks than max_batch_size full-length sequences can ever use is waste.
-        useful = sched.max_batch_size * -(-sched.max_seq_len // tpb)
-        num_blocks = min(config.kv_cache.num_blocks(per_token), useful)
+        num_blocks = config.kv_num_blocks(per_token)  # the build plan sizes the pool with the same rule
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget holds no block of {tpb} tokens "
                              f"({per_token * tpb} bytes per block)")

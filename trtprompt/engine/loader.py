@@ -12,13 +12,14 @@ from typing import Any, Mapping
 
 import torch
 
+from trtprompt import knobs, rules
 from trtprompt.engine.config import EngineConfig, KvCacheConfig, ModelConfig, SchedulerConfig
 from trtprompt.engine_dir import EngineDir, read_engine_dir
 from trtprompt.errors import EngineDirError
 
-RUNTIME_KEYS = ("enable_chunked_context", "enable_kv_cache_reuse", "batch_scheduler_policy",
-                "kv_cache_free_gpu_mem_fraction", "max_tokens_in_paged_kv_cache", "max_queue_size")
-LOWERABLE_BOUNDS = ("max_batch_size", "max_num_tokens")
+# Runtime policy the engine takes from the engine directory, then from overrides (the knob registry's).
+RUNTIME_KEYS = tuple(k for k in knobs.ENGINE_KEYS if knobs.KNOBS[k].section == "runtime")
+LOWERABLE_BOUNDS = tuple(k for k in knobs.ENGINE_KEYS if knobs.KNOBS[k].lowerable)
 OTHER_KEYS = ("linear_backend", "attention_backend", "device", "memory_budget_bytes")
 
 
@@ -36,11 +37,7 @@ def _check_overrides(overrides: Mapping[str, Any], build: Mapping[str, Any]) -> 
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"unknown runtime option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    for key in LOWERABLE_BOUNDS:
-        value = overrides.get(key)
-        if value is not None and value > build[key]:
-            raise ValueError(f"{key}={value} exceeds the engine's build-time {key} ({build[key]}); "
-                             "runtime values may lower build bounds, never raise them")
+    rules.check_not_raised(overrides, build, LOWERABLE_BOUNDS)
     plugin = build.get("plugin_config", {})
     paged_ctx = bool(plugin.get("use_paged_context_fmha")) and bool(plugin.get("paged_kv_cache", True))
     for flag in ("enable_chunked_context", "enable_kv_cache_reuse"):
@@ -63,7 +60,8 @@ def available_memory_bytes(device: str) -> int:
 def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfig:
     build = files.build_config
     _check_overrides(overrides, build)
-    runtime = {k: v for k, v in dict(files.meta.get("runtime", {})).items() if k in RUNTIME_KEYS}
+    runtime = {k: knobs.KNOBS[k].default for k in RUNTIME_KEYS}
+    runtime.update({k: v for k, v in dict(files.meta.get("runtime", {})).items() if k in RUNTIME_KEYS})
     runtime.update({k: v for k, v in overrides.items() if k in RUNTIME_KEYS and v is not None})
     # Without paged context FMHA the engine can neither chunk nor reuse.
     paged_ctx = bool(build.get("plugin_config", {}).get("use_paged_context_fmha"))
@@ -73,18 +71,18 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
         budget = available_memory_bytes(device)
     kv = KvCacheConfig(
         tokens_per_block=build["plugin_config"]["tokens_per_block"],
-        enable_block_reuse=bool(runtime.get("enable_kv_cache_reuse", True)) and paged_ctx,
-        max_tokens_in_paged_kv_cache=runtime.get("max_tokens_in_paged_kv_cache"),
-        kv_cache_free_gpu_mem_fraction=runtime.get("kv_cache_free_gpu_mem_fraction", 0.9),
+        enable_block_reuse=bool(runtime["enable_kv_cache_reuse"]) and paged_ctx,
+        max_tokens_in_paged_kv_cache=runtime["max_tokens_in_paged_kv_cache"],
+        kv_cache_free_gpu_mem_fraction=runtime["kv_cache_free_gpu_mem_fraction"],
         memory_budget_bytes=budget,
     )
     sched = SchedulerConfig(
         max_batch_size=overrides.get("max_batch_size") or build["max_batch_size"],
         max_num_tokens=overrides.get("max_num_tokens") or build["max_num_tokens"],
         max_seq_len=build["max_seq_len"],
-        enable_chunked_context=bool(runtime.get("enable_chunked_context", False)) and paged_ctx,
-        batch_scheduler_policy=runtime.get("batch_scheduler_policy", "guaranteed_no_evict"),
-        max_queue_size=runtime.get("max_queue_size"),
+        enable_chunked_context=bool(runtime["enable_chunked_context"]) and paged_ctx,
+        batch_scheduler_policy=runtime["batch_scheduler_policy"],
+        max_queue_size=runtime["max_queue_size"],
     )
     return EngineConfig(
         model=ModelConfig.from_pretrained_config(files.pretrained_config),

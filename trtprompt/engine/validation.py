@@ -20,7 +20,16 @@ class RequestLimits:
 
 def validate_request(prompt: Sequence[int], params: SamplingParams,
                      limits: RequestLimits) -> tuple[int, str | None]:
-    """Return (max output tokens granted, warning) or raise EngineRequestError."""
+    """Return (max output tokens granted, warning) or raise EngineRequestError.
+
+    The one bounds rule for every entry point (generate, serve, the OpenAI API):
+    max_tokens no prompt could leave room for is refused; otherwise a prompt +
+    output past max_seq_len shortens the output, with a warning (TensorRT-LLM).
+    """
+    bound = limits.max_seq_len - 1
+    if params.max_tokens > bound:
+        raise EngineRequestError(f"max_tokens ({params.max_tokens}) exceeds the engine's maximum output length "
+                                 f"({bound} = max_seq_len - 1)")
     n = len(prompt)
     if n == 0:
         raise EngineRequestError("prompt is empty: at least one input token is required")

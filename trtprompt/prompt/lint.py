@@ -17,6 +17,7 @@ from trtprompt.prompt import segments as seg
 from trtprompt.prompt.lint_input import LintPrompt, Template, parse_template, read_lint_file
 from trtprompt.prompt.prefix_tree import Branch, build_tree
 from trtprompt.prompt.reuse import ReuseEstimate, estimate_reuse
+from trtprompt.rules import max_input_len
 
 ASSUMPTIONS = ("prompts run in file order, each prefilled before the next starts; only full blocks are "
                "reused and a prompt's last token is always recomputed; the cache evicts nothing")
@@ -207,8 +208,9 @@ def lint_file(path: Path, tokenizer: Any, tokens_per_block: int, samples: int = 
 
 def _max_input_len(eng: Any) -> int:
     """TensorRT-LLM's runtime rule, as the engine applies it."""
-    seq, num = int(eng.build_config["max_seq_len"]), int(eng.build_config["max_num_tokens"])
-    return seq - 1 if eng.runtime.get("enable_chunked_context") else min(seq - 1, num)
+    build = eng.build_config
+    return max_input_len(int(build["max_seq_len"]), int(build["max_num_tokens"]),
+                         bool(eng.runtime.get("enable_chunked_context")))
 
 
 def load_tokenizer_and_block(engine: Path | None, tokenizer_dir: Path | None,

@@ -16,16 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from trtprompt.engine.block_pool import BlockHash, hash_block
+from trtprompt.engine.block_pool import BlockHash
+from trtprompt.engine.kv_cache import extend_block_hashes
 
 
 def block_hashes(ids: Sequence[int], tokens_per_block: int, salt: str | None = None) -> list[BlockHash]:
-    """Chained hashes of every full block of ids."""
+    """Chained hashes of every full block of ids (the engine's chain)."""
     out: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for start in range(0, len(ids) - tokens_per_block + 1, tokens_per_block):
-        parent = hash_block(parent, ids[start:start + tokens_per_block], salt)
-        out.append(parent)
+    extend_block_hashes(out, ids, tokens_per_block, salt, len(ids) // tokens_per_block)
     return out
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from trtprompt.knobs import KNOBS
 from trtprompt.serve import inputs, protocol as P, triton_io as io
 from trtprompt.serve.metrics import MetricsPublisher
 
@@ -61,7 +62,7 @@ class TokenModel(io.RowModel):
         self.input_names = [t["name"] for t in cfg["input"]]
         self.socket = io.engine_socket(params)
         self.exclude_default = io.param_bool(params, "exclude_input_in_output", False)
-        period_s = int(params.get("stats_check_period_ms") or 100) / 1000
+        period_s = int(params.get("stats_check_period_ms") or KNOBS["stats_check_period_ms"].default) / 1000
         self.metrics = MetricsPublisher(pb_utils, self.socket, period_s).start()
         self.start_relay(self.socket, params)
 

@@ -1,0 +1,239 @@
+"""Every build, runtime, prompt and serve knob, declared once.
+
+Each knob has its name (TensorRT-LLM's spelling where TensorRT-LLM has
+one), type, default (None: unset), bounds, one-line help, its TensorRT-LLM
+name and the stage it belongs to. Profiles (profile.py), serve options
+(serve/options.py), the tensorrt_llm model's parameters
+(serve/trtllm_model_config.py), the engine's configuration (engine/config.py,
+engine/loader.py), the engine process (serve/engine_server.py), the CLI
+options (cli.py) and docs/profiles.md are all derived from this table.
+
+Standard library only: the engine core, the serve layer and the CLI all
+import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, TypeVar
+
+BIG = 1 << 30  # "no practical upper bound" for token counts
+STAGES: tuple[str, ...] = ("build", "runtime", "prompt", "serve")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "fp8", "int4_awq")
+CAPACITY_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
+OVERFLOW_POLICIES: tuple[str, ...] = ("reject", "truncate_left", "truncate_middle")
+LAYOUTS: tuple[str, ...] = ("fused", "upstream")
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    section: str  # one of STAGES: where the knob is set (a profile section, or `serve` only)
+    kind: type  # bool, int, float or str
+    default: Any  # None: unset
+    help: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # (low, high] instead of [low, high]
+    choices: tuple[str, ...] | None = None
+    nullable: bool = False
+    power_of_two: bool = False
+    trtllm: str | None = None  # TensorRT-LLM's name: BuildConfig field, or tensorrt_llm config.pbtxt parameter
+    lowerable: bool = False  # a build bound a runtime value may lower, never raise
+    runtime_unset: bool = False  # at runtime, unset (None) means "the engine's build value"
+    engine: bool = False  # LLMEngine.from_engine_dir takes it as a runtime override
+    serve: bool = False  # `trtprompt serve` takes it
+    flag: str | None = None  # click spelling when not --name-with-dashes (booleans: "--on/--off")
+
+    @property
+    def runtime_default(self) -> Any:
+        return None if self.runtime_unset else self.default
+
+    def allowed(self) -> str:
+        if self.choices:
+            text = "one of " + ", ".join(self.choices)
+        elif self.kind is bool:
+            text = "true or false"
+        elif self.kind is str:
+            text = "a string"
+        elif self.kind is float:
+            text = f"a number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+        elif self.power_of_two:
+            text = f"a power of two in [{int(self.low or 0)}, {int(self.high or 0)}]"
+        elif self.low == 1 and self.high == BIG:
+            text = "a positive integer"
+        elif self.low == 0 and self.high == BIG:
+            text = "a non-negative integer"
+        else:
+            text = f"an integer in [{int(self.low or 0)}, {int(self.high or 0)}]"
+        return text + (" (or unset)" if self.nullable else "")
+
+    def problem(self, value: Any) -> str | None:
+        """None when value is acceptable, else what is wrong with it ("must be ..., got ...")."""
+        if value is None:
+            return None if self.nullable else f"must be {self.allowed()}, got None"
+        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, self.kind) or (self.kind is not bool and isinstance(value, bool)):
+            return f"must be {self.allowed()}, got {value!r} ({type(value).__name__})"
+        if self.choices and value not in self.choices:
+            return f"must be {self.allowed()}, got {value!r}"
+        if self.low is not None and not self._in_range(value):
+            return f"must be {self.allowed()}, got {value!r}"
+        if self.power_of_two and value & (value - 1):
+            return f"must be {self.allowed()}, got {value!r}"
+        return None
+
+    def _in_range(self, value: float) -> bool:
+        low, high = self.low, self.high
+        assert low is not None and high is not None  # declared together (checked by the tests)
+        return (low < value if self.low_open else low <= value) and value <= high
+
+    def check(self, value: Any, qualified: bool = False, runtime: bool = False) -> Any:
+        """value (an int given for a float knob becomes a float), or ValueError naming the knob."""
+        if value is None and runtime and self.runtime_unset:
+            return None
+        problem = self.problem(value)
+        if problem:
+            raise ValueError(f"{self.section + '.' if qualified else ''}{self.name} {problem}")
+        return float(value) if self.kind is float and value is not None else value
+
+    def parse(self, text: str) -> Any:
+        """A value as config.pbtxt holds it (a string), or None for an empty string."""
+        if self.kind is bool:
+            return text.strip().lower() == "true"
+        if not text:
+            return None
+        return self.kind(text)
+
+
+def _k(name: str, section: str, kind: type, default: Any, help: str, **more: Any) -> Knob:
+    return Knob(name, section, kind, default, help, **more)
+
+
+_TOKENS = dict(low=1, high=BIG, nullable=True)
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    # build bounds: TensorRT-LLM BuildConfig fields (trtllm-build flags)
+    _k("max_batch_size", "build", int, 2048, "Most requests in one batch.", low=1, high=65536,
+       trtllm="max_batch_size", lowerable=True, runtime_unset=True, engine=True, serve=True),
+    _k("max_input_len", "build", int, None, "Longest prompt the build allows (unset: min(1024, max_seq_len)).",
+       trtllm="max_input_len", **_TOKENS),
+    _k("max_seq_len", "build", int, None, "Longest prompt + output (unset: the model's positions x rope factor).",
+       low=2, high=BIG, nullable=True, trtllm="max_seq_len"),
+    _k("max_num_tokens", "build", int, None, "Most tokens in one engine step (unset: 8192, capped by the plan).",
+       trtllm="max_num_tokens", lowerable=True, runtime_unset=True, engine=True, serve=True, **_TOKENS),
+    _k("opt_num_tokens", "build", int, None, "Token count TensorRT tunes for (unset: max_batch_size x beam width).",
+       trtllm="opt_num_tokens", **_TOKENS),
+    _k("max_beam_width", "build", int, 1, "Most beams per request (the torch target: 1).", low=1, high=1024,
+       trtllm="max_beam_width", lowerable=True, serve=True),
+    _k("tokens_per_block", "build", int, 32, "Tokens per KV-cache block.", low=1, high=1024, power_of_two=True,
+       trtllm="plugin_config.tokens_per_block"),
+    _k("multiple_profiles", "build", bool, False, "Build several TensorRT optimization profiles.",
+       trtllm="multiple_profiles", flag="--multiple-profiles/--no-multiple-profiles"),
+    _k("dtype", "build", str, None, "Engine dtype (unset or auto: the checkpoint's).", choices=DTYPES,
+       nullable=True, trtllm="dtype"),
+    _k("quantization", "build", str, "none", "Weight quantization.", choices=QUANTIZATIONS,
+       trtllm="quantization.quant_algo"),
+    # runtime policy: tensorrt_llm config.pbtxt parameters
+    _k("enable_chunked_context", "runtime", bool, False, "Split long prompts over several steps.",
+       trtllm="enable_chunked_context", engine=True, serve=True,
+       flag="--enable-chunked-context/--disable-chunked-context"),
+    _k("enable_kv_cache_reuse", "runtime", bool, True, "Reuse cached KV blocks of shared prompt prefixes.",
+       trtllm="enable_kv_cache_reuse", engine=True, serve=True,
+       flag="--enable-kv-cache-reuse/--disable-kv-cache-reuse"),
+    _k("batch_scheduler_policy", "runtime", str, "guaranteed_no_evict", "Capacity policy of the scheduler.",
+       choices=CAPACITY_POLICIES, trtllm="batch_scheduler_policy", engine=True, serve=True),
+    # TensorRT-LLM's KvCacheConfig allows [0, 1]; 0 leaves no KV cache, which no engine can run with.
+    _k("kv_cache_free_gpu_mem_fraction", "runtime", float, 0.9,
+       "Share of the memory left after the weights that the KV cache may use.", low=0.0, high=1.0,
+       low_open=True, trtllm="kv_cache_free_gpu_mem_fraction", engine=True, serve=True),
+    _k("max_tokens_in_paged_kv_cache", "runtime", int, None,
+       "Cap on the KV cache in tokens (with the fraction: the smaller wins).",
+       trtllm="max_tokens_in_paged_kv_cache", engine=True, serve=True, **_TOKENS),
+    _k("max_queue_size", "runtime", int, None, "Most requests waiting beyond those running (unset: no limit).",
+       trtllm="max_queue_size", engine=True, serve=True, **_TOKENS),
+    _k("max_queue_delay_microseconds", "runtime", int, 0, "How long Triton may hold a request to batch it.",
+       low=0, high=60_000_000, trtllm="max_queue_delay_microseconds", serve=True),
+    # prompt policy: what the serve edge does with a prompt that does not fit
+    _k("overflow", "prompt", str, "reject", "What to do with a prompt longer than the maximum input length.",
+       choices=OVERFLOW_POLICIES),
+    _k("keep_turns", "prompt", int, None, "Chat truncation keeps at least this many last turns.", low=1,
+       high=1_000_000, nullable=True),
+    _k("truncate_separator", "prompt", str, "\n...\n", "Text put where truncate_middle cut the prompt."),
+    _k("output_reserve", "prompt", int, None,
+       "Tokens kept free for the answer when truncating (unset: the request's max_tokens).", low=0, high=BIG,
+       nullable=True),
+    _k("require_cache_salt", "prompt", bool, False, "Refuse requests without a cache_salt (tenant isolation)."),
+    # serve only: the tensorrt_llm model's parameters and the model layout
+    _k("exclude_input_in_output", "serve", bool, False, "Default for requests that do not say.",
+       trtllm="exclude_input_in_output", serve=True,
+       flag="--exclude-input-in-output/--include-input-in-output"),
+    _k("cancellation_check_period_ms", "serve", int, 100, "How often cancelled requests are looked for.",
+       low=1, high=BIG, trtllm="cancellation_check_period_ms", serve=True),
+    _k("stats_check_period_ms", "serve", int, 100, "How often engine statistics are published.", low=1,
+       high=BIG, trtllm="stats_check_period_ms", serve=True),
+    _k("layout", "serve", str, "fused", "Model repository layout (fused stubs or TensorRT-LLM's upstream models).",
+       choices=LAYOUTS, serve=True),
+)}
+
+
+def in_section(section: str) -> tuple[str, ...]:
+    return tuple(name for name, k in KNOBS.items() if k.section == section)
+
+
+PROFILE_SECTIONS: tuple[str, ...] = ("build", "runtime", "prompt")
+PROFILE_KEYS: tuple[str, ...] = tuple(n for n, k in KNOBS.items() if k.section in PROFILE_SECTIONS)
+SERVE_KEYS: tuple[str, ...] = tuple(n for n, k in KNOBS.items() if k.serve)
+ENGINE_KEYS: tuple[str, ...] = tuple(n for n, k in KNOBS.items() if k.engine)
+LOWERABLE_KEYS: tuple[str, ...] = tuple(n for n, k in KNOBS.items() if k.lowerable)
+
+
+def check_all(obj: Any, names: Iterable[str], qualified: bool = False, runtime: bool = False) -> None:
+    """Check each knob field of a frozen dataclass (ints given for floats become floats)."""
+    for name in names:
+        value = KNOBS[name].check(getattr(obj, name), qualified, runtime)
+        if value is not getattr(obj, name):
+            object.__setattr__(obj, name, value)
+
+
+T = TypeVar("T")
+
+
+def knob_fields(names: Iterable[str], runtime: bool = False) -> Callable[[type[T]], type[T]]:
+    """Class decorator, applied under @dataclass: one field per knob, typed and defaulted here.
+
+    The class's own fields without a default stay first (positional), then
+    the knobs, then its own fields with a default. runtime: lowerable build
+    bounds default to None, "the engine's build value".
+    """
+    def add(cls: type[T]) -> type[T]:
+        own: dict[str, Any] = dict(cls.__dict__.get("__annotations__", {}))
+        required = {n: t for n, t in own.items() if n not in cls.__dict__}
+        defaulted = {n: t for n, t in own.items() if n in cls.__dict__}
+        added: dict[str, Any] = {}
+        for name in names:
+            knob = KNOBS[name]
+            default = knob.runtime_default if runtime else knob.default
+            added[name] = knob.kind | None if knob.nullable or default is None else knob.kind
+            setattr(cls, name, default)
+        cls.__annotations__ = {**required, **added, **defaulted}
+        return cls
+    return add
+
+
+def from_parameters(params: Mapping[str, str], names: Iterable[str]) -> dict[str, Any]:
+    """Knob values from config.pbtxt parameters (by TensorRT-LLM name); absent or empty: left out.
+
+    The Triton-level max_batch_size travels as `triton_max_batch_size`, as in
+    tensorrtllm_backend's templates.
+    """
+    out: dict[str, Any] = {}
+    for name in names:
+        knob = KNOBS[name]
+        key = "triton_max_batch_size" if name == "max_batch_size" else knob.trtllm or name
+        if key in params:
+            value = knob.parse(params[key])
+            if value is not None:
+                out[name] = value
+    return out

@@ -1,0 +1,63 @@
+"""TensorRT-LLM's rules relating the bounds, each written once (listed in docs/profiles.md, "Rules").
+
+The engine, the build plan, `inspect`, the serve layer, `lint` and the bench
+all call these, so what `inspect` shows is what runs. Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping
+
+from trtprompt.knobs import LOWERABLE_KEYS
+
+
+def max_input_len(max_seq_len: int, max_num_tokens: int, enable_chunked_context: bool) -> int:
+    """Longest prompt the runtime accepts: chunking lifts the max_num_tokens cap (one step need not hold it)."""
+    if enable_chunked_context:
+        return max_seq_len - 1
+    return min(max_seq_len - 1, max_num_tokens)
+
+
+def raised_bounds(values: Mapping[str, Any], build: Mapping[str, Any],
+                  keys: Iterable[str] = LOWERABLE_KEYS) -> list[str]:
+    """What in values raises a build bound: runtime values may lower build bounds, never raise them."""
+    problems = []
+    for key in keys:
+        value, bound = values.get(key), build.get(key)
+        if value is not None and bound is not None and value > bound:
+            problems.append(f"{key}={value} exceeds the engine's build-time {key} ({bound}); "
+                            "runtime values may lower build bounds, never raise them")
+    return problems
+
+
+def check_not_raised(values: Mapping[str, Any], build: Mapping[str, Any],
+                     keys: Iterable[str] = LOWERABLE_KEYS) -> None:
+    problems = raised_bounds(values, build, keys)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def kv_pool(bytes_per_token: int, tokens_per_block: int, max_tokens: int | None, free_mem_fraction: float,
+            budget_bytes: int | None, max_batch_size: int | None = None,
+            max_seq_len: int | None = None) -> tuple[int, int] | None:
+    """(tokens, blocks) of the KV pool; None when neither a token cap nor a memory budget is known.
+
+    The pool holds min(max_tokens, fraction x budget / bytes per token) tokens
+    (TensorRT-LLM's rule), in whole blocks; given the scheduler's bounds, never
+    more blocks than max_batch_size full-length sequences can use (more is waste).
+    """
+    caps = []
+    if max_tokens is not None:
+        caps.append(max_tokens)
+    if budget_bytes is not None:
+        caps.append(int(budget_bytes * free_mem_fraction) // bytes_per_token)
+    if not caps:
+        return None
+    tokens = min(caps)
+    blocks = tokens // tokens_per_block
+    if max_batch_size is not None and max_seq_len is not None:
+        useful = max_batch_size * math.ceil(max_seq_len / tokens_per_block)
+        if blocks > useful:
+            tokens, blocks = useful * tokens_per_block, useful
+    return tokens, blocks
