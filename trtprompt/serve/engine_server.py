@@ -35,7 +35,7 @@ from trtprompt.error_codes import ErrorCode, code_of
 from trtprompt.engine.request import RequestOutput, RequestStats, SamplingParams
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.serve import protocol as P
-from trtprompt.serve.metrics_engine import RequestCounters, config_labels, process_usage
+from trtprompt.serve.metrics_engine import RequestCounters, config_labels, error_reason, process_usage
 from trtprompt.serve.repository import read_parameters
 
 log = logging.getLogger("trtprompt.engine_server")
@@ -167,7 +167,7 @@ class Connection:
             with self._lock:
                 self._live.pop(engine_rid, None)
             code = code_of(exc, ErrorCode.INVALID_ARGUMENT)  # a malformed submit is bad input
-            service.counters.refused("rejected_queue_full" if code == P.QUEUE_FULL else "invalid")
+            service.counters.refused(error_reason(code))
             self.send({"type": "step", "outputs": [{"id": rid, "finished": True, "error": str(exc),
                                                    "code": code}]})
 

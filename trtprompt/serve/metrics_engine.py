@@ -18,19 +18,31 @@ from pathlib import Path
 from typing import Any
 
 from trtprompt.engine.request import FinishReason, RequestOutput
+from trtprompt.error_codes import ErrorCode, code_of
 from trtprompt.serve import protocol as P
 from trtprompt.serve.metrics_catalog import FINISH_REASONS
 
 # Finished-request timings kept for the publisher's histograms (it polls every
 # stats_check_period_ms, so only a burst larger than this between polls loses some).
 TIMINGS_KEPT = 8192
-_CODE_REASONS = {P.QUEUE_FULL: "rejected_queue_full", P.INVALID_ARG: "invalid"}
+_CODE_REASONS = {ErrorCode.QUEUE_FULL: "rejected_queue_full", ErrorCode.INVALID_ARGUMENT: "invalid",
+                 ErrorCode.TOO_LONG: "invalid", ErrorCode.CANCELLED: "aborted"}
 
 
-def finish_label(out: RequestOutput, code: str | None = None) -> str:
+def error_reason(code: ErrorCode | None) -> str:
+    """The `reason` label of a request that ended with an error of this code."""
+    return _CODE_REASONS.get(code, "error") if code is not None else "error"
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """The `reason` label of a request a serving model refused with exc."""
+    return error_reason(code_of(exc, None))
+
+
+def finish_label(out: RequestOutput, code: ErrorCode | None = None) -> str:
     """The `reason` label of a final output (code: its error code, if it is an error)."""
     if out.error is not None:
-        return _CODE_REASONS.get(code or "", "error")
+        return error_reason(code)
     if out.finish_reason is FinishReason.STOP:
         return "end_id" if out.stopped_by_end_id else "stop"
     return out.finish_reason.value if out.finish_reason else "error"
@@ -63,7 +75,7 @@ class RequestCounters:
         self._seq = 0
         self._finished = dict.fromkeys(FINISH_REASONS, 0)
 
-    def record(self, out: RequestOutput, code: str | None = None) -> None:
+    def record(self, out: RequestOutput, code: ErrorCode | None = None) -> None:
         entry = timing_entry(out, self._tpb)
         with self._lock:
             self._finished[finish_label(out, code)] += 1
@@ -72,7 +84,7 @@ class RequestCounters:
                 self._timings.append({"seq": self._seq, **entry})
 
     def refused(self, reason: str) -> None:
-        """A request refused before it reached the engine loop."""
+        """A request refused before it reached the engine loop (reason: a FINISH_REASONS label)."""
         if reason not in FINISH_REASONS:
             raise ValueError(f"reason must be one of {FINISH_REASONS}, got {reason!r}")
         with self._lock:

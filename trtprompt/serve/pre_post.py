@@ -20,7 +20,7 @@ from trtprompt.engine_dir import read_engine_dir
 from trtprompt.prompt.budget import PromptError, PromptPolicy
 from trtprompt.prompt.edge import PromptEdge, engine_dir_limits
 from trtprompt.serve import inputs, triton_io as io
-from trtprompt.serve.metrics_engine import report_refused
+from trtprompt.serve.metrics_engine import refusal_reason, report_refused
 from trtprompt.tokenizer import StreamDetokenizer, Tokenizer
 
 
@@ -57,7 +57,7 @@ class PreprocessingModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=self._outputs(tensors)))
             except Exception as exc:  # noqa: BLE001 - reported to the client
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=io.error_for(exc)))
-                report_refused("invalid" if isinstance(exc, inputs.InputError) else "error")
+                report_refused(refusal_reason(exc))
         return responses
 
     def _row(self, tensors: dict[str, np.ndarray], i: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from trtprompt.knobs import KNOBS
 from trtprompt.error_codes import STATUSES, ErrorCode, code_of, tagged
 from trtprompt.serve import protocol as P
 from trtprompt.serve.inputs import InputError
-from trtprompt.serve.metrics_engine import report_refused
+from trtprompt.serve.metrics_engine import refusal_reason, report_refused
 from trtprompt.serve.relay import CancelWatcher, EngineClient
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -264,7 +264,7 @@ class RowModel:
             rows = self.make_rows(tensors)
         except Exception as exc:  # noqa: BLE001 - reported to the client
             send_error(sender, exc)
-            report_refused("invalid" if isinstance(exc, InputError) else "error", self.client.path)
+            report_refused(refusal_reason(exc), self.client.path)
             return
         Job(rows, sender, self.client, self.watcher).start()
 
