@@ -4,36 +4,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
 from trtprompt import checkpoint_maker as demo  # standard library only at import time
-from trtprompt.engine.config import CAPACITY_POLICIES
+from trtprompt.cli_knobs import BUILD_OPTIONS, SERVE_OPTIONS, knob_options
 from trtprompt.errors import UserError
-
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 @click.group()
 @click.version_option(package_name="trtprompt")
 def main() -> None:
     """Compile Hugging Face decoders into bounded engines and serve them behind Triton."""
-
-
-def runtime_policy_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """The runtime-policy flags shared by `build` (stored defaults) and `serve` (overrides)."""
-    options = [
-        click.option("--enable-chunked-context/--disable-chunked-context", default=None),
-        click.option("--enable-kv-cache-reuse/--disable-kv-cache-reuse", default=None),
-        click.option("--batch-scheduler-policy", type=click.Choice(list(CAPACITY_POLICIES))),
-        click.option("--kv-cache-free-gpu-mem-fraction", type=float),
-        click.option("--max-tokens-in-paged-kv-cache", type=int),
-        click.option("--max-queue-size", type=int),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
 
 
 def _fail(exc: Exception) -> click.ClickException:
@@ -44,19 +27,9 @@ def _fail(exc: Exception) -> click.ClickException:
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Engine directory to write.")
 @click.option("--profile", help="Shipped profile name or path to a .toml (default: cpu-dev for torch, chat for trtllm).")
-@click.option("--target", type=click.Choice(["torch", "trtllm"]), default="torch", show_default=True)
-@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), help="Engine dtype (auto: the checkpoint's).")
-@click.option("--quantization", type=click.Choice(["none", "int8_wo", "fp8", "int4_awq"]))
-@click.option("--max-batch-size", type=int)
-@click.option("--max-input-len", type=int)
-@click.option("--max-seq-len", type=int)
-@click.option("--max-num-tokens", type=int)
-@click.option("--opt-num-tokens", type=int)
-@click.option("--max-beam-width", type=int)
-@click.option("--tokens-per-block", type=int)
-@click.option("--multiple-profiles/--no-multiple-profiles", default=None)
-@runtime_policy_options
-@click.option("--overflow", type=click.Choice(["reject", "truncate_left", "truncate_middle"]))
+@click.option("--target", type=click.Choice(["torch", "trtllm"]), default="torch", show_default=True,
+              help="torch: the embedded CPU engine; trtllm: a TensorRT-LLM engine for a GPU.")
+@knob_options(BUILD_OPTIONS)
 @click.option("--kv-budget-gib", type=float, help="Memory the KV fraction applies to (default: host available memory).")
 @click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
 @click.option("--force", is_flag=True, help="Replace an existing engine directory.")
@@ -142,7 +115,8 @@ def inspect(engine_dir: Path, as_json: bool, tokenizer_dir: Path | None) -> None
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("--prompt", "prompts", multiple=True, required=True,
               help="Prompt text; repeat to run several prompts as one in-flight batch.")
-@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--max-tokens", default=64, show_default=True,
+              help="Most tokens to generate per prompt (shortened to fit max_seq_len).")
 @click.option("--temperature", type=float,
               help="Sample at this temperature (alone: from the full distribution). Unset or 0: greedy.")
 @click.option("--top-k", type=int, help="Sample from the k most likely tokens (1: greedy).")
@@ -182,27 +156,20 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
 @main.command()
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: all).")
-@click.option("--grpc-port", default=8001, show_default=True)
-@click.option("--http-port", default=8000, show_default=True)
-@click.option("--metrics-port", default=8002, show_default=True)
+@click.option("--grpc-port", default=8001, show_default=True, help="Triton gRPC port.")
+@click.option("--http-port", default=8000, show_default=True, help="Triton HTTP/REST port.")
+@click.option("--metrics-port", default=8002, show_default=True, help="Triton Prometheus /metrics port.")
 @click.option("--openai-port", default=8003, show_default=True, help="OpenAI-compatible API (/v1/...) port.")
 @click.option("--no-openai", is_flag=True, help="Do not start the OpenAI-compatible API.")
 @click.option("--api-key", envvar="TRTPROMPT_API_KEY", show_envvar=True,
               help="Bearer key the OpenAI-compatible API requires (default: none required).")
-@click.option("--layout", type=click.Choice(["fused", "upstream"]), help="Model layout (default fused).")
 @click.option("--repo-only", type=click.Path(path_type=Path), help="Write the model repository here and exit.")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path),
               help="Tokenizer dir (default: the engine's tokenizer/, or files beside a trtllm-build engine).")
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Keep socket, repository and logs here.")
 @click.option("--ready-timeout", default=120.0, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--no-restart", is_flag=True, help="Stop (instead of restarting) if the engine process dies.")
-@runtime_policy_options
-@click.option("--max-batch-size", type=int, help="May lower the engine's bound, never raise it.")
-@click.option("--max-num-tokens", type=int, help="May lower the engine's bound, never raise it.")
-@click.option("--exclude-input-in-output/--include-input-in-output", default=None,
-              help="Default for requests that do not say.")
-@click.option("--cancellation-check-period-ms", type=int)
-@click.option("--stats-check-period-ms", type=int)
+@knob_options(SERVE_OPTIONS, serve=True)
 def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_port: int, openai_port: int,
           no_openai: bool, api_key: str | None, repo_only: Path | None, tokenizer_dir: Path | None,
           run_dir: Path | None,
@@ -226,9 +193,10 @@ def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_p
 @main.command()
 @click.argument("prompt")
 @click.option("--url", default="127.0.0.1:8001", show_default=True, help="Triton gRPC address.")
-@click.option("--model", default="ensemble", show_default=True)
-@click.option("--max-tokens", default=64, show_default=True)
-@click.option("--stream/--no-stream", default=True, show_default=True)
+@click.option("--model", default="ensemble", show_default=True, help="Triton model to call.")
+@click.option("--max-tokens", default=64, show_default=True, help="Most tokens to generate.")
+@click.option("--stream/--no-stream", default=True, show_default=True,
+              help="Print tokens as they arrive (decoupled streaming) or the whole answer at the end.")
 @click.option("--temperature", type=float, help="0 (or unset top-k/top-p) is greedy.")
 @click.option("--json", "as_json", is_flag=True, help="Print the text and the perf-metric outputs as JSON.")
 def infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool, temperature: float | None,
@@ -267,7 +235,8 @@ def lint(file: Path, engine_dir: Path | None, tokenizer_dir: Path | None, tokens
 @main.command()
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("--workload", type=click.Choice(["random", "shared-prefix", "multi-turn", "long-context", "template",
-                                               "file"]), default="random", show_default=True)
+                                               "file"]), default="random", show_default=True,
+              help="Prompt shapes to send; the other options tune the one chosen.")
 @click.option("--num-requests", type=int, help="Measured requests per run (default 64).")
 @click.option("--warmup", default=2, show_default=True, help="Requests sent first and left out of the results.")
 @click.option("--duration", type=float, help="Stop sending new requests after this many seconds.")
@@ -302,8 +271,8 @@ def lint(file: Path, engine_dir: Path | None, tokenizer_dir: Path | None, tokens
               help="Checkpoint for the baseline (default: the engine's recorded source).")
 @click.option("--out", type=click.Path(path_type=Path), help="Output directory (default bench-results/WORKLOAD).")
 @click.option("--timeout", default=300.0, show_default=True, help="Seconds one request may take.")
-@click.option("--no-progress", is_flag=True)
-@click.option("--no-plots", is_flag=True)
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--no-plots", is_flag=True, help="Write no PNG plots.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON.")
 def bench(engine_dir: Path, workload: str, as_json: bool, **options: Any) -> None:
     """Benchmark ENGINE_DIR behind Triton: TTFT, ITL, throughput and KV reuse (A/B with --compare)."""

@@ -13,7 +13,8 @@ from trtprompt.knobs import LOWERABLE_KEYS
 
 
 def max_input_len(max_seq_len: int, max_num_tokens: int, enable_chunked_context: bool) -> int:
-    """Longest prompt the runtime accepts: chunking lifts the max_num_tokens cap (one step need not hold it)."""
+    """Longest prompt the runtime accepts: max_seq_len - 1 with chunked context, else
+    min(max_seq_len - 1, max_num_tokens) (without chunking one step must hold the whole prompt)."""
     if enable_chunked_context:
         return max_seq_len - 1
     return min(max_seq_len - 1, max_num_tokens)
@@ -21,7 +22,8 @@ def max_input_len(max_seq_len: int, max_num_tokens: int, enable_chunked_context:
 
 def raised_bounds(values: Mapping[str, Any], build: Mapping[str, Any],
                   keys: Iterable[str] = LOWERABLE_KEYS) -> list[str]:
-    """What in values raises a build bound: runtime values may lower build bounds, never raise them."""
+    """Runtime values may lower build bounds (max_batch_size, max_num_tokens, max_beam_width), never
+    raise them: one message per value that does."""
     problems = []
     for key in keys:
         value, bound = values.get(key), build.get(key)
