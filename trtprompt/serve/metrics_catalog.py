@@ -71,6 +71,8 @@ PREFIX_HIT_TOKENS = "trtprompt_prefix_cache_hit_tokens_total"
 EVICTED_BLOCKS = "trtprompt_prefix_cache_evicted_blocks_total"
 FRAGMENTATION = "trtprompt_kv_cache_fragmentation_ratio"
 PREEMPTIONS = "trtprompt_preemptions_total"
+PROMPT_TOKENS = "trtprompt_prompt_tokens_total"
+GENERATION_TOKENS = "trtprompt_generation_tokens_total"
 RESTARTS = "trtprompt_engine_restarts_total"
 PROCESS_CPU = "trtprompt_engine_process_cpu_seconds_total"
 PROCESS_RSS = "trtprompt_engine_process_resident_memory_bytes"
@@ -88,6 +90,10 @@ SERIES: tuple[Series, ...] = (
            "(docs/monitoring/README.md)", key("fragmentation")),
     Series(PREEMPTIONS, "counter", "Requests preempted (their KV blocks freed, recomputed later)",
            key("preemptions")),
+    Series(PROMPT_TOKENS, "counter", "Prompt tokens of finished requests (counted when a request ends)",
+           key("prompt_tokens")),
+    Series(GENERATION_TOKENS, "counter", "Output tokens of finished requests (counted when a request ends)",
+           key("generation_tokens")),
     Series(RESTARTS, "counter", "Times the launcher restarted a dead engine process", key("restarts")),
     Series(PROCESS_CPU, "counter", "User and system CPU time of the engine process", key("process_cpu_seconds")),
     Series(PROCESS_RSS, "gauge", "Resident memory of the engine process", key("process_resident_memory_bytes")),

@@ -74,11 +74,14 @@ class RequestCounters:
         self._timings: deque[dict[str, float]] = deque(maxlen=TIMINGS_KEPT)
         self._seq = 0
         self._finished = dict.fromkeys(FINISH_REASONS, 0)
+        self._tokens = {"prompt_tokens": 0, "generation_tokens": 0}  # of finished requests
 
     def record(self, out: RequestOutput, code: ErrorCode | None = None) -> None:
         entry = timing_entry(out, self._tpb)
         with self._lock:
             self._finished[finish_label(out, code)] += 1
+            self._tokens["prompt_tokens"] += out.num_input_tokens
+            self._tokens["generation_tokens"] += out.num_output_tokens
             if entry is not None:
                 self._seq += 1
                 self._timings.append({"seq": self._seq, **entry})
@@ -91,10 +94,10 @@ class RequestCounters:
             self._finished[reason] += 1
 
     def snapshot(self, since: int) -> dict[str, Any]:
-        """seq, the timings newer than `since`, and the finished counts."""
+        """seq, the timings newer than `since`, the finished counts and their tokens."""
         with self._lock:
             return {"seq": self._seq, "timings": [t for t in self._timings if t["seq"] > since],
-                    "finished": dict(self._finished)}
+                    "finished": dict(self._finished), **self._tokens}
 
 
 def process_usage() -> dict[str, float]:
