@@ -9,6 +9,7 @@ on LD_LIBRARY_PATH.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -20,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from trtprompt.serve import protocol as P
 from trtprompt.serve.options import EngineInfo, OpenAIOptions, ServeOptions
@@ -136,6 +137,36 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return f"({path} was not written)"
     text = path.read_text(encoding="utf-8", errors="replace").splitlines()
     return "\n".join(text[-lines:])
+
+
+# (process, what it is, its log): a child the watch loop ends the server for when it exits.
+Watched = tuple[subprocess.Popen | None, str, Path]
+
+
+def watch_children(stop: threading.Event, children: Callable[[], Sequence[Watched]], period_s: float,
+                   log: Callable[[str], None], tick: Callable[[], int | None] = lambda: None) -> int:
+    """The one watch loop of both targets: until stop is set (0) or a child exits (1, logged with its
+    log's tail); tick runs once per period and may end the loop with its own exit code."""
+    while not stop.wait(period_s):
+        for proc, what, log_path in children():
+            if proc is not None and proc.poll() is not None:
+                log(f"{what} exited with code {proc.returncode}:\n{log_tail(log_path)}")
+                return 1
+        code = tick()
+        if code is not None:
+            return code
+    return 0
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM call stop() inside the block; the previous handlers come back after it."""
+    previous = {sig: signal.signal(sig, lambda *_: stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _die_with_parent() -> None:
@@ -254,29 +285,28 @@ class Server:
 
     def watch(self) -> int:
         """Block until stop() or a fatal failure; restart a dead engine. Returns the exit code."""
-        while not self._stop.wait(0.25):
-            if self.triton_proc is not None and self.triton_proc.poll() is not None:
-                self.log(f"tritonserver exited with code {self.triton_proc.returncode}:\n"
-                         f"{log_tail(self.triton_log)}")
-                return 1
-            if self.openai_proc is not None and self.openai_proc.poll() is not None:
-                self.log(f"the OpenAI front end exited with code {self.openai_proc.returncode}:\n"
-                         f"{log_tail(self.run_dir / 'openai.log')}")
-                return 1
-            if self.engine_proc is not None and self.engine_proc.poll() is not None:
-                code = self.engine_proc.returncode
-                self.log(f"the engine process died (exit code {code}); requests get UNAVAILABLE meanwhile")
-                if not self.restart_engine:
-                    self.log("--no-restart: stopping the server")
-                    return 1
-                self.engine_restarts += 1
-                try:
-                    self.start_engine()
-                except LaunchError as exc:
-                    self.log(str(exc))
-                    return 1
-                self.log(f"engine process restarted (pid {self.engine_proc.pid})")
-        return 0
+        return watch_children(self._stop, lambda: [
+            (self.triton_proc, "tritonserver", self.triton_log),
+            (self.openai_proc, "the OpenAI front end", self.run_dir / "openai.log")], 0.25, self.log,
+            self._restart_dead_engine)
+
+    def _restart_dead_engine(self) -> int | None:
+        """None while the engine process runs (or was restarted); 1 if it cannot be."""
+        if self.engine_proc is None or self.engine_proc.poll() is None:
+            return None
+        code = self.engine_proc.returncode
+        self.log(f"the engine process died (exit code {code}); requests get UNAVAILABLE meanwhile")
+        if not self.restart_engine:
+            self.log("--no-restart: stopping the server")
+            return 1
+        self.engine_restarts += 1
+        try:
+            self.start_engine()
+        except LaunchError as exc:
+            self.log(str(exc))
+            return 1
+        self.log(f"engine process restarted (pid {self.engine_proc.pid})")
+        return None
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -311,23 +341,21 @@ def serve_forever(server: Server) -> int:
     """Run until SIGINT/SIGTERM (or a fatal failure); returns the exit code."""
     from trtprompt.serve.openai.process import banner as openai_banner
 
-    previous = {sig: signal.signal(sig, lambda *_: server.request_stop())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.start()
-        p = server.ports
-        server.log(
-            f"trtprompt serve: ready (engine {server.engine.path.name}, layout {server.options.layout})\n"
-            f"  gRPC    {p.host}:{p.grpc}\n  HTTP    {p.host}:{p.http}\n"
-            f"  metrics http://{p.local_host}:{p.metrics}/metrics\n"
-            f"  logs    {server.run_dir}\n"
-            f"  try:    {_cli_name()} infer \"Hello\" --url {p.local_host}:{p.grpc}"
-            + (f"\n{openai_banner(server.openai, p.local_host, server.engine.path.name)}" if server.openai else ""))
-        return server.watch()
-    except LaunchError as exc:
-        server.log(f"trtprompt serve: {exc}")
-        return 1
-    finally:
-        server.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with stop_on_signals(server.request_stop):
+        try:
+            server.start()
+            p = server.ports
+            server.log(
+                f"trtprompt serve: ready (engine {server.engine.path.name}, layout {server.options.layout})\n"
+                f"  gRPC    {p.host}:{p.grpc}\n  HTTP    {p.host}:{p.http}\n"
+                f"  metrics http://{p.local_host}:{p.metrics}/metrics\n"
+                f"  logs    {server.run_dir}\n"
+                f"  try:    {_cli_name()} infer \"Hello\" --url {p.local_host}:{p.grpc}"
+                + (f"\n{openai_banner(server.openai, p.local_host, server.engine.path.name)}"
+                   if server.openai else ""))
+            return server.watch()
+        except LaunchError as exc:
+            server.log(f"trtprompt serve: {exc}")
+            return 1
+        finally:
+            server.stop()

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from trtprompt.serve.launcher import LaunchError, Ports, log_tail
+from trtprompt.serve.launcher import LaunchError, Ports, log_tail, stop_on_signals, watch_children
 from trtprompt.serve.options import EngineInfo, ServeOptions
 from trtprompt.serve.ports import http_ok
 
@@ -128,23 +128,19 @@ def serve_trtllm(engine: EngineInfo, options: ServeOptions, ports: Ports, run_di
                             grpc_port=ports.grpc, metrics_port=ports.metrics)
     log_file = run / "tritonserver.log"
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    with log_file.open("ab") as log:
-        proc = subprocess.Popen(launch_command(spec), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_ready(proc, spec, ready_timeout_s, log_file)
-        echo(f"trtprompt serve: ready (TensorRT-LLM engine {engine.path.name}, {pf.world_size} rank(s))\n"
-             f"  gRPC {ports.host}:{ports.grpc}  HTTP {ports.host}:{ports.http}  "
-             f"metrics http://{ports.host}:{ports.metrics}/metrics\n  logs {log_file}")
-        while not stop.wait(1.0):
-            if proc.poll() is not None:
-                echo(f"trtprompt serve: tritonserver exited with code {proc.returncode}:\n{log_tail(log_file)}")
-                return 1
-        return 0
-    except LaunchError as exc:
-        echo(f"trtprompt serve: {exc}")
-        return 1
-    finally:
-        _stop(proc)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with stop_on_signals(stop.set):
+        with log_file.open("ab") as log:
+            proc = subprocess.Popen(launch_command(spec), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            wait_ready(proc, spec, ready_timeout_s, log_file)
+            echo(f"trtprompt serve: ready (TensorRT-LLM engine {engine.path.name}, {pf.world_size} rank(s))\n"
+                 f"  gRPC {ports.host}:{ports.grpc}  HTTP {ports.host}:{ports.http}  "
+                 f"metrics http://{ports.host}:{ports.metrics}/metrics\n  logs {log_file}")
+            return watch_children(stop, lambda: [(proc, "tritonserver", log_file)], 1.0,
+                                  lambda note: echo(f"trtprompt serve: {note}"))
+        except LaunchError as exc:
+            echo(f"trtprompt serve: {exc}")
+            return 1
+        finally:
+            _stop(proc)
