@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from trtprompt.engine.config import SUPPORTED_ARCHITECTURES
+from trtprompt.engine.safetensors_header import safetensors_header
 from trtprompt.errors import CheckpointError
 
 MODEL_TYPES: dict[str, str] = {
@@ -163,17 +164,6 @@ def _source_dtype(cfg: Mapping[str, Any], weight_file: Path) -> str:
     header = safetensors_header(weight_file)
     first = next((v for k, v in header.items() if k != "__metadata__"), None)
     return SAFETENSORS_DTYPES.get(first["dtype"], first["dtype"].lower()) if first else "float32"
-
-
-def safetensors_header(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if size <= 0 or size > 100_000_000:
-                raise ValueError(f"header size {size}")
-            return json.loads(f.read(size))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not a valid safetensors file: {exc}") from exc
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:

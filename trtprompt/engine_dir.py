@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from trtprompt.checkpoint import safetensors_header
 from trtprompt.engine.config import ModelConfig
+from trtprompt.engine.safetensors_header import safetensors_header
 from trtprompt.errors import CheckpointError, EngineDirError
 
 ENGINE_FORMAT = 1
