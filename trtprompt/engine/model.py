@@ -96,7 +96,6 @@ class DecoderModel(torch.nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        self.requested_backend = linear_backend
         # The backend that really runs: onednn falls back to reference off CPU or for unsupported dtypes.
         self.linear_backend = resolve_backend(linear_backend, dtype, self.device)
         self.rotary = RotaryEmbedding(cfg, self.device)

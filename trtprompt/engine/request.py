@@ -167,7 +167,6 @@ class Request:
         self.stop_trim = 0  # tokens of a matched stop word removed from the output
         self.block_hashes: list[bytes] = []
         self.reserved_blocks = 0
-        self.admitted_seq: int | None = None
         self.generator: object | None = None
         self.stats = RequestStats(arrival_time_ns=arrival_time_ns)
 

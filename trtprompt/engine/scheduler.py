@@ -86,7 +86,6 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order; the newest is last
         self.num_waiting = 0
         self.num_preemptions = 0
-        self._admissions = 0
         self.guaranteed = cfg.batch_scheduler_policy == "guaranteed_no_evict"
 
     def add(self, req: Request) -> None:
@@ -204,8 +203,6 @@ class Scheduler:
         self.kv.record_lookup(req, len(hits))
         self.kv.mark_in_flight(req, len(hits))
         req.status = RequestStatus.RUNNING
-        req.admitted_seq = self._admissions
-        self._admissions += 1
         self.running.append(req)
         step.add(req, num_new, is_context=True)
         return True

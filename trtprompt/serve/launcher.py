@@ -201,7 +201,6 @@ class Server:
         self.triton_proc: subprocess.Popen | None = None
         # Unique per server: what stop() unlinks from /dev/shm is only ever this server's.
         self.shm_prefix = f"trtprompt_{os.getpid()}_{self.run_dir.name.replace('-', '_')}_"
-        self.stop_notes: list[str] = []
         self.engine_restarts = 0
         self._stop = threading.Event()
 
@@ -322,7 +321,6 @@ class Server:
         notes += remove_shm(self.shm_prefix)
         for note in notes:
             self.log(f"trtprompt serve: stop: {note}")
-        self.stop_notes += notes
         self.openai_proc = self.triton_proc = self.engine_proc = None
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
