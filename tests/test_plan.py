@@ -183,3 +183,22 @@ def test_target_limits() -> None:
 def test_bad_model_config_is_a_plan_error() -> None:
     with pytest.raises(PlanError, match="hidden_act 'gelu' is not supported"):
         make_plan(_pc(hidden_act="gelu"), Profile(), "torch", "float32")
+
+
+def test_plan_inspect_and_engine_size_the_same_kv_pool(tiny_checkpoint_factory: Any, tmp_path: Any) -> None:
+    """One rule (rules.kv_pool): cpu-dev's 32768-token cap would be 1024 blocks, but 2 sequences of
+    128 tokens can use 2 x 4 blocks, and plan, `inspect` and the running engine all say 8."""
+    from trtprompt.build import BuildRequest, run_build
+    from trtprompt.engine.engine import LLMEngine
+    from trtprompt.engine_dir import read_engine_dir
+    from trtprompt.report import inspect_data
+
+    req = BuildRequest(tiny_checkpoint_factory("llama"), tmp_path / "engine", "cpu-dev",
+                       overrides={"max_batch_size": 2, "max_seq_len": 128}, progress=False)
+    plans: list[Any] = []
+    path = run_build(req, on_plan=lambda _c, _p, plan: plans.append(plan))
+    assert path is not None and plans[0].memory.num_blocks == 8 and plans[0].memory.kv_cache_tokens == 256
+    shown = inspect_data(read_engine_dir(path))["memory_plan"]
+    engine = LLMEngine.from_engine_dir(path)
+    assert shown["num_blocks"] == engine.stats().max_num_blocks == 8
+    assert shown["runtime_max_input_len"] == engine.max_input_len == 127
