@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from trtprompt.error_codes import ErrorCode
 from trtprompt.prompt.budget import PromptBudget, PromptError, PromptTooLongError
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -92,14 +93,15 @@ def fit_chat(messages: Sequence[Message], tokenizer: Any, budget: PromptBudget,
         alone = len(_encode(tokenizer, system))
         if alone > limit:
             raise PromptError(f"the system message alone is {alone} tokens, more than the maximum input "
-                              f"length ({limit}); shorten it")
+                              f"length ({limit}); shorten it", ErrorCode.TOO_LONG)
     keep = min(len(turns), budget.policy.keep_turns or 1)
     most = len(turns) - keep
     dropped, fitted = _fewest_drops(render, limit, most)
     if fitted is None:
         shortest = len(render(most))
         raise PromptError(f"chat of {len(ids)} tokens exceeds the maximum input length ({limit}) even after "
-                          f"dropping its {most} oldest turns ({shortest} tokens; keep_turns={keep})")
+                          f"dropping its {most} oldest turns ({shortest} tokens; keep_turns={keep})",
+                          ErrorCode.TOO_LONG)
     return FittedChat(fitted, dropped, len(turns))
 
 

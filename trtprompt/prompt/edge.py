@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from trtprompt.error_codes import ErrorCode
 from trtprompt.prompt.budget import PromptBudget, PromptError, PromptPolicy
 from trtprompt.prompt.chat import fit_chat, parse_messages
 from trtprompt.rules import max_input_len
@@ -91,7 +92,8 @@ class PromptEdge:
             raise PromptError(
                 f"input '{input_name}' is {len(raw)} bytes, more than the {bound} bytes that "
                 f"max_input_len ({self.budget().max_input_len}) tokens can hold (this tokenizer's "
-                f"longest token is {self._tokenizer.max_token_bytes} bytes); it was not tokenized")
+                f"longest token is {self._tokenizer.max_token_bytes} bytes); it was not tokenized",
+                ErrorCode.TOO_LONG)
         window = 2 * bound
         tail = raw[-window:].decode("utf-8", errors="ignore")
         if policy == "truncate_left":
