@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml
 	# Build the paged-attention kernel now rather than on the first request; a
 	# machine without a C++ compiler gets the pure-torch path, said here.
 	$(PY) -m trtprompt.engine.kernels
+	# A real Prometheus for tests/test_monitoring_prometheus.py (skipped without it): Debian's
+	# package where apt exists and we may use it; elsewhere say so and go on.
+	command -v prometheus >/dev/null || ! command -v apt-get >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } || \
+	  echo "make install: could not apt-get install prometheus (root needed); the Prometheus test will be skipped"
 	touch $(STAMP)
 
 install: $(STAMP)
