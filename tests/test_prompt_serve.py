@@ -3,7 +3,9 @@
 The shared `served` server runs the tiny engine with cpu-dev's policy (reject, no salt
 required). A second server (module-scoped) runs a copy of that engine whose
 trtprompt.json asks for truncate_middle, a large output reserve (limit 80 tokens),
-keep_turns 1 and a mandatory cache salt.
+keep_turns 1 and a mandatory cache salt; it runs once per layout (fused, and the GPU
+target's upstream preprocessing -> tensorrt_llm -> postprocessing), so every `strict`
+test checks that both layouts give clients the same interface.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ def _serve_with_policy(src: Path, root: Path, policy: dict[str, Any], *extra: st
     return start_server(engine_dir, root / "run", *extra)
 
 
-@pytest.fixture(scope="module")
-def strict(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    server = _serve_with_policy(tiny_engine_dir, tmp_path_factory.mktemp("strict"), STRICT)
+@pytest.fixture(scope="module", params=["fused", "upstream"])
+def strict(request: pytest.FixtureRequest, tiny_engine_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    server = _serve_with_policy(tiny_engine_dir, tmp_path_factory.mktemp(f"strict-{request.param}"), STRICT,
+                                "--layout", request.param)
     yield server
     check_stopped_cleanly(server)
 
@@ -117,6 +121,12 @@ def test_chat_window_through_the_server(strict: Served, tok: Tokenizer) -> None:
 def test_bad_chat_inputs(strict: Served, messages: str, text: str, message: str) -> None:
     assert message in error(strict.text(text, 2, cache_salt="t", messages=messages))
     assert strict.text("still fine", 2, temperature=0.0, cache_salt="t").error is None
+
+
+def test_salts_isolate_on_both_layouts(strict: Served) -> None:
+    prompt = f"Tenant data {uuid.uuid4().hex}: " + words(20, "t")
+    assert [reused(strict, prompt, cache_salt=s) for s in ("a", "b")] == [0, 0]
+    assert reused(strict, prompt, cache_salt="a") > 0
 
 
 def reused(server: Served, prompt: str, **optional: Any) -> int:

@@ -65,7 +65,8 @@ def test_infer_json_sends_only_inputs_the_layout_declares(upstream: Served, orac
     record = json.loads(out.stdout)
     assert record["text"] == oracle.tokenizer.decode(oracle.run(prompt, 8).output_ids)
     assert record["kv_cache_alloc_total_blocks"] >= 1
-    assert record["num_output_tokens"] is None  # the upstream ensemble has no such output
+    assert record["num_input_tokens"] == len(oracle.tokenizer.encode(prompt))
+    assert record["num_output_tokens"] == len(oracle.run(prompt, 8).output_ids)
 
 
 def test_errors_reach_the_client_and_the_server_keeps_serving(upstream: Served) -> None:

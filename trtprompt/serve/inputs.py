@@ -103,6 +103,13 @@ def utf8(value: Any, name: str) -> str:
                          f"at position {exc.start}") from None
 
 
+def text_scalar(tensors: Tensors, name: str, i: int, label: str | None = None) -> str | None:
+    """A [B, 1] string input of row i as text, or None when absent; errors name it `label` (the
+    ensemble's name when a composing model's own name differs, e.g. preprocessing's MESSAGES)."""
+    value = scalar(tensors, name, i, lambda v: v)
+    return None if value is None else utf8(value, label or name)
+
+
 def words(tensors: Tensors, name: str, i: int) -> list[str]:
     row = _row(tensors, name, i)
     if row is None:
@@ -176,26 +183,29 @@ TOKEN_SAMPLING = {
 }
 
 
+def check_text_or_messages(text: str, messages: str | None) -> None:
+    """text_input may be empty only when `messages` carries the prompt."""
+    if not text and messages is None:
+        raise InputError("input 'text_input' is empty: at least one character is required")
+
+
 def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> Item:
     """One row of an `ensemble` request (text in, text out)."""
     check_unsupported(tensors, i)
     if words(tensors, "bad_words", i):
         raise InputError("'bad_words' is not supported by the torch target")
     text = utf8(scalar(tensors, "text_input", i, lambda v: v), "text_input")
-    messages, overflow = (scalar(tensors, name, i, lambda v: v) for name in ("messages", "overflow"))
-    if not text and messages is None:
-        raise InputError("input 'text_input' is empty: at least one character is required")
-    salt = scalar(tensors, "cache_salt", i, lambda v: v)
+    messages, overflow, salt = (text_scalar(tensors, name, i) for name in ("messages", "overflow", "cache_salt"))
+    check_text_or_messages(text, messages)
     return Item(
-        messages=utf8(messages, "messages") if messages is not None else None,
-        overflow=utf8(overflow, "overflow") if overflow is not None else None,
+        messages=messages, overflow=overflow,
         params=_sampling(tensors, i, TEXT_SAMPLING), text=text,
         stream=flag(tensors, "stream", i),
         exclude_input_in_output=flag(tensors, "exclude_input_in_output", i, exclude_default),
         return_perf_metrics=flag(tensors, "return_perf_metrics", i),
         return_num_input_tokens=flag(tensors, "return_num_input_tokens", i),
         return_num_output_tokens=flag(tensors, "return_num_output_tokens", i),
-        cache_salt=utf8(salt, "cache_salt") if salt is not None else None,
+        cache_salt=salt,
         stop_words=words(tensors, "stop_words", i),
     )
 
@@ -253,8 +263,16 @@ def parse_token_item(tensors: Tensors, i: int, exclude_default: bool,
         stream=flag(tensors, "streaming", i),
         exclude_input_in_output=flag(tensors, "exclude_input_in_output", i, exclude_default),
         return_perf_metrics=flag(tensors, "return_perf_metrics", i),
+        return_num_input_tokens=flag(tensors, "return_num_input_tokens", i),
+        return_num_output_tokens=flag(tensors, "return_num_output_tokens", i),
         cache_salt=utf8(salt, "cache_salt") if salt is not None else None,
     )
+
+
+def count_values(item: Item, frame: Mapping[str, Any]) -> dict[str, int]:
+    """The num_input_tokens / num_output_tokens outputs the request asked for."""
+    asked = {"num_input_tokens": item.return_num_input_tokens, "num_output_tokens": item.return_num_output_tokens}
+    return {name: int(frame[name]) for name, wanted in asked.items() if wanted}
 
 
 def perf_values(stats: Mapping[str, Any]) -> dict[str, tuple[int, str]]:

@@ -48,6 +48,9 @@ class PreprocessingModel:
         chunked = io.param_bool(params, "enable_chunked_context", bool(engine.runtime.get("enable_chunked_context")))
         self.edge = PromptEdge(PromptPolicy.from_mapping(engine.prompt), self.tokenizer, self.add_special_tokens,
                                lambda: engine_dir_limits(engine, chunked))
+        # The torch core takes a per-request salt; the tensorrtllm C++ backend declares no
+        # such input, so there a salt could not keep tenants apart and is refused.
+        self.salt_reaches_core = io.param_bool(params, "salt_reaches_core", True)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
@@ -62,21 +65,25 @@ class PreprocessingModel:
 
     def _row(self, tensors: dict[str, np.ndarray], i: int) -> dict[str, Any]:
         tok = self.tokenizer
-        query = inputs.scalar(tensors, "QUERY", i, lambda v: v)
-        text = inputs.utf8(query, "text_input")
-        if not text:
-            raise inputs.InputError("input 'text_input' is empty: at least one character is required")
+        text = inputs.text_scalar(tensors, "QUERY", i, "text_input") or ""
+        messages, overflow, salt = (inputs.text_scalar(tensors, name.upper(), i, name)
+                                    for name in ("messages", "overflow", "cache_salt"))
+        inputs.check_text_or_messages(text, messages)
+        if salt and not self.salt_reaches_core:
+            raise inputs.InputError("input 'cache_salt' cannot be honoured: Triton's tensorrtllm backend has no "
+                                    "per-request cache salt input, so KV blocks could not be kept apart")
         words = {name: [tok.encode(w, add_special_tokens=False) for w in inputs.words(tensors, name, i)]
                  for name in ("STOP_WORDS_DICT", "BAD_WORDS_DICT")}
         end_id = inputs.scalar(tensors, "END_ID", i, int)
         pad_id = inputs.scalar(tensors, "PAD_ID", i, int)
         eos = tok.eos_token_id if tok.eos_token_id is not None else 0
         out_len = inputs.scalar(tensors, "REQUEST_OUTPUT_LEN", i, int)
-        try:  # the engine dir's overflow policy (trtprompt.prompt.budget)
-            ids = self.edge.fit_text(text, out_len).ids
+        try:  # budget, chat window, salt requirement: the fused ensemble's code (trtprompt.prompt.edge)
+            prompt = self.edge.prepare(text, messages, overflow, salt, out_len)
         except PromptError as exc:
             raise inputs.InputError(str(exc), exc.code) from None
-        return {"ids": ids, "out_len": out_len,
+        return {"ids": prompt.ids, "out_len": out_len, "truncated": prompt.prompt_truncated_tokens,
+                "dropped": prompt.dropped_turns,
                 "stop": words_tensor(words["STOP_WORDS_DICT"]), "bad": words_tensor(words["BAD_WORDS_DICT"]),
                 "end_id": eos if end_id is None else end_id,
                 "pad_id": (tok.pad_token_id if tok.pad_token_id is not None else eos) if pad_id is None else pad_id}
@@ -103,7 +110,9 @@ class PreprocessingModel:
                 pb_utils.Tensor("STOP_WORDS_IDS", stack("stop")),
                 pb_utils.Tensor("BAD_WORDS_IDS", stack("bad")),
                 pb_utils.Tensor("OUT_END_ID", col("end_id", np.int32)),
-                pb_utils.Tensor("OUT_PAD_ID", col("pad_id", np.int32))]
+                pb_utils.Tensor("OUT_PAD_ID", col("pad_id", np.int32)),
+                pb_utils.Tensor("PROMPT_TRUNCATED_TOKENS", col("truncated", np.int32)),
+                pb_utils.Tensor("DROPPED_TURNS", col("dropped", np.int32))]
 
 
 class PostprocessingModel:

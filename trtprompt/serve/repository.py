@@ -106,7 +106,12 @@ TOKEN_INPUTS: tuple[Tensor, ...] = (
     ("exclude_input_in_output", "BOOL", [1], True),
     ("return_log_probs", "BOOL", [1], True),
     ("return_perf_metrics", "BOOL", [1], True),
+    ("return_num_input_tokens", "BOOL", [1], True),
+    ("return_num_output_tokens", "BOOL", [1], True),
     ("cache_salt", "STRING", [1], True),
+    # Echoed back on every response (token_model.ECHOED) for the upstream layout's ensemble.
+    ("prompt_truncated_tokens", "INT32", [1], True),
+    ("dropped_turns", "INT32", [1], True),
 ) + UNSUPPORTED_INPUTS
 TOKEN_OUTPUTS: tuple[Tensor, ...] = (
     ("output_ids", "INT32", [-1, -1], False),
@@ -115,6 +120,10 @@ TOKEN_OUTPUTS: tuple[Tensor, ...] = (
     ("output_log_probs", "FP32", [-1, -1], False),
     ("batch_index", "INT32", [1], False),
     ("sequence_index", "INT32", [1], False),
+    ("num_input_tokens", "INT32", [1], False),
+    ("num_output_tokens", "INT32", [1], False),
+    ("prompt_truncated_tokens", "INT32", [1], False),
+    ("dropped_turns", "INT32", [1], False),
 ) + PERF_OUTPUTS
 PRE_INPUTS: tuple[Tensor, ...] = (
     ("QUERY", "STRING", [1], False),
@@ -123,6 +132,10 @@ PRE_INPUTS: tuple[Tensor, ...] = (
     ("STOP_WORDS_DICT", "STRING", [-1], True),
     ("END_ID", "INT32", [1], True),
     ("PAD_ID", "INT32", [1], True),
+    # The same prompt inputs as the fused ensemble (one client interface on both layouts).
+    ("MESSAGES", "STRING", [1], True),
+    ("OVERFLOW", "STRING", [1], True),
+    ("CACHE_SALT", "STRING", [1], True),
 )
 PRE_OUTPUTS: tuple[Tensor, ...] = (
     ("INPUT_ID", "INT32", [-1], False),
@@ -132,10 +145,19 @@ PRE_OUTPUTS: tuple[Tensor, ...] = (
     ("STOP_WORDS_IDS", "INT32", [2, -1], False),
     ("OUT_END_ID", "INT32", [1], False),
     ("OUT_PAD_ID", "INT32", [1], False),
+    ("PROMPT_TRUNCATED_TOKENS", "INT32", [1], False),
+    ("DROPPED_TURNS", "INT32", [1], False),
 )
 # Only tensorrt_llm's outputs: Triton refuses a step after a decoupled model
 # that also takes tensors of other origins ("inputs originated from
 # different decoupled models"), so the stream is keyed by the request id.
+# The prompt edge's counts: preprocessing computes them and, since a Triton ensemble refuses to
+# mix its outputs with a decoupled model's ("inputs originated from different decoupled models"),
+# the torch core echoes them (token_model.ECHOED). The tensorrtllm C++ backend cannot, so the
+# trtllm target's ensemble does not declare them.
+PROMPT_OUTPUTS: tuple[str, ...] = ("prompt_truncated_tokens", "dropped_turns")
+# Token counts: both cores answer them (return_num_input_tokens / return_num_output_tokens).
+COUNT_OUTPUTS: tuple[str, ...] = ("num_input_tokens", "num_output_tokens")
 POST_INPUTS: tuple[Tensor, ...] = (
     ("TOKENS_BATCH", "INT32", [-1, -1], False),
     ("SEQUENCE_LENGTH", "INT32", [-1], False),
@@ -228,10 +250,23 @@ def fused_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
                  decoupled=True)
 
 
+def core_takes_salt(ctx: RepoContext) -> bool:
+    """The torch core takes `cache_salt`; Triton's tensorrtllm backend (TensorRT-LLM 1.2) reads no
+    salt input, although its executor Request has a cacheSaltID (docs/design.md)."""
+    if ctx.engine.target != "trtllm":
+        return True
+    if ctx.engine.prompt.get("require_cache_salt"):
+        raise ValueError(f"{ctx.engine.path}: require_cache_salt = true cannot be served on the trtllm target: "
+                         "Triton's tensorrtllm backend has no per-request cache salt input; rebuild with "
+                         "require_cache_salt = false or serve with the torch target")
+    return False
+
+
 def preprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
     params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "add_special_tokens": True,
               "gpt_model_path": str(ctx.engine.path),  # its prompt policy and bounds (issue 5)
-              "enable_chunked_context": ctx.options.enable_chunked_context}  # decides max_input_len
+              "enable_chunked_context": ctx.options.enable_chunked_context,  # decides max_input_len
+              "salt_reaches_core": core_takes_salt(ctx)}
     return _base("preprocessing", ctx.max_batch_size, PRE_INPUTS, PRE_OUTPUTS, params)
 
 
@@ -258,18 +293,20 @@ def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
     layout exists for the GPU target, whose core is the C++ backend.
     """
     supported = [t for t in ENSEMBLE_INPUTS if t not in UNSUPPORTED_INPUTS and t[0] not in
-                 ("cache_salt", "return_num_input_tokens", "return_num_output_tokens", "min_length",
-                  "random_seed", "overflow", "messages")]
-    outputs = [t for t in ENSEMBLE_OUTPUTS if t[0] in ("text_output",)] + list(PERF_OUTPUTS)
+                 ("min_length", "random_seed")]
+    torch_core = ctx.engine.target != "trtllm"  # the C++ backend cannot hand the counts back
+    outputs = [t for t in ENSEMBLE_OUTPUTS if t[0] in ("text_output", *COUNT_OUTPUTS)
+               or (torch_core and t[0] in PROMPT_OUTPUTS)] + list(PERF_OUTPUTS)
     cfg = _base("ensemble", ctx.max_batch_size, supported, outputs, {}, backend=None)
     cfg.platform = "ensemble"
     _step(cfg, "preprocessing",
           {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
-           "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id"},
+           "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id",
+           "MESSAGES": "messages", "OVERFLOW": "overflow", "CACHE_SALT": "cache_salt"},
           {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
            "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "BAD_WORDS_IDS": "_BAD_WORDS_IDS",
            "STOP_WORDS_IDS": "_STOP_WORDS_IDS", "OUT_END_ID": "_PREPROCESSOR_END_ID",
-           "OUT_PAD_ID": "_PREPROCESSOR_PAD_ID"})
+           "OUT_PAD_ID": "_PREPROCESSOR_PAD_ID"} | {name.upper(): f"_{name}" for name in PROMPT_OUTPUTS if torch_core})
     core_inputs = {
         "input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN",
         "request_output_len": "_REQUEST_OUTPUT_LEN", "end_id": "_PREPROCESSOR_END_ID",
@@ -280,9 +317,14 @@ def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
         "frequency_penalty": "frequency_penalty", "min_tokens": "min_tokens", "seed": "seed",
         "beam_width": "beam_width", "exclude_input_in_output": "exclude_input_in_output",
         "return_log_probs": "return_log_probs", "return_perf_metrics": "return_perf_metrics",
-    }
+    } | {f"return_{name}": f"return_{name}" for name in COUNT_OUTPUTS}
+    if core_takes_salt(ctx):
+        core_inputs["cache_salt"] = "cache_salt"
     core_outputs = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
-    core_outputs |= {name: name for name, *_ in PERF_OUTPUTS}
+    core_outputs |= {name: name for name, *_ in PERF_OUTPUTS} | {name: name for name in COUNT_OUTPUTS}
+    if torch_core:  # preprocessing's counts, handed back by the core on every response
+        core_inputs |= {name: f"_{name}" for name in PROMPT_OUTPUTS}
+        core_outputs |= {name: name for name in PROMPT_OUTPUTS}
     _step(cfg, "tensorrt_llm", core_inputs, core_outputs)
     _step(cfg, "postprocessing",
           {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},

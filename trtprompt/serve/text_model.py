@@ -65,10 +65,7 @@ class _TextRow:
                io.tensor("dropped_turns", [[self.prompt.dropped_turns]], "int32")]
         if self.item.return_perf_metrics:
             out += [io.tensor(k, [[v]], t) for k, (v, t) in inputs.perf_values(frame["stats"]).items()]
-        if self.item.return_num_input_tokens:
-            out.append(io.tensor("num_input_tokens", [[frame["num_input_tokens"]]], "int32"))
-        if self.item.return_num_output_tokens:
-            out.append(io.tensor("num_output_tokens", [[frame["num_output_tokens"]]], "int32"))
+        out += [io.tensor(k, [[v]], "int32") for k, v in inputs.count_values(self.item, frame).items()]
         return out
 
 

@@ -17,10 +17,14 @@ from trtprompt.knobs import KNOBS
 from trtprompt.serve import inputs, protocol as P, triton_io as io
 from trtprompt.serve.metrics import MetricsPublisher
 
+# Counts the upstream layout's preprocessing computed, handed back on every response: a Triton
+# ensemble cannot mix preprocessing's outputs with this decoupled model's (repository.py).
+ECHOED: tuple[str, ...] = ("prompt_truncated_tokens", "dropped_turns")
+
 
 class _TokenRow:
-    def __init__(self, model: "TokenModel", index: int, item: inputs.Item) -> None:
-        self.model, self.index, self.item = model, index, item
+    def __init__(self, model: "TokenModel", index: int, item: inputs.Item, echo: dict[str, int]) -> None:
+        self.model, self.index, self.item, self.echo = model, index, item, echo
         self.output_ids: list[int] = []
 
     def engine_request(self) -> io.RowRequest:
@@ -43,9 +47,16 @@ class _TokenRow:
                io.tensor("sequence_length", [[len(ids)]], "int32"),
                io.tensor("batch_index", [[self.index]], "int32"),
                io.tensor("sequence_index", [[0]], "int32")]
+        out += [io.tensor(name, [[value]], "int32") for name, value in self.echo.items()]
         if self.item.return_perf_metrics:
             out += [io.tensor(k, [[v]], t) for k, (v, t) in inputs.perf_values(frame["stats"]).items()]
+        out += [io.tensor(k, [[v]], "int32") for k, v in inputs.count_values(self.item, frame).items()]
         return out
+
+
+def _echo(tensors: dict[str, Any], i: int) -> dict[str, int]:
+    values = {name: inputs.scalar(tensors, name, i, int) for name in ECHOED}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def _ids_array(ids: list[int]) -> np.ndarray:
@@ -75,7 +86,7 @@ class TokenModel(io.RowModel):
     def make_rows(self, tensors: dict[str, Any]) -> list[_TokenRow]:
         n = inputs.batch_size(tensors, "input_ids")
         limit = self.max_input_len()  # input_ids past it are refused before reaching the engine
-        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default, limit))
+        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default, limit), _echo(tensors, i))
                 for i in range(n)]
 
     def finalize(self) -> None:
