@@ -130,3 +130,18 @@ def test_readme_documents_every_series_and_fragmentation() -> None:
     readme = (DOCS / "README.md").read_text()
     assert [n for n in list(C.trtprompt_families()) + list(C.BACKEND_GAUGES) if n not in readme] == []
     assert "## KV fragmentation" in readme
+
+
+def test_bench_reads_the_served_series_by_their_declared_names() -> None:
+    from trtprompt.bench.report import server_summary
+    from trtprompt.bench.runner import LoadSpec, RunResult
+
+    before = {f"{C.PREFILL_TIME}_sum": 1.0, f"{C.PREFILL_TIME}_count": 4.0, f'{C.FINISHED}{{reason="invalid"}}': 1.0,
+              C.RESTARTS: 0.0}
+    after = {f"{C.PREFILL_TIME}_sum": 1.5, f"{C.PREFILL_TIME}_count": 9.0, f'{C.FINISHED}{{reason="invalid"}}': 3.0,
+             C.RESTARTS: 1.0}
+    server = server_summary(RunResult(LoadSpec(concurrency=1), {}, [], 1.0, before, after))
+    assert server["prefill_time_seconds_mean"] == pytest.approx(0.1)
+    assert server["time_to_first_token_seconds_mean"] is None  # not scraped
+    assert server["finished"]["invalid"] == 2.0 and server["finished"]["length"] is None
+    assert server["engine_restarts"] == 1.0

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from trtprompt.bench.runner import RequestRecord, RunResult
+from trtprompt.serve import metrics_catalog as C
 
 PERCENTILES = (50, 90, 99)
 
@@ -85,17 +86,23 @@ def series_value(metrics: Mapping[str, float], name: str, **labels: str) -> floa
 
 
 def server_summary(result: RunResult) -> dict[str, Any]:
-    """What /metrics says about the measured window (deltas of cumulative series)."""
-    kv = "nv_trt_llm_kv_cache_block_metrics"
+    """What /metrics says about the measured window (deltas of cumulative series).
+
+    The series are the server's own (serve/metrics_catalog.py), read by name: a
+    histogram's mean is its _sum delta over its _count delta.
+    """
+    kv = C.KV_FAMILY
     reused = series_delta(result, kv, kv_cache_block_type="reused")
     missed = series_delta(result, kv, kv_cache_block_type="missed")
     out: dict[str, Any] = {"reused_blocks": reused, "missed_blocks": missed, "hit_rate": None,
                            "tokens_per_block": series_value(result.metrics_after, kv, kv_cache_block_type="tokens_per")}
     if reused is not None and missed is not None and reused + missed > 0:
         out["hit_rate"] = reused / (reused + missed)
-    for name in ("trtprompt_time_to_first_token_seconds", "trtprompt_prefill_time_seconds"):
-        total, count = series_delta(result, f"{name}_sum"), series_delta(result, f"{name}_count")
-        out[f"{name.removeprefix('trtprompt_')}_mean"] = total / count if total is not None and count else None
+    for h in C.HISTOGRAMS:
+        total, count = series_delta(result, f"{h.name}_sum"), series_delta(result, f"{h.name}_count")
+        out[f"{h.name.removeprefix('trtprompt_')}_mean"] = total / count if total is not None and count else None
+    out["finished"] = {reason: series_delta(result, C.FINISHED, reason=reason) for reason in C.FINISH_REASONS}
+    out["engine_restarts"] = series_delta(result, C.RESTARTS)
     return out
 
 
@@ -144,6 +151,8 @@ ROWS: tuple[tuple[str, Any], ...] = (
     ("requests/s", lambda s: _num(s["req_per_s"], "{:.2f}")),
     *[(f"TTFT {k} (ms)", (lambda k: lambda s: _ms(s["ttft_s"][k]))(k)) for k in ("p50", "p90", "p99")],
     ("TTFT in the engine, mean (ms)", lambda s: _ms(s["server"].get("time_to_first_token_seconds_mean"))),
+    ("prefill in the engine, mean (ms)", lambda s: _ms(s["server"].get("prefill_time_seconds_mean"))),
+    ("queue in the engine, mean (ms)", lambda s: _ms(s["server"].get("request_queue_time_seconds_mean"))),
     *[(f"ITL {k} (ms)", (lambda k: lambda s: _ms(s["itl_s"][k]))(k)) for k in ("p50", "p90", "p99")],
     ("TPOT p50 (ms)", lambda s: _ms(s["tpot_s"]["p50"])),
     *[(f"e2e {k} (ms)", (lambda k: lambda s: _ms(s["e2e_s"][k]))(k)) for k in ("p50", "p90", "p99")],
