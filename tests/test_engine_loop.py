@@ -10,6 +10,7 @@ from engine_helpers import hf_greedy, make_engine, make_hf_model
 from trtprompt.engine.errors import InputTooLongError, QueueFullError
 from trtprompt.engine.loop import EngineLoop
 from trtprompt.engine.request import FinishReason, SamplingParams
+from trtprompt.error_codes import ErrorCode
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,7 @@ def test_stop_ends_in_flight_requests_with_an_error(llama):
     loop.stop()
     out = stream.get(timeout=60)
     assert out.finished and out.finish_reason is FinishReason.ERROR and "stopped" in out.error
+    assert out.error_code is ErrorCode.UNAVAILABLE
 
 
 def test_step_failure_fails_requests_but_loop_survives(llama):
@@ -90,6 +92,7 @@ def test_step_failure_fails_requests_but_loop_survives(llama):
     engine.runner.execute = flaky
     out = list(loop.submit("a", [5, 6, 7], SamplingParams(max_tokens=4)))
     assert out[-1].finish_reason is FinishReason.ERROR and "simulated kernel failure" in out[-1].error
+    assert out[-1].error_code is ErrorCode.INTERNAL
     ok = list(loop.submit("b", [5, 6, 7], SamplingParams(max_tokens=4)))
     assert ok[-1].finish_reason is FinishReason.LENGTH
     assert sum(len(o.new_token_ids) for o in ok) == 4

@@ -80,6 +80,8 @@ def test_queue_full_is_429_with_retry_after(strict: Served) -> None:
     assert status == 429 and headers["retry-after"] == "1"
     assert data["error"]["type"] == "rate_limit_error" and data["error"]["code"] == "queue_full"
     assert "max_queue_size=1" in data["error"]["message"]
+    refused = strict.text("over gRPC", 4)  # the same refusal as Triton answers it: the code tagged
+    assert refused.error is not None and "[queue_full] queue full:" in refused.error
     running.close()  # cancels the long request: the waiting one runs and answers
     status, _, data = answer(waiting)
     assert status == 200 and data["usage"]["completion_tokens"] <= 8

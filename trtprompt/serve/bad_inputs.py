@@ -17,8 +17,12 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-# gRPC streaming carries no status code in-band: the stream's final response is an error.
-GRPC_INVALID = "error response"
+from trtprompt.error_codes import ErrorCode, classify
+
+# gRPC streaming carries no status code in-band: the stream's final response is an error whose
+# message starts with its code as a tag (trtprompt/error_codes.py); the answer is that code.
+GRPC_INVALID = f"error: {ErrorCode.INVALID_ARGUMENT.value}"
+GRPC_TOO_LONG = f"error: {ErrorCode.TOO_LONG.value}"
 HTTP_400 = "HTTP 400"
 HTTP_500 = "HTTP 500"  # what tritonserver itself answers for a body it cannot parse
 
@@ -113,9 +117,9 @@ CASES: tuple[Case, ...] = (
          _text(max_tokens=100_000)),
     Case(E, "`max_tokens` sent as FP32", GRPC_INVALID, "expects 'INT32'",
          lambda lim: [_i("text_input", "hi", None), _i("max_tokens", 4.0, F32)]),
-    Case(E, "prompt past max_input_len tokens", GRPC_INVALID, "exceeds maximum input length ({max_input_len})",
+    Case(E, "prompt past max_input_len tokens", GRPC_TOO_LONG, "exceeds maximum input length ({max_input_len})",
          _text(_too_many_tokens)),
-    Case(E, "text past max_input_len x longest token (bytes)", GRPC_INVALID,
+    Case(E, "text past max_input_len x longest token (bytes)", GRPC_TOO_LONG,
          "bytes, more than the {text_bound} bytes", _text(_too_long_text)),
     *(_float_case(E, n, v) for n, v in (("temperature", NAN), ("temperature", INF), ("temperature", -1.0),
                                         ("top_p", 1.5), ("top_p", NAN), ("repetition_penalty", 0.0),
@@ -147,7 +151,7 @@ CASES: tuple[Case, ...] = (
          _text(nonsense=(1, I32))),
     Case(T, "`input_ids` empty", GRPC_INVALID, "input 'input_ids' is empty: at least one token id is required",
          _tok(ids=(), length=0)),
-    Case(T, "`input_ids` past max_input_len", GRPC_INVALID,
+    Case(T, "`input_ids` past max_input_len", GRPC_TOO_LONG,
          "exceeds maximum input length ({max_input_len}, the engine's max_input_len)", _tok(ids=_too_long_ids)),
     Case(T, "`input_lengths` > number of ids", GRPC_INVALID, "input_lengths (5) must be in [1, 3]", _tok(length=5)),
     Case(T, "`input_lengths` = 0", GRPC_INVALID, "input_lengths (0) must be in [1, 3]", _tok(length=0)),
@@ -210,7 +214,7 @@ def ask(case: Case, limits: Limits, grpc_url: str, http_base: str, timeout_s: fl
         res = client.infer(case.endpoint, case.build(limits), timeout_s)
     if res.error is None:
         return Answer("OK", res.text)
-    return Answer(GRPC_INVALID if not res.error_code else str(res.error_code), res.error)
+    return Answer(f"error: {classify(res.error).value}", res.error)
 
 
 def _ask_http(body: Any, base: str, timeout_s: float) -> Answer:
