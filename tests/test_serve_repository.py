@@ -105,6 +105,11 @@ def test_upstream_repository_is_a_consistent_triton_ensemble(tiny_engine_dir: Pa
     # After the decoupled core, a step may only take the core's tensors (Triton's rule).
     core_out = set(steps[1].output_map.values())
     assert set(steps[2].input_map.values()) <= core_out
+    # The fused ensemble's client interface (issue 13): prompt inputs, counts, salt to the core.
+    assert {"messages", "overflow", "cache_salt", "return_num_input_tokens", "return_num_output_tokens"} <= ens_inputs
+    assert {"prompt_truncated_tokens", "dropped_turns", "num_input_tokens", "num_output_tokens"} <= ens_outputs
+    assert steps[1].input_map["cache_salt"] == "cache_salt"
+    assert configs["preprocessing"].parameters["salt_reaches_core"].string_value == "true"  # type: ignore[attr-defined]
 
 
 def test_refuses_flags_the_engine_was_not_built_for(engine_copy: Path, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ files that parse with tritonclient's ModelConfig schema and carry the expected v
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -130,3 +131,30 @@ def test_params_bounds_and_unset_cap() -> None:
         TrtllmModelParams(Path("/e"), "float16", 2048, 16, batch_scheduler_policy="fifo")
     with pytest.raises(ValueError, match="placeholder"):
         parse_config_text('name: "x"\nmax_batch_size: ${triton_max_batch_size}\n')
+
+
+def test_ensemble_client_interface_on_the_trtllm_target(good_repo: Path) -> None:
+    """The same prompt inputs and token counts as the torch target's ensemble; the salt stops at
+    preprocessing (the tensorrtllm backend has no salt input), and the prompt-edge counts, which
+    only the torch core can hand back through an ensemble, are not declared."""
+    ensemble = _parse(good_repo / "ensemble" / "config.pbtxt")
+    assert {"messages", "overflow", "cache_salt", "return_num_input_tokens"} <= {t.name for t in ensemble.input}
+    outputs = {t.name for t in ensemble.output}
+    assert {"num_input_tokens", "num_output_tokens"} <= outputs
+    assert not outputs & {"prompt_truncated_tokens", "dropped_turns"}
+    steps = {s.model_name: s for s in ensemble.ensemble_scheduling.step}
+    assert steps["preprocessing"].input_map["CACHE_SALT"] == "cache_salt"
+    assert "cache_salt" not in steps["tensorrt_llm"].input_map
+    pre = {k: v.string_value for k, v in _parse(good_repo / "preprocessing" / "config.pbtxt").parameters.items()}
+    assert pre["salt_reaches_core"] == "false"
+
+
+def test_require_cache_salt_cannot_be_served_on_the_trtllm_target(
+        tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path) -> None:
+    engine = make_engine_dir("good", tmp_path / "engine", tiny_checkpoint_factory("llama"))
+    meta = json.loads((engine / "trtprompt.json").read_text(encoding="utf-8"))
+    meta["prompt"]["require_cache_salt"] = True
+    (engine / "trtprompt.json").write_text(json.dumps(meta), encoding="utf-8")
+    result = _repo_only(engine, tmp_path / "repo")
+    assert result.exit_code != 0
+    assert "require_cache_salt = true cannot be served on the trtllm target" in result.output

@@ -252,7 +252,7 @@ def fused_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
 
 def core_takes_salt(ctx: RepoContext) -> bool:
     """The torch core takes `cache_salt`; Triton's tensorrtllm backend (TensorRT-LLM 1.2) reads no
-    salt input, although its executor Request has a cacheSaltID (docs/design.md)."""
+    salt input, although its executor Request has a cacheSaltID (docs/gpu.md)."""
     if ctx.engine.target != "trtllm":
         return True
     if ctx.engine.prompt.get("require_cache_salt"):
