@@ -123,8 +123,8 @@ install_trtprompt() {
 build_engine() {
     mkdir -p "$WORK_DIR"
     if [[ ! -f "${CKPT}/config.json" ]]; then
-        python3 scripts/make_demo_checkpoint.py "$CKPT" --size small >/dev/null \
-            || fail_now "demo checkpoint" "scripts/make_demo_checkpoint.py failed"
+        trtprompt demo-checkpoint "$CKPT" --size small >/dev/null \
+            || fail_now "demo checkpoint" "trtprompt demo-checkpoint failed"
     fi
     record "demo checkpoint" "PASS" "$CKPT"
     local start end
@@ -136,6 +136,19 @@ build_engine() {
     local ranks
     ranks=$(find "$ENGINE" -maxdepth 1 -name 'rank*.engine' | wc -l)
     record "trtllm build" "PASS" "${ranks} rank file(s) in $((end - start)) s, profile ${PROFILE}"
+}
+
+plain_engine_dir() {  # the engine as plain trtllm-build leaves it: no trtprompt.json, tokenizer beside it
+    local plain="${WORK_DIR}/plain-engine"
+    rm -rf "$plain" && mkdir -p "$plain"
+    cp "$ENGINE"/config.json "$ENGINE"/rank*.engine "$plain"/ && cp "$ENGINE"/tokenizer/* "$plain"/
+    if ! trtprompt inspect "$plain" > "${WORK_DIR}/plain-inspect.log" 2>&1; then
+        record "trtllm-build dir" "FAIL" "inspect: $(tail -n 1 "${WORK_DIR}/plain-inspect.log")"
+    elif ! trtprompt serve "$plain" --repo-only "${WORK_DIR}/plain-repo" > "${WORK_DIR}/plain-repo.log" 2>&1; then
+        record "trtllm-build dir" "FAIL" "serve --repo-only: $(tail -n 1 "${WORK_DIR}/plain-repo.log")"
+    else
+        record "trtllm-build dir" "PASS" "inspect and serve --repo-only on ${plain}"
+    fi
 }
 
 start_server() {
@@ -222,6 +235,7 @@ main() {
     check_environment
     install_trtprompt
     build_engine
+    plain_engine_dir
     start_server
     stream_request
     shared_prefix_requests
