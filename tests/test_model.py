@@ -1,7 +1,7 @@
 """Parity of the paged, packed decoder with transformers on tiny random checkpoints.
 
 Each architecture's checkpoint is made here with its transformers config
-class (large init so argmax is well separated, FACTS.md), saved with
+class (large init so argmax is well separated, docs/design.md), saved with
 save_pretrained and read back from model.safetensors. transformers' logits
 over the whole sequence are the oracle for every position our model computes,
 whether in one prefill, in chunks across steps, or as decodes.

@@ -35,7 +35,7 @@ ROLE_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, PAD, END_OF_TURN, *ROLE_TOKENS)
 MAX_POSITION_EMBEDDINGS = 4096
 # Large init: with HF's default 0.02 a tiny model's logits are nearly flat and
-# greedy ties flip on float-order noise (FACTS.md, "Tiny random checkpoints").
+# greedy ties flip on float-order noise (docs/design.md, "Machines and test models").
 INITIALIZER_RANGE = 0.3
 
 # Bos is in the template *and* added by the post-processor, like Llama 3:

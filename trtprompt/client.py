@@ -87,7 +87,7 @@ def make_input(name: str, value: Any, dtype: str | None = None) -> Any:
 
 
 def text_inputs(prompt: str | bytes, max_tokens: int, stream: bool = True, **optional: Any) -> list[Any]:
-    """Inputs for `ensemble`; optional names as FACTS.md lists them (temperature=0.0, ...)."""
+    """Inputs for `ensemble`; optional names as TensorRT-LLM's ensemble has them (temperature=0.0, ...)."""
     types = {"temperature": np.float32, "top_p": np.float32, "length_penalty": np.float32,
              "repetition_penalty": np.float32, "presence_penalty": np.float32,
              "frequency_penalty": np.float32, "seed": np.uint64, "random_seed": np.uint64}

@@ -1,6 +1,6 @@
 """Build plan: resolve the bounds from the model, the profile and CLI overrides, then size the memory.
 
-Bounds follow TensorRT-LLM 1.x's build rules (FACTS.md): max_seq_len defaults
+Bounds follow TensorRT-LLM 1.x's build rules (docs/design.md): max_seq_len defaults
 to max_position_embeddings x rope factor (no factor for su/longrope/llama3,
 whose max_position_embeddings already is the extended length), max_input_len
 is clipped to max_seq_len, max_num_tokens is capped at max_seq_len x

@@ -1,7 +1,7 @@
 """Linear layers: a plain `F.linear` reference and a oneDNN prepacked path.
 
 On our CPUs oneDNN with a weight reordered once into its blocked layout runs
-2.4-4.4x faster than torch's default (MKL) path (FACTS.md). It applies only on
+2.4-4.4x faster than torch's default (MKL) path (docs/design.md, "Machines"). It applies only on
 CPU for dtypes the CPU's oneDNN supports; everywhere else the reference path
 runs. W8A16 weights (int8 + per-output-channel scale) are dequantized once
 at load: torch's int8 weight-only matmul (`_weight_int8pack_mm`) ran at

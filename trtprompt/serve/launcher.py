@@ -1,7 +1,7 @@
 """Start and watch the engine process and a real tritonserver.
 
 tritonserver comes from PATH (the NGC container) or, failing that, from the
-nvidia-pytriton wheel, set up as FACTS.md ("Triton on CPU from pip") says:
+nvidia-pytriton wheel, set up as docs/design.md ("Triton facts", CPU from pip) says:
 a backend directory linking the wheel's Python backend and the stub for
 this Python, the venv's bin first on PATH, the interpreter's LIBDIR first
 on LD_LIBRARY_PATH.

@@ -6,7 +6,7 @@ file can hold a placeholder or a field Triton would reject. One function per
 model config; a target adds its own variant (e.g. the tensorrtllm C++
 backend for `tensorrt_llm`) next to the Python one here.
 
-Layouts (ARCHITECTURE.md, "Serving"):
+Layouts (docs/design.md, "Architecture"):
   fused    : ensemble (python, decoupled, text) + tensorrt_llm (python, decoupled, tokens)
   upstream : preprocessing -> tensorrt_llm -> postprocessing chained by a Triton
              `ensemble`, as tensorrtllm_backend lays it out for the GPU target.
@@ -274,7 +274,7 @@ def postprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
     params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "skip_special_tokens": True,
               "max_open_streams": 4096, "stream_idle_timeout_s": 600}
     # ONE instance: the streaming detokenizer state lives in it, and two
-    # instances could reorder a stream's chunks (FACTS.md).
+    # instances could reorder a stream's chunks (docs/design.md, "Triton facts").
     return _base("postprocessing", ctx.max_batch_size, POST_INPUTS, POST_OUTPUTS, params)
 
 
@@ -289,7 +289,7 @@ def _step(cfg: mc.ModelConfig, model: str, inputs: Mapping[str, str], outputs: M
 def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
     """tensorrtllm_backend's ensemble: preprocessing -> tensorrt_llm -> postprocessing.
 
-    Client cancellation does not cross a Triton ensemble (FACTS.md); this
+    Client cancellation does not cross a Triton ensemble (docs/design.md, "Triton facts"); this
     layout exists for the GPU target, whose core is the C++ backend.
     """
     supported = [t for t in ENSEMBLE_INPUTS if t not in UNSUPPORTED_INPUTS and t[0] not in

@@ -2,7 +2,7 @@
 
 Tokenizes, submits to the engine process, detokenizes incrementally, and
 aborts the engine request as soon as the client cancels (a Triton ensemble
-could not: cancellation does not cross it, FACTS.md).
+could not: cancellation does not cross it, docs/design.md, "Triton facts").
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class TrtllmBuildArgs:
 
 def quant_config(quantization: str, quant_algo: str | None) -> dict[str, Any] | None:
     """QuantConfig kwargs. The KV cache stays in the model dtype: an INT8 KV cache, or FP8 KV
-    without FP8 weights, would make the builder switch paged context FMHA off (FACTS.md)."""
+    without FP8 weights, would make the builder switch paged context FMHA off (docs/design.md, "TensorRT-LLM rules reproduced")."""
     if quant_algo is None:
         return None
     config: dict[str, Any] = {"quant_algo": quant_algo, "kv_cache_quant_algo": None}
