@@ -125,3 +125,12 @@ def test_kv_pool_rule() -> None:
     assert rules.kv_pool(1024, 32, None, 0.9, None) is None
     # 2 sequences of 100 tokens use at most 2 x 4 blocks: more would be waste.
     assert rules.kv_pool(1024, 32, 1000, 0.9, None, max_batch_size=2, max_seq_len=100) == (256, 8)
+
+
+def test_paged_context_rule() -> None:
+    full = {"kv_cache_type": "PAGED", "plugin_config": {"use_paged_context_fmha": True, "paged_kv_cache": True}}
+    assert rules.paged_context_missing(full) == []
+    assert rules.paged_context_missing({"plugin_config": {"use_paged_context_fmha": True}}) == []
+    assert rules.paged_context_missing({**full, "kv_cache_type": "CONTINUOUS"}) == ["paged_kv_cache"]
+    assert rules.paged_context_missing({"plugin_config": {"paged_kv_cache": False}}) == [
+        "use_paged_context_fmha", "paged_kv_cache"]

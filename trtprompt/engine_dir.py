@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.safetensors_header import safetensors_header
 from trtprompt.errors import CheckpointError, EngineDirError
+from trtprompt.rules import paged_context_missing
 
 ENGINE_FORMAT = 1
 PARTIAL_MARKER = ".trtprompt-partial"
@@ -159,11 +160,8 @@ def _trtllm_build_meta(build_config: Mapping[str, Any]) -> dict[str, Any]:
     """trtprompt.json's content for an engine trtprompt did not build: TensorRT-LLM's defaults,
     with KV reuse on only where the engine can do it (paged context FMHA on a paged KV cache),
     so a plain `serve ENGINE` works and an explicit flag the engine cannot honour is refused."""
-    plugin = build_config.get("plugin_config") or {}
-    paged = str(build_config.get("kv_cache_type") or "PAGED").upper() == "PAGED" and \
-        bool(plugin.get("paged_kv_cache", True))
     return {"format": ENGINE_FORMAT, "target": "trtllm", "profile": {"name": None},
-            "runtime": {"enable_kv_cache_reuse": bool(plugin.get("use_paged_context_fmha")) and paged,
+            "runtime": {"enable_kv_cache_reuse": not paged_context_missing(build_config),
                         "enable_chunked_context": False},
             "prompt": {}, "memory_plan": {}, "source": {"path": None, "sha256": None, "built_by": BUILT_BY_TRTLLM}}
 

@@ -24,6 +24,9 @@ QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "fp8", "int4_awq")
 CAPACITY_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 OVERFLOW_POLICIES: tuple[str, ...] = ("reject", "truncate_left", "truncate_middle")
 LAYOUTS: tuple[str, ...] = ("fused", "upstream")
+# What the build plan puts in place of an unset max_input_len / max_num_tokens (TensorRT-LLM's BuildConfig).
+DEFAULT_MAX_INPUT_LEN = 1024
+DEFAULT_MAX_NUM_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -117,11 +120,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     # build bounds: TensorRT-LLM BuildConfig fields (trtllm-build flags)
     _k("max_batch_size", "build", int, 2048, "Most requests in one batch.", low=1, high=65536,
        trtllm="max_batch_size", lowerable=True, runtime_unset=True, engine=True, serve=True),
-    _k("max_input_len", "build", int, None, "Longest prompt the build allows (unset: min(1024, max_seq_len)).",
+    _k("max_input_len", "build", int, None, f"Longest prompt the build allows (unset: min({DEFAULT_MAX_INPUT_LEN}, max_seq_len)).",
        trtllm="max_input_len", **_TOKENS),
     _k("max_seq_len", "build", int, None, "Longest prompt + output (unset: the model's positions x rope factor).",
        low=2, high=BIG, nullable=True, trtllm="max_seq_len"),
-    _k("max_num_tokens", "build", int, None, "Most tokens in one engine step (unset: 8192, capped by the plan).",
+    _k("max_num_tokens", "build", int, None, f"Most tokens in one engine step (unset: {DEFAULT_MAX_NUM_TOKENS}, capped by the plan).",
        trtllm="max_num_tokens", lowerable=True, runtime_unset=True, engine=True, serve=True, **_TOKENS),
     _k("opt_num_tokens", "build", int, None, "Token count TensorRT tunes for (unset: max_batch_size x beam width).",
        trtllm="opt_num_tokens", **_TOKENS),

@@ -16,7 +16,8 @@ from trtprompt.cli_knobs import BUILD_OPTIONS, SERVE_OPTIONS
 from trtprompt.knobs import KNOBS, STAGES, Knob, in_section
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "profiles.md"
-RULES: tuple[Callable[..., Any], ...] = (rules.max_input_len, rules.raised_bounds, rules.kv_pool)
+RULES: tuple[Callable[..., Any], ...] = (rules.max_input_len, rules.raised_bounds, rules.kv_pool,
+                                         rules.paged_context_missing)
 HEADINGS = {
     "build": "Build bounds: `[build]` (TensorRT-LLM `BuildConfig` fields)",
     "runtime": "Runtime policy: `[runtime]` (the `tensorrt_llm` model's config.pbtxt parameters)",

@@ -20,6 +20,7 @@ from trtprompt import rules
 from trtprompt.checkpoint import expected_weight_shapes, is_layer_linear
 from trtprompt.engine.config import ModelConfig
 from trtprompt.errors import PlanError
+from trtprompt.knobs import DEFAULT_MAX_INPUT_LEN, DEFAULT_MAX_NUM_TOKENS
 from trtprompt.profile import Profile
 
 TARGETS: tuple[str, ...] = ("torch", "trtllm")
@@ -34,8 +35,6 @@ TARGET_QUANTIZATIONS: dict[str, tuple[str, ...]] = {
 QUANT_ALGOS: dict[str, str | None] = {"none": None, "int8_wo": "W8A16", "fp8": "FP8", "int4_awq": "W4A16_AWQ"}
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 NO_FACTOR_ROPE_TYPES: tuple[str, ...] = ("su", "longrope", "llama3")
-DEFAULT_MAX_INPUT_LEN = 1024
-DEFAULT_MAX_NUM_TOKENS = 8192
 MAX_NUM_TOKENS_ADVISED = 16384
 
 

@@ -63,3 +63,20 @@ def kv_pool(bytes_per_token: int, tokens_per_block: int, max_tokens: int | None,
         if blocks > useful:
             tokens, blocks = useful * tokens_per_block, useful
     return tokens, blocks
+
+
+def paged_kv_cache(build: Mapping[str, Any]) -> bool:
+    """Whether an engine's KV cache is paged: build_config.kv_cache_type decides (TensorRT-LLM 1.x);
+    without it, the deprecated plugin_config.paged_kv_cache (on unless said otherwise)."""
+    kind = build.get("kv_cache_type")
+    if kind is not None:
+        return str(kind).upper() == "PAGED"
+    return bool((build.get("plugin_config") or {}).get("paged_kv_cache", True))
+
+
+def paged_context_missing(build: Mapping[str, Any]) -> list[str]:
+    """What an engine lacks for chunked context and KV block reuse, which both need paged context
+    FMHA on a paged KV cache: a subset of ["use_paged_context_fmha", "paged_kv_cache"]."""
+    present = {"use_paged_context_fmha": bool((build.get("plugin_config") or {}).get("use_paged_context_fmha")),
+               "paged_kv_cache": paged_kv_cache(build)}
+    return [need for need, ok in present.items() if not ok]

@@ -38,8 +38,7 @@ def _check_overrides(overrides: Mapping[str, Any], build: Mapping[str, Any]) -> 
     if unknown:
         raise ValueError(f"unknown runtime option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     rules.check_not_raised(overrides, build, LOWERABLE_BOUNDS)
-    plugin = build.get("plugin_config", {})
-    paged_ctx = bool(plugin.get("use_paged_context_fmha")) and bool(plugin.get("paged_kv_cache", True))
+    paged_ctx = not rules.paged_context_missing(build)
     for flag in ("enable_chunked_context", "enable_kv_cache_reuse"):
         if overrides.get(flag) and not paged_ctx:
             raise ValueError(f"{flag} needs an engine built with use_paged_context_fmha and a paged KV cache; "
@@ -63,8 +62,8 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
     runtime = {k: knobs.KNOBS[k].default for k in RUNTIME_KEYS}
     runtime.update({k: v for k, v in dict(files.meta.get("runtime", {})).items() if k in RUNTIME_KEYS})
     runtime.update({k: v for k, v in overrides.items() if k in RUNTIME_KEYS and v is not None})
-    # Without paged context FMHA the engine can neither chunk nor reuse.
-    paged_ctx = bool(build.get("plugin_config", {}).get("use_paged_context_fmha"))
+    # Without paged context FMHA on a paged KV cache the engine can neither chunk nor reuse.
+    paged_ctx = not rules.paged_context_missing(build)
     device = overrides.get("device") or "cpu"
     budget = overrides.get("memory_budget_bytes")
     if budget is None and runtime.get("max_tokens_in_paged_kv_cache") is None:

@@ -14,8 +14,8 @@ from trtprompt import knobs, rules
 from trtprompt.engine_dir import EngineDir
 
 LAYOUTS = knobs.LAYOUTS
-DISABLE_FLAGS = {"enable_chunked_context": "--disable-chunked-context",
-                 "enable_kv_cache_reuse": "--disable-kv-cache-reuse"}
+# "--disable-chunked-context", "--disable-kv-cache-reuse": the off half of each knob's flag.
+DISABLE_FLAGS = {k: str(knobs.KNOBS[k].flag).split("/")[1] for k in ("enable_chunked_context", "enable_kv_cache_reuse")}
 
 
 # The serve layer's name for an engine directory; read with EngineInfo.read(path, tokenizer=None),
@@ -50,19 +50,14 @@ def resolve_options(engine: EngineInfo, overrides: Mapping[str, Any]) -> ServeOp
 
 def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
     """Refuse runtime flags the engine was not built for (TensorRT-LLM's rules)."""
-    build, plugin = engine.build_config, engine.plugin_config
-    paged_kv = bool(plugin.get("paged_kv_cache", True)) and build.get("kv_cache_type", "PAGED") == "PAGED"
-    needs = {"use_paged_context_fmha": bool(plugin.get("use_paged_context_fmha")),
-             "paged_kv_cache": paged_kv}
+    build = engine.build_config
+    missing = rules.paged_context_missing(build)
     for flag in ("enable_chunked_context", "enable_kv_cache_reuse"):
-        if not getattr(opts, flag):
-            continue
-        for need, present in needs.items():
-            if not present:
-                raise ValueError(
-                    f"{flag} needs an engine built with plugin_config.{need}, and "
-                    f"{engine.path / 'config.json'} has it off: rebuild the engine or serve with "
-                    f"{DISABLE_FLAGS[flag]}")
+        if getattr(opts, flag) and missing:
+            raise ValueError(
+                f"{flag} needs an engine built with plugin_config.{missing[0]}, and "
+                f"{engine.path / 'config.json'} has it off: rebuild the engine or serve with "
+                f"{DISABLE_FLAGS[flag]}")
     if opts.enable_kv_cache_reuse and build.get("gather_context_logits"):
         raise ValueError("enable_kv_cache_reuse cannot work with an engine built with "
                          "gather_context_logits; rebuild without it or serve with --disable-kv-cache-reuse")

@@ -70,6 +70,8 @@ MODEL_KNOBS: tuple[str, ...] = (
     "enable_kv_cache_reuse", "enable_chunked_context", "batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction",
     "max_tokens_in_paged_kv_cache", "max_beam_width", "max_queue_size", "max_queue_delay_microseconds",
     "exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms")
+# Triton's own queue settings (dynamic_batching), not backend parameters.
+QUEUE_KNOBS: tuple[str, ...] = ("max_queue_size", "max_queue_delay_microseconds")
 
 
 @dataclass(frozen=True)
@@ -112,18 +114,10 @@ class TrtllmModelParams:
         params: dict[str, Any] = {
             "gpt_model_type": "inflight_fused_batching",
             "gpt_model_path": str(self.engine_dir),
-            "max_beam_width": self.max_beam_width,
             "max_attention_window_size": self.max_attention_window_size,
-            "batch_scheduler_policy": self.batch_scheduler_policy,
-            "enable_chunked_context": self.enable_chunked_context,
-            "enable_kv_cache_reuse": self.enable_kv_cache_reuse,
-            "kv_cache_free_gpu_mem_fraction": self.kv_cache_free_gpu_mem_fraction,
-            "max_tokens_in_paged_kv_cache": self.max_tokens_in_paged_kv_cache,
+            **{str(knobs.KNOBS[k].trtllm): getattr(self, k) for k in MODEL_KNOBS if k not in QUEUE_KNOBS},
             "kv_cache_onboard_blocks": True,
             "kv_cache_host_memory_bytes": 0,
-            "exclude_input_in_output": self.exclude_input_in_output,
-            "cancellation_check_period_ms": self.cancellation_check_period_ms,
-            "stats_check_period_ms": self.stats_check_period_ms,
             "iter_stats_max_iterations": self.iter_stats_max_iterations,
             "request_stats_max_iterations": self.request_stats_max_iterations,
             "normalize_log_probs": self.normalize_log_probs,

@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping
 
 from trtprompt.engine_dir import check_rank_engines, load_engine_config
 from trtprompt.errors import EngineDirError, TargetUnavailableError
-from trtprompt.rules import raised_bounds
+from trtprompt.knobs import KNOBS
+from trtprompt.rules import paged_kv_cache, raised_bounds
 
 CONTAINER = "nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"
 PINNED_VERSION = "1.2.1"
@@ -63,10 +64,7 @@ class TrtllmEngineConfig:
 
     @property
     def paged_kv_cache(self) -> bool:
-        kind = self.build_config.get("kv_cache_type")
-        if kind is not None:
-            return str(kind).upper() == "PAGED"
-        return bool(self.plugin.get("paged_kv_cache"))  # the deprecated spelling
+        return paged_kv_cache(self.build_config)
 
     def parallelism(self) -> tuple[int, int, int]:
         """(tp_size, pp_size, world_size), checked against each other."""
@@ -128,9 +126,10 @@ def _bound_problems(engine: TrtllmEngineConfig, flags: Mapping[str, Any]) -> lis
         problems.append(f"max_tokens_in_paged_kv_cache={cap} holds {cap // tpb} blocks of {tpb} tokens, "
                         f"fewer than one max_seq_len {seq} sequence needs ({math.ceil(seq / tpb)}); "
                         "TensorRT-LLM would silently shrink the attention window")
-    fraction = flags.get("kv_cache_free_gpu_mem_fraction")
-    if fraction is not None and not 0.0 < float(fraction) <= 1.0:
-        problems.append(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction}")
+    fraction = KNOBS["kv_cache_free_gpu_mem_fraction"]
+    problem = fraction.problem(flags.get(fraction.name))
+    if flags.get(fraction.name) is not None and problem:
+        problems.append(f"{fraction.name} {problem}")
     return problems
 
 
