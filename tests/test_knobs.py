@@ -46,7 +46,6 @@ def test_committed_profile_reference_is_the_generated_one() -> None:
 def test_each_default_passes_its_own_bounds(name: str) -> None:
     knob = KNOBS[name]
     assert knob.section in knobs.STAGES and knob.help.strip()
-    assert (knob.low is None) == (knob.high is None)
     assert knob.check(knob.default) == knob.default
 
 
@@ -64,6 +63,8 @@ def test_bounds_and_their_messages() -> None:
     with pytest.raises(ValueError, match="max_batch_size must be an integer in"):
         KNOBS["max_batch_size"].check(None)
     assert KNOBS["max_batch_size"].check(None, runtime=True) is None  # at runtime: the engine's value
+    with pytest.raises(ValueError, match="knob x: declare low and high together"):
+        knobs.Knob("x", "build", int, 1, "An example.", low=1)
 
 
 def _defaults(cls: type) -> dict[str, Any]:

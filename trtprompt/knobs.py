@@ -31,6 +31,8 @@ DEFAULT_MAX_NUM_TOKENS = 8192
 
 @dataclass(frozen=True)
 class Knob:
+    """One knob: what it is, what it may be, and who reads it."""
+
     name: str
     section: str  # one of STAGES: where the knob is set (a profile section, or `serve` only)
     kind: type  # bool, int, float or str
@@ -48,6 +50,10 @@ class Knob:
     engine: bool = False  # LLMEngine.from_engine_dir takes it as a runtime override
     serve: bool = False  # `trtprompt serve` takes it
     flag: str | None = None  # click spelling when not --name-with-dashes (booleans: "--on/--off")
+
+    def __post_init__(self) -> None:
+        if (self.low is None) != (self.high is None):
+            raise ValueError(f"knob {self.name}: declare low and high together")
 
     @property
     def runtime_default(self) -> Any:
@@ -82,16 +88,15 @@ class Knob:
             return f"must be {self.allowed()}, got {value!r} ({type(value).__name__})"
         if self.choices and value not in self.choices:
             return f"must be {self.allowed()}, got {value!r}"
-        if self.low is not None and not self._in_range(value):
-            return f"must be {self.allowed()}, got {value!r}"
-        if self.power_of_two and value & (value - 1):
+        if not self._in_range(value) or (self.power_of_two and value & (value - 1)):
             return f"must be {self.allowed()}, got {value!r}"
         return None
 
-    def _in_range(self, value: float) -> bool:
-        low, high = self.low, self.high
-        assert low is not None and high is not None  # declared together (checked by the tests)
-        return (low < value if self.low_open else low <= value) and value <= high
+    def _in_range(self, value: Any) -> bool:
+        if self.low is None or self.high is None:
+            return True
+        above = self.low < value if self.low_open else self.low <= value
+        return above and value <= self.high
 
     def check(self, value: Any, qualified: bool = False, runtime: bool = False) -> Any:
         """value (an int given for a float knob becomes a float), or ValueError naming the knob."""
