@@ -145,3 +145,16 @@ def test_bench_reads_the_served_series_by_their_declared_names() -> None:
     assert server["time_to_first_token_seconds_mean"] is None  # not scraped
     assert server["finished"]["invalid"] == 2.0 and server["finished"]["length"] is None
     assert server["engine_restarts"] == 1.0
+
+
+def test_perf_outputs_are_declared_once_and_read_from_the_request_stats() -> None:
+    from dataclasses import fields
+
+    from trtprompt.client import PERF_OUTPUTS
+    from trtprompt.serve.inputs import perf_values
+    from trtprompt.serve.tensors import PERF_OUTPUTS as DECLARED
+
+    assert PERF_OUTPUTS == tuple(name for name, *_ in DECLARED)
+    assert set(PERF_OUTPUTS) <= {f.name for f in fields(RequestStats)}
+    values = perf_values({"kv_cache_reused_blocks": 3, "first_token_time_ns": None})
+    assert values["kv_cache_reused_blocks"] == (3, "int32") and values["first_token_time_ns"] == (0, "int64")

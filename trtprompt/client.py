@@ -16,11 +16,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from trtprompt.serve import tensors
+
 NP_TO_TRITON = {np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64", np.dtype(np.uint64): "UINT64",
                 np.dtype(np.float32): "FP32", np.dtype(np.float16): "FP16", np.dtype(np.bool_): "BOOL",
                 np.dtype(np.uint32): "UINT32"}
-PERF_OUTPUTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
-                "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+# The return_perf_metrics output names, as the model configs declare them.
+PERF_OUTPUTS = tuple(name for name, *_ in tensors.PERF_OUTPUTS)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import numpy as np
 
 from trtprompt.engine.request import FLOAT_BOUNDS, SamplingParams, check_bound
 from trtprompt.error_codes import CodedError, ErrorCode, FieldError
+from trtprompt.serve.tensors import PERF_OUTPUTS
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -276,15 +277,6 @@ def count_values(item: Item, frame: Mapping[str, Any]) -> dict[str, int]:
 
 
 def perf_values(stats: Mapping[str, Any]) -> dict[str, tuple[int, str]]:
-    """The return_perf_metrics outputs from an output frame's request stats."""
-    def ns(key: str) -> int:
-        return int(stats.get(key) or 0)
-    return {
-        "kv_cache_alloc_new_blocks": (int(stats.get("kv_cache_alloc_new_blocks", 0)), "int32"),
-        "kv_cache_reused_blocks": (int(stats.get("kv_cache_reused_blocks", 0)), "int32"),
-        "kv_cache_alloc_total_blocks": (int(stats.get("kv_cache_alloc_total_blocks", 0)), "int32"),
-        "arrival_time_ns": (ns("arrival_time_ns"), "int64"),
-        "first_scheduled_time_ns": (ns("first_scheduled_time_ns"), "int64"),
-        "first_token_time_ns": (ns("first_token_time_ns"), "int64"),
-        "last_token_time_ns": (ns("last_token_time_ns"), "int64"),
-    }
+    """The return_perf_metrics outputs (name -> (value, numpy dtype)) from an output frame's
+    request stats, whose keys are the outputs' names; a time not reached yet is 0."""
+    return {name: (int(stats.get(name) or 0), dtype.lower()) for name, dtype, *_ in PERF_OUTPUTS}

@@ -120,23 +120,23 @@ class Histogram:
     buckets: tuple[float, ...] = LATENCY_BUCKETS
 
 
-QUEUE_TIME = "trtprompt_request_queue_time_seconds"
-TTFT = "trtprompt_time_to_first_token_seconds"
-PREFILL_TIME = "trtprompt_prefill_time_seconds"
-INTER_TOKEN = "trtprompt_inter_token_latency_seconds"
-E2E = "trtprompt_e2e_request_latency_seconds"
-CACHED_TOKENS = "trtprompt_request_prefix_cache_hit_tokens"
-
 HISTOGRAMS: tuple[Histogram, ...] = (
-    Histogram(QUEUE_TIME, "Time from a request's arrival at the engine to its first scheduling", "queue_s"),
-    Histogram(TTFT, "Time from a request's arrival at the engine to its first output token", "ttft_s"),
-    Histogram(PREFILL_TIME, "Time from a request's first scheduling to its first output token", "prefill_s"),
-    Histogram(INTER_TOKEN, "Mean time between a request's output tokens (one observation per request "
-              "with two or more)", "itl_s"),
-    Histogram(E2E, "Time from a request's arrival at the engine to its last output token", "e2e_s"),
-    Histogram(CACHED_TOKENS, "Prompt tokens a request took from the prefix cache", "cached_tokens",
-              TOKEN_BUCKETS),
+    Histogram("trtprompt_request_queue_time_seconds",
+              "Time from a request's arrival at the engine to its first scheduling", "queue_s"),
+    Histogram("trtprompt_time_to_first_token_seconds",
+              "Time from a request's arrival at the engine to its first output token", "ttft_s"),
+    Histogram("trtprompt_prefill_time_seconds",
+              "Time from a request's first scheduling to its first output token", "prefill_s"),
+    Histogram("trtprompt_inter_token_latency_seconds",
+              "Mean time between a request's output tokens (one observation per request with two or more)",
+              "itl_s"),
+    Histogram("trtprompt_e2e_request_latency_seconds",
+              "Time from a request's arrival at the engine to its last output token", "e2e_s"),
+    Histogram("trtprompt_request_prefix_cache_hit_tokens", "Prompt tokens a request took from the prefix cache",
+              "cached_tokens", TOKEN_BUCKETS),
 )
+HISTOGRAM_OF = {h.timing_key: h.name for h in HISTOGRAMS}  # timing key -> family name
+TTFT, PREFILL_TIME = HISTOGRAM_OF["ttft_s"], HISTOGRAM_OF["prefill_s"]
 
 
 def trtprompt_families() -> list[str]:
