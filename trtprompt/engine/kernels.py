@@ -1,4 +1,4 @@
-"""The compiled paged-attention kernel (csrc/paged_attention.cpp), built on first use.
+"""The compiled kernels (csrc/): paged attention and fused layer ops, built on first use.
 
 torch's C++ extension loader compiles it once per machine with the system's
 C++ compiler and caches it under TORCH_EXTENSIONS_DIR (default
@@ -17,7 +17,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp")
 # The kernel reads 8-float vectors and tiles rows by four.
 HEAD_SIZE_MULTIPLE = 8
 TOKENS_PER_BLOCK_MULTIPLE = 4
@@ -43,7 +44,7 @@ def compiled_kernel_status() -> tuple[bool, str]:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use pure torch
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

@@ -2,8 +2,9 @@
 
 No padding: a step's tokens of all sequences form one [T, hidden] batch;
 attention is paged (attention.py). q/k/v and gate/up are fused into one GEMM
-each. Logits are computed only at the rows asked for, and returned in
-float32.
+each. The row-wise ops (RMSNorm, rotary, SiLU * up) come from a LayerOps
+(layer_ops.py): transformers' torch expressions, or one compiled op each.
+Logits are computed only at the rows asked for, and returned in float32.
 """
 
 from __future__ import annotations
@@ -22,23 +23,22 @@ from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model'
     paged_attention,
 )
 from trtprompt.engine.config import ModelConfig
+from trtprompt.engine.layer_ops import LayerOps, TorchOps
 from trtprompt.engine.linear import make_linear, resolve_backend
-from trtprompt.engine.rope import RotaryEmbedding, apply_rotary
+from trtprompt.engine.rope import RotaryEmbedding
 from trtprompt.engine.weights import LinearWeights, check_quant_algo, fuse_linears, take_linear, take_tensor
 
 
 class RMSNorm(torch.nn.Module):
-    """transformers' RMSNorm: normalise in float32, round to dtype, then scale."""
+    """transformers' RMSNorm (LayerOps.rms_norm)."""
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.weight = weight
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(torch.nn.Module):
@@ -53,15 +53,15 @@ class Attention(torch.nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KvCache) -> torch.Tensor:
+                meta: AttentionMetadata, kv_cache: KvCache, ops: LayerOps) -> torch.Tensor:
         t, d = x.shape[0], self.head_size
         q, k, v = self.qkv(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.view(t, self.num_heads, d)
         k = k.view(t, self.num_kv_heads, d)
         v = v.view(t, self.num_kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.q_norm(q, ops), self.k_norm(k, ops)
+        q, k = ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * d))
 
@@ -72,9 +72,8 @@ class MLP(torch.nn.Module):
         self.gate_up, self.down = gate_up, down
         self.intermediate_size = intermediate_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return self.down(ops.silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer(torch.nn.Module):
@@ -84,9 +83,9 @@ class DecoderLayer(torch.nn.Module):
         self.input_norm, self.post_norm = input_norm, post_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KvCache) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_norm(x))
+                meta: AttentionMetadata, kv_cache: KvCache, ops: LayerOps) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x, ops), cos, sin, meta, kv_cache, ops)
+        return x + self.mlp(self.post_norm(x, ops), ops)
 
 
 class DecoderModel(torch.nn.Module):
@@ -154,8 +153,10 @@ class DecoderModel(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[KvCache], logits_indices: torch.Tensor) -> torch.Tensor:
-        """[len(logits_indices), vocab] float32 logits at the given packed rows."""
+                kv_caches: list[KvCache], logits_indices: torch.Tensor,
+                ops: LayerOps | None = None) -> torch.Tensor:
+        """[len(logits_indices), vocab] float32 logits at the given packed rows (TorchOps by default)."""
+        ops = TorchOps() if ops is None else ops
         if self.embed_tokens is None or self.norm is None or self.lm_head is None:
             raise RuntimeError("DecoderModel.load_weights must run before forward")
         if input_ids.shape[0] != meta.num_tokens or positions.shape[0] != meta.num_tokens:
@@ -168,6 +169,6 @@ class DecoderModel(torch.nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, kv_cache)
-        x = self.norm(x.index_select(0, logits_indices))
+            x = layer(x, cos, sin, meta, kv_cache, ops)
+        x = self.norm(x.index_select(0, logits_indices), ops)
         return self.lm_head(x).float()

@@ -133,8 +133,3 @@ class RotaryEmbedding(torch.nn.Module):
         sin = freqs.sin() * self.attention_scaling
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_size] by half-split pairs (the rotate_half convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

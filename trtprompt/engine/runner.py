@@ -9,6 +9,7 @@ import torch
 from trtprompt.engine.attention import AttentionMetadata, SeqSlice, build_attention_metadata
 from trtprompt.engine.host_memory import keep_freed_memory
 from trtprompt.engine.kv_cache import KVCacheManager
+from trtprompt.engine.layer_ops import layer_ops
 from trtprompt.engine.model import DecoderModel
 from trtprompt.engine.scheduler import SchedulerOutput
 
@@ -23,6 +24,7 @@ class ModelRunner:
         self.tokens_per_block = tokens_per_block
         self.device = device
         self.attention_backend = attention_backend  # resolved: "compiled", "torch" or "reference"
+        self.ops = layer_ops(attention_backend)
         if self.device.type == "cpu":  # activations live in host memory: keep their pages mapped
             log.info("host memory: %s", keep_freed_memory())
 
@@ -52,4 +54,4 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
         """Logits [num sampling requests, vocab] in float32, in scheduling order."""
         input_ids, positions, meta, rows = self.prepare(out, kv)
-        return self.model(input_ids, positions, meta, self.kv_caches, rows)
+        return self.model(input_ids, positions, meta, self.kv_caches, rows, self.ops)

@@ -8,8 +8,7 @@
 // returned so callers can merge partial results (cascade attention over a shared
 // prefix). Design and measurements: docs/design.md, "Attention".
 //
-// Vectors are GCC/Clang vector extensions (8 floats), not intrinsics, so the same
-// source builds for any x86-64 or ARM CPU; scores of four rows are computed
+// Vectors (vec.h) are GCC/Clang vector extensions; scores of four rows are computed
 // together so their FMA chains overlap.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -18,6 +17,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,22 +29,7 @@
 
 namespace {
 
-constexpr int64_t kLanes = 8;
-typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
-inline float hsum(vf v) {
-  float s = 0.f;
-  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
+using namespace trtprompt_vec;
 
 // out[r] = q . rows[r] for four consecutive rows of length d (a multiple of kLanes).
 inline void dot4(const float* q, const float* rows, int64_t d, float* out) {
@@ -64,28 +50,6 @@ template <typename T>
 inline void prefetch_run(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i, 0, 1);
-}
-
-// e^x for x <= 0 (scores minus their running max), 8 lanes at once: range reduction
-// to 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (about 1 ulp).
-inline vf exp_nonpositive(vf x) {
-  typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
-  const vf lo = vf{} - 87.0f;
-  x = x < lo ? lo : x;  // e^-87 is below float32's normal range: as good as 0 next to the max term
-  const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // round to nearest, x <= 0
-  const vf nf = __builtin_convertvector(n, vf);
-  const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi bits = (n + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 inline void axpy(float a, const float* x, float* y, int64_t d) {

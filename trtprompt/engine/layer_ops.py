@@ -1,0 +1,73 @@
+"""The decoder layer's row-wise ops: plain torch, or one compiled op each.
+
+`TorchOps` is the reference: transformers' expressions, op by op. `CompiledOps`
+runs each as one pass (csrc/fused_ops.cpp), rounding where the torch
+expression rounds. The engine uses the compiled ops exactly when it runs the
+compiled attention kernel (attention_backend "compiled": same build, same
+fallback); "torch" and "reference" run these torch ops. Why and how much:
+docs/design.md, "Fused layer ops".
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class LayerOps(Protocol):
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+
+class TorchOps:
+    """transformers' expressions; cos/sin are [T, 1, head_size/2]."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalise in float32, round to dtype, then scale (transformers' LlamaRMSNorm).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_size] by half-split pairs (transformers' rotate_half convention)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class CompiledOps:
+    """One compiled op each; inputs the kernels cannot take go through TorchOps."""
+
+    def __init__(self) -> None:
+        from trtprompt.engine import kernels
+
+        available, why = kernels.compiled_kernel_status()  # loads the library that defines the ops
+        if not available:
+            raise RuntimeError(f"compiled layer ops are unavailable: {why}")
+        self.reference = TorchOps()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.ops.trtprompt.rms_norm(x.contiguous(), weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() != 2:
+            return self.reference.silu_and_mul(gate_up)
+        return torch.ops.trtprompt.silu_and_mul(gate_up.contiguous())
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            return self.reference.rotary(x, cos, sin)
+        return torch.ops.trtprompt.rotary(x, cos.squeeze(1), sin.squeeze(1))
+
+
+def layer_ops(attention_backend: str) -> LayerOps:
+    """The ops that go with a resolved attention backend ("compiled", "torch" or "reference")."""
+    return CompiledOps() if attention_backend == "compiled" else TorchOps()
