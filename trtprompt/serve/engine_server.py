@@ -91,6 +91,7 @@ class EngineService:
         self.engine = loop.engine
         self.restarts = restarts  # how often the launcher restarted this engine process before
         self.counters = RequestCounters(self.engine.kv.tokens_per_block)  # for /metrics
+        self.config_labels = config_labels(self.engine)  # fixed for the process's life
         files = getattr(self.engine, "files", None)
         self.prompt_policy = PromptPolicy.from_mapping(files.prompt if files is not None else {})
 
@@ -103,7 +104,7 @@ class EngineService:
                 "enable_kv_cache_reuse": self.engine.config.kv_cache.enable_block_reuse,
                 "vocab_size": self.engine.model_config.vocab_size,
                 "eos_token_ids": sorted(self.engine.eos_token_ids), "torch_threads": torch_threads(),
-                "config_labels": config_labels(self.engine)}
+                "config_labels": self.config_labels}
 
     def stats(self, since: int) -> dict[str, Any]:
         return {"type": "stats", **asdict(self.loop.stats()), **self.counters.snapshot(since),
