@@ -69,6 +69,21 @@ def test_infer_json_sends_only_inputs_the_layout_declares(upstream: Served, orac
     assert record["num_output_tokens"] == len(oracle.run(prompt, 8).output_ids)
 
 
+def test_openai_chat_and_usage_through_the_upstream_ensemble(upstream: Served, oracle: Oracle) -> None:
+    """The OpenAI front end sends messages, a salt and the count requests; the upstream ensemble takes them."""
+    import openai
+
+    client = openai.OpenAI(base_url=upstream.openai_url, api_key="unused", max_retries=0)
+    name = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Hello there"}]
+    reply = client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0.0,
+                                           extra_body={"cache_salt": "tenant-a"})
+    prompt_ids = oracle.tokenizer.encode_chat(messages)
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt_ids)
+    done = reply.choices[0].finish_reason
+    assert reply.usage.completion_tokens == 6 if done == "length" else 1 <= reply.usage.completion_tokens < 6
+
+
 def test_errors_reach_the_client_and_the_server_keeps_serving(upstream: Served) -> None:
     assert "input 'text_input' is empty" in (upstream.text("", 4).error or "")
     assert "beam_width=2 is not supported" in (upstream.text("hi", 4, beam_width=2).error or "")
