@@ -66,7 +66,7 @@ class PromptEdge:
 
     def fit_text(self, text: str, max_tokens: int | None, overflow: str | None = None,
                  input_name: str = "text_input") -> EdgePrompt:
-        """Encode and budget a text prompt (no salt check: for layouts that carry no salt)."""
+        """Encode and budget a text prompt (prepare checks the salt requirement before it)."""
         text = self.bound_text(text, overflow, input_name)
         ids = self._tokenizer.encode(text, add_special_tokens=self._add_special_tokens)
         cut = self.budget().fit(ids, max_tokens, overflow)
