@@ -204,8 +204,8 @@ def format_commands(args: TrtllmBuildArgs, checkpoint: Path, out_dir: Path,
         _shell(convert_command(args, checkpoint, trt_ckpt)),
         _shell(trtllm_build_command(args, trt_ckpt, out_dir)),
         f"mkdir -p {shlex.quote(str(tok))} && cp {copy} {shlex.quote(str(tok))}/",
-        "# `trtprompt serve` also needs trtprompt.json (profile and runtime policy), which only",
-        "# `trtprompt build --target trtllm` writes; these lines are for users of the plain CLI.",
+        "# `trtprompt serve` takes this directory as is (TensorRT-LLM's defaults, reuse on where the",
+        "# engine allows it); `trtprompt build --target trtllm` also records the profile's policies.",
     ]
     return "\n".join(lines) + "\n"
 
