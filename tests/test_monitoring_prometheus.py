@@ -194,8 +194,8 @@ def test_every_dashboard_expression_returns_plausible_data(driven: Prometheus) -
     assert throughput > 0 and completed > 0
     for title in ("Time to first token p50 / p99", "Inter-token latency p50 / p99"):
         assert all(0 < value[e] < 60 for e in by_title[title]), title
-    hit_blocks, hit_tokens, cached_p50 = (value[e] for e in by_title["KV prefix-cache hit rate"])
-    assert 0 < hit_blocks <= 1 and 0 < hit_tokens < 1 and cached_p50 > 0
+    hit_blocks, hit_tokens, cached_mean, backend_hit_blocks = (value[e] for e in by_title["KV prefix-cache hit rate"])
+    assert 0 < hit_blocks <= 1 and 0 < hit_tokens < 1 and cached_mean > 0 and 0 < backend_hit_blocks <= 1
     fragmentation, used, evictions, preemptions = (value[e] for e in by_title[
         "KV fragmentation, use, evictions and preemptions"])
     assert 0 <= fragmentation <= 1 and 0 <= used <= 1 and evictions >= 0 and preemptions >= 0
