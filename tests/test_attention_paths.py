@@ -84,6 +84,31 @@ def test_fast_paths_equal_reference(monkeypatch, heads, kv_heads, head_size, tpb
         assert (got - want).abs().max().item() < tol, backend
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_size,tpb,dtype", [CASES[0], CASES[2], CASES[5]])
+@pytest.mark.parametrize("shapes,back_to_back", [
+    ([(0, 9), (0, 9), (0, 9), (5, 1), (40, 1)], True),  # same-length prompts, then decodes
+    ([(0, 9), (37, 1), (0, 9), (3, 9)], False),  # equal chunks with a decode between
+])
+def test_equal_short_chunks_need_no_padding(heads, kv_heads, head_size, tpb, dtype, shapes, back_to_back) -> None:
+    rng = random.Random(len(shapes) * 31 + tpb)
+    torch.manual_seed(rng.randrange(1 << 30))
+    num_blocks = 64 + 8 * (128 // tpb)
+    seqs = make_step(rng, tpb, num_blocks, 0, shapes)
+    shape = (num_blocks, kv_heads, tpb, head_size)
+    caches = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+    t = sum(s.num_new_tokens for s in seqs)
+    q = torch.randn(t, heads, head_size).to(dtype)
+    k, v = torch.randn(t, kv_heads, head_size).to(dtype), torch.randn(t, kv_heads, head_size).to(dtype)
+    want = run_backend("reference", seqs, tpb, caches, q, k, v, dtype).float()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for backend in ["torch"] + (["compiled"] if COMPILED else []):
+        small = build_attention_metadata(seqs, tpb, torch.device("cpu"), backend=backend, dtype=dtype).small
+        assert small is not None and small.mask is None and small.valid is None
+        assert (small.rows_start is not None) == back_to_back
+        got = run_backend(backend, seqs, tpb, caches, q, k, v, dtype).float()
+        assert (got - want).abs().max().item() < tol, backend
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_log_sum_exp_is_exact(dtype) -> None:

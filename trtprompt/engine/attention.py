@@ -126,6 +126,14 @@ def take_rows(x: torch.Tensor, rows: torch.Tensor, rows_start: int | None) -> to
     return x.index_select(0, rows)
 
 
+def put_rows(dst: torch.Tensor, rows: torch.Tensor, rows_start: int | None, src: torch.Tensor) -> None:
+    """Write src into dst's packed rows: a slice copy where they are consecutive."""
+    if rows_start is not None:
+        dst[rows_start:rows_start + rows.shape[0]] = src
+    else:
+        dst.index_copy_(0, rows, src)
+
+
 def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where keep, -inf elsewhere: the mask form the CPU flash kernel takes (of the query's dtype)."""
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))

@@ -29,6 +29,7 @@ from trtprompt.engine.attention import (
     contiguous_start,
     gather_blocks,
     gather_tables,
+    put_rows,
     slot_tensors,
     take_rows,
 )
@@ -72,8 +73,10 @@ class SmallChunks:
     """
 
     rows: torch.Tensor  # [C, width] packed rows of each chunk, padded with its last row
-    valid: torch.Tensor  # [C * width] bool: the padded positions that are real rows
-    mask: torch.Tensor  # [C, 1, width, width] additive causal mask (padding keys masked), model dtype
+    rows_start: int | None  # rows[0, 0] when every row is real and they are consecutive: slices do
+    # Both None when every chunk has `width` tokens: no padding, a plain causal call.
+    valid: torch.Tensor | None  # [C * width] bool: the padded positions that are real rows
+    mask: torch.Tensor | None  # [C, 1, width, width] additive causal mask (padding keys masked), model dtype
 
 
 @dataclass(frozen=True)
@@ -84,11 +87,15 @@ class PrefixGroup:
 
 def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
                    mask: torch.Tensor | None = None) -> Parts:
-    """q [B, H, Lq, d], k/v [B, H, Lk, d] -> (out [B, H, Lq, d], lse [B, H, Lq] float32)."""
+    """q [B, H, Lq, d], k/v [B, kv_heads, Lk, d] -> (out [B, H, Lq, d], lse [B, H, Lq] float32).
+
+    The CPU flash kernel takes GQA K/V as they are (each kv head serves its group of
+    query heads, bit-identical to repeating them); elsewhere they are repeated."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         return out, lse
+    k, v = repeat_kv(k, v, q.shape[1], dim=1)
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
@@ -128,8 +135,7 @@ def attend_unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def repeat_kv(k: torch.Tensor, v: torch.Tensor, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V with each kv head repeated for its GQA group (along dim), where a causal mask
-    runs along query rows and heads therefore cannot fold into them."""
+    """K/V with each kv head repeated for its GQA group (along dim)."""
     group = heads // k.shape[dim]
     if group == 1:
         return k, v
@@ -138,7 +144,6 @@ def repeat_kv(k: torch.Tensor, v: torch.Tensor, heads: int, dim: int) -> tuple[t
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Parts:
     """A chunk's rows q [n, heads, d] against its own new tokens k/v [n, kv_heads, d], causally."""
-    k, v = repeat_kv(k, v, q.shape[1], dim=1)
     out, lse = flash_with_lse(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                               v.transpose(0, 1).unsqueeze(0), scale, causal=True)
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
@@ -164,12 +169,12 @@ class PagedMetadata:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for dec in self.decodes:
             o, l = self._decode(q, kv_cache, dec, scale)
-            out.index_copy_(0, dec.rows, o)
-            lse.index_copy_(0, dec.rows, l)
+            put_rows(out, dec.rows, dec.rows_start, o)
+            put_rows(lse, dec.rows, dec.rows_start, l)
         if self.small is not None:
             rows, (o, l) = _small_chunks(q, k, v, self.small, scale)
-            out.index_copy_(0, rows, o)
-            lse.index_copy_(0, rows, l)
+            put_rows(out, rows, self.small.rows_start, o)
+            put_rows(lse, rows, self.small.rows_start, l)
         for chunk in self.prefills:
             self._prefill(q, k, v, kv_cache, chunk, scale, out, lse)
         for group in self.groups:
@@ -214,13 +219,15 @@ def _small_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, small: Smal
     flat = small.rows.reshape(-1)
 
     def batch(x: torch.Tensor) -> torch.Tensor:  # [T, h, d] -> [C, h, width, d]
-        return x.index_select(0, flat).view(num, width, x.shape[1], x.shape[2]).transpose(1, 2)
+        return take_rows(x, flat, small.rows_start).view(num, width, x.shape[1], x.shape[2]).transpose(1, 2)
 
-    kb, vb = repeat_kv(batch(k), batch(v), q.shape[1], dim=1)
-    out, lse = flash_with_lse(batch(q), kb, vb, scale, mask=small.mask.to(q.dtype))
-    out = out.transpose(1, 2).reshape(num * width, q.shape[1], q.shape[2])[small.valid]
-    lse = lse.transpose(1, 2).reshape(num * width, q.shape[1])[small.valid]
-    return flat[small.valid], (out, lse)
+    mask = None if small.mask is None else small.mask.to(q.dtype)
+    out, lse = flash_with_lse(batch(q), batch(k), batch(v), scale, causal=mask is None, mask=mask)
+    out = out.transpose(1, 2).reshape(num * width, q.shape[1], q.shape[2])
+    lse = lse.transpose(1, 2).reshape(num * width, q.shape[1])
+    if small.valid is None:
+        return flat, (out, lse)
+    return flat[small.valid], (out[small.valid], lse[small.valid])
 
 
 def _decode_batch(rows: list[int], seqs: list[SeqSlice], skips: list[int], tpb: int, device: torch.device,
@@ -256,9 +263,11 @@ def _small_chunks_batch(starts: list[int], sizes: list[int], device: torch.devic
     pos = torch.arange(width, device=device)
     sizes_t = torch.tensor(sizes, device=device)
     rows = torch.tensor(starts, device=device)[:, None] + torch.minimum(pos[None, :], sizes_t[:, None] - 1)
+    if min(sizes) == width:  # equal chunks (a batch of same-length prompts): no padding to mask
+        return SmallChunks(rows, contiguous_start(rows.reshape(-1).tolist()), None, None)
     valid = pos[None, :] < sizes_t[:, None]
     keep = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [C, query, key]
-    return SmallChunks(rows, valid.reshape(-1), additive_mask(keep, dtype)[:, None])
+    return SmallChunks(rows, None, valid.reshape(-1), additive_mask(keep, dtype)[:, None])
 
 
 def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device, dtype: torch.dtype,
