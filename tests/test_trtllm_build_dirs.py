@@ -107,3 +107,11 @@ def test_inspect_plain_engine(tmp_path: Path, checkpoint: Path) -> None:
     no_tok = make_engine_dir("good", tmp_path / "bare", trtllm_build=True)
     assert _cli("inspect", str(no_tok)).exit_code != 0
     assert _cli("inspect", str(no_tok), "--tokenizer", str(checkpoint)).exit_code == 0
+
+
+def test_openai_front_end_reads_only_config_json(tmp_path: Path) -> None:
+    from trtprompt.serve.openai.config import FrontendConfig
+
+    engine = make_engine_dir("tp2", tmp_path / "e", trtllm_build=True)  # no tokenizer anywhere
+    cfg = FrontendConfig.for_engine(engine, "127.0.0.1:8001")
+    assert (cfg.limits.name, cfg.limits.max_model_len, cfg.tokens_per_block) == ("e", 4096, 32)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtprompt.serve.openai.params import ModelLimits
-from trtprompt.serve.options import EngineInfo
+from trtprompt.engine_dir import load_engine_config
 
 API_KEY_ENV = "TRTPROMPT_API_KEY"
 
@@ -33,8 +33,8 @@ class FrontendConfig:
     def for_engine(cls, engine_dir: str | Path, grpc_url: str, api_key: str | None = None,
                    name: str | None = None) -> "FrontendConfig":
         """The served model's name (the engine directory's), max_model_len and block size, read once."""
-        engine = EngineInfo.read(engine_dir)
-        build = engine.build_config
-        tpb = engine.plugin_config.get("tokens_per_block", build.get("tokens_per_block"))
-        limits = ModelLimits(name or engine.path.name, int(build["max_seq_len"]))
+        root = Path(engine_dir).resolve()
+        build = load_engine_config(root)["build_config"]  # config.json only: no tokenizer needed here
+        tpb = (build.get("plugin_config") or {}).get("tokens_per_block", build.get("tokens_per_block"))
+        limits = ModelLimits(name or root.name, int(build["max_seq_len"]))
         return cls(grpc_url, limits, int(tpb) if tpb is not None else None, api_key)
