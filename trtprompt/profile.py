@@ -21,9 +21,6 @@ from trtprompt.errors import ProfileError
 # trtprompt/profiles is a symlink to the repo's top-level profiles/ (where users look); a wheel
 # carries the files themselves as package data (pyproject.toml), so both find them here.
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
-# The choices live with the knobs (trtprompt/knobs.py); these names stay for the modules that use them.
-DTYPES, QUANTIZATIONS, OVERFLOW_POLICIES = knobs.DTYPES, knobs.QUANTIZATIONS, knobs.OVERFLOW_POLICIES
-SCHEDULER_POLICIES = knobs.CAPACITY_POLICIES
 KEYS: dict[str, knobs.Knob] = {name: knobs.KNOBS[name] for name in knobs.PROFILE_KEYS}
 SECTIONS: tuple[str, ...] = knobs.PROFILE_SECTIONS
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from trtprompt.error_codes import CodedError, ErrorCode
-from trtprompt.profile import OVERFLOW_POLICIES
+from trtprompt.knobs import OVERFLOW_POLICIES
 
 # Strictest first; a request may move left of the profile's policy, never right.
 STRICTNESS: tuple[str, ...] = ("reject", "truncate_middle", "truncate_left")
