@@ -163,7 +163,7 @@ def test_cli_json_fail_under_and_reordered_file(tmp_path: Path, tiny_engine_dir:
      "p.jsonl:1: messages[0] has unknown role 'bot'"),
     ('{"prompt": "a"}\n', [], "give exactly one of --engine ENGINE_DIR or --tokenizer DIR"),
     ('{"prompt": "a"}\n', ["--tokenizer", "T", "--tokens-per-block", "48"],
-     "--tokens-per-block must be a power of two >= 1, got 48"),
+     "--tokens-per-block must be a power of two in [1, 1024], got 48"),
     ('{"prompt": "a"}\n', ["--engine", "E", "--tokens-per-block", "32"], "--tokens-per-block comes from the engine"),
 ])
 def test_cli_bad_input(tmp_path: Path, tiny_engine_dir: Path, content: str, args: list[str], message: str) -> None:

@@ -11,6 +11,7 @@ import click
 from trtprompt import checkpoint_maker as demo  # standard library only at import time
 from trtprompt.cli_knobs import BUILD_OPTIONS, SERVE_OPTIONS, knob_options
 from trtprompt.errors import UserError
+from trtprompt.knobs import KNOBS
 
 
 @click.group()
@@ -212,7 +213,8 @@ def infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool, temp
 @click.option("--engine", "engine_dir", type=click.Path(path_type=Path),
               help="Engine dir: its tokenizer and tokens_per_block.")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path), help="Tokenizer dir (without --engine).")
-@click.option("--tokens-per-block", type=int, help="KV block size with --tokenizer (default 32).")
+@click.option("--tokens-per-block", type=int,
+              help=f"KV block size with --tokenizer (default {KNOBS['tokens_per_block'].default}).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @click.option("--fail-under", type=click.FloatRange(0.0, 1.0),
               help="Exit 1 when the reusable fraction is below this (for CI).")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from trtprompt.errors import UserError
+from trtprompt.knobs import KNOBS
 from trtprompt.prompt import segments as seg
 from trtprompt.prompt.lint_input import LintPrompt, Template, parse_template, read_lint_file
 from trtprompt.prompt.prefix_tree import Branch, build_tree
@@ -227,9 +228,11 @@ def load_tokenizer_and_block(engine: Path | None, tokenizer_dir: Path | None,
 
         eng = read_engine_dir(engine)
         return Tokenizer.from_dir(eng.tokenizer_dir), eng.tokens_per_block, _max_input_len(eng)
-    tpb = 32 if tokens_per_block is None else tokens_per_block
-    if tpb < 1 or tpb & (tpb - 1):
-        raise UserError(f"--tokens-per-block must be a power of two >= 1, got {tpb}")
+    knob = KNOBS["tokens_per_block"]
+    tpb = knob.default if tokens_per_block is None else tokens_per_block
+    problem = knob.problem(tpb)
+    if problem:
+        raise UserError(f"--tokens-per-block {problem}")
     try:
         return Tokenizer.from_dir(tokenizer_dir), tpb, None  # type: ignore[arg-type]
     except FileNotFoundError as exc:
