@@ -174,7 +174,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
        nullable=True),
     _k("require_cache_salt", "prompt", bool, False, "Refuse requests without a cache_salt (tenant isolation)."),
     # serve only: the tensorrt_llm model's parameters and the model layout
-    _k("exclude_input_in_output", "serve", bool, False, "Default for requests that do not say.",
+    _k("exclude_input_in_output", "serve", bool, False, "Leave the prompt out of the output (requests may say).",
        trtllm="exclude_input_in_output", serve=True,
        flag="--exclude-input-in-output/--include-input-in-output"),
     _k("cancellation_check_period_ms", "serve", int, 100, "How often cancelled requests are looked for.",
