@@ -12,7 +12,7 @@ import transformers
 from trtprompt.engine.config import EngineConfig, KvCacheConfig, ModelConfig, SchedulerConfig
 from trtprompt.engine.engine import LLMEngine
 from trtprompt.engine.request import SamplingParams
-from trtprompt.engine.weights import load_model_from_safetensors
+from trtprompt.engine.model import load_model_from_safetensors
 
 ARCHS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),

@@ -32,9 +32,8 @@ from transformers import (
 from trtprompt.engine.attention import SeqSlice, allocate_kv_cache, build_attention_metadata
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.linear import onednn_available
-from trtprompt.engine.model import DecoderModel
+from trtprompt.engine.model import DecoderModel, load_model_from_safetensors
 from trtprompt.engine.rope import rope_parameters
-from trtprompt.engine.weights import load_model_from_safetensors
 
 TPB = 8  # tokens_per_block in these tests
 VOCAB = 256

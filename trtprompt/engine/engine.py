@@ -16,14 +16,13 @@ from trtprompt.engine.errors import DuplicateRequestError, QueueFullError
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.loader import engine_config, read_engine_files
 from trtprompt.engine_dir import EngineDir
-from trtprompt.engine.model import DecoderModel
+from trtprompt.engine.model import DecoderModel, load_model_from_safetensors
 from trtprompt.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from trtprompt.engine.runner import ModelRunner
 from trtprompt.engine.sampler import SampleFailure, sample
 from trtprompt.engine.scheduler import Scheduler, SchedulerOutput
 from trtprompt.engine.stopping import check_stop, visible_output_len
 from trtprompt.engine.validation import RequestLimits, validate_request
-from trtprompt.engine.weights import load_model_from_safetensors
 from trtprompt.error_codes import ErrorCode
 
 log = logging.getLogger(__name__)

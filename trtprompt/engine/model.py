@@ -9,6 +9,7 @@ Logits are computed only at the rows asked for, and returned in float32.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -172,3 +173,13 @@ class DecoderModel(torch.nn.Module):
             x = layer(x, cos, sin, meta, kv_cache, ops)
         x = self.norm(x.index_select(0, logits_indices), ops)
         return self.lm_head(x).float()
+
+
+def load_model_from_safetensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                                linear_backend: str, quant_algo: str | None = None) -> DecoderModel:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path), device="cpu")
+    model = DecoderModel(cfg, dtype, device, linear_backend)
+    model.load_weights(tensors, quant_algo)
+    return model

@@ -8,15 +8,11 @@ and lm_head stay in the engine dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from trtprompt.engine.config import ModelConfig
-
-if TYPE_CHECKING:
-    from trtprompt.engine.model import DecoderModel
 
 QUANT_ALGOS: tuple[str, ...] = ("W8A16",)
 
@@ -77,14 +73,3 @@ def fuse_linears(parts: Sequence[LinearWeights]) -> LinearWeights:
     biases = [p.bias if p.bias is not None else ref.new_zeros(p.weight.shape[0]) for p in parts]
     return LinearWeights(weight, torch.cat(biases), scale)
 
-
-def load_model_from_safetensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                                linear_backend: str, quant_algo: str | None = None) -> "DecoderModel":
-    from safetensors.torch import load_file
-
-    from trtprompt.engine.model import DecoderModel
-
-    tensors = load_file(str(path), device="cpu")
-    model = DecoderModel(cfg, dtype, device, linear_backend)
-    model.load_weights(tensors, quant_algo)
-    return model
