@@ -42,6 +42,20 @@ def make_step(rng: random.Random, tpb: int, num_blocks: int, shared_blocks: int,
     return seqs
 
 
+def random_step(rng: random.Random, tpb: int, shared: int, shapes: list[tuple[int, int]],
+                heads: tuple[int, int, int], dtype: torch.dtype):
+    """(seqs, caches, q, k, v) of one random step; heads = (heads, kv_heads, head_size)."""
+    num_heads, kv_heads, head_size = heads
+    num_blocks = 64 + 8 * (128 // tpb)
+    seqs = make_step(rng, tpb, num_blocks, shared, shapes)
+    shape = (num_blocks, kv_heads, tpb, head_size)
+    caches = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+    t = sum(s.num_new_tokens for s in seqs)
+    q = torch.randn(t, num_heads, head_size).to(dtype)
+    k, v = torch.randn(t, kv_heads, head_size).to(dtype), torch.randn(t, kv_heads, head_size).to(dtype)
+    return seqs, caches, q, k, v
+
+
 def run_backend(backend: str, seqs: list[SeqSlice], tpb: int, caches, q, k, v, dtype) -> torch.Tensor:
     kc, vc = caches[0].clone(), caches[1].clone()
     meta = build_attention_metadata(seqs, tpb, torch.device("cpu"), backend=backend, dtype=dtype)
@@ -67,13 +81,7 @@ def test_fast_paths_equal_reference(monkeypatch, heads, kv_heads, head_size, tpb
     torch.manual_seed(rng.randrange(1 << 30))
     p = shared * tpb
     shapes = [(p + 5, 1), (p + tpb, 1), (p + 3 * tpb - 1, 1), (2, 1), (0, 7), (p + 1, 9), (p + 2, 1), (tpb + 3, 2 * tpb)]
-    num_blocks = 64 + 8 * (128 // tpb)
-    seqs = make_step(rng, tpb, num_blocks, shared, shapes)
-    shape = (num_blocks, kv_heads, tpb, head_size)
-    caches = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
-    t = sum(s.num_new_tokens for s in seqs)
-    q = torch.randn(t, heads, head_size).to(dtype)
-    k, v = torch.randn(t, kv_heads, head_size).to(dtype), torch.randn(t, kv_heads, head_size).to(dtype)
+    seqs, caches, q, k, v = random_step(rng, tpb, shared, shapes, (heads, kv_heads, head_size), dtype)
     want = run_backend("reference", seqs, tpb, caches, q, k, v, dtype).float()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     backends = ["torch"] + (["compiled"] if COMPILED else [])
@@ -92,13 +100,7 @@ def test_fast_paths_equal_reference(monkeypatch, heads, kv_heads, head_size, tpb
 def test_equal_short_chunks_need_no_padding(heads, kv_heads, head_size, tpb, dtype, shapes, back_to_back) -> None:
     rng = random.Random(len(shapes) * 31 + tpb)
     torch.manual_seed(rng.randrange(1 << 30))
-    num_blocks = 64 + 8 * (128 // tpb)
-    seqs = make_step(rng, tpb, num_blocks, 0, shapes)
-    shape = (num_blocks, kv_heads, tpb, head_size)
-    caches = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
-    t = sum(s.num_new_tokens for s in seqs)
-    q = torch.randn(t, heads, head_size).to(dtype)
-    k, v = torch.randn(t, kv_heads, head_size).to(dtype), torch.randn(t, kv_heads, head_size).to(dtype)
+    seqs, caches, q, k, v = random_step(rng, tpb, 0, shapes, (heads, kv_heads, head_size), dtype)
     want = run_backend("reference", seqs, tpb, caches, q, k, v, dtype).float()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for backend in ["torch"] + (["compiled"] if COMPILED else []):
