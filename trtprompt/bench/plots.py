@@ -35,6 +35,13 @@ def _cdf(ax: Any, values: Sequence[float], label: str) -> None:
         ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=f"{label} (n={len(xs)})")
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
 def plot_cdfs(runs: Mapping[str, RunResult], title: str, path: Path) -> Path:
     """TTFT, inter-token latency and end-to-end latency CDFs, one line per run."""
     plt = _pyplot()
@@ -53,10 +60,7 @@ def plot_cdfs(runs: Mapping[str, RunResult], title: str, path: Path) -> Path:
         ax.set_ylim(0, 1.02)
     axes[0].legend(fontsize=8, loc="lower right")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_ttft_vs_len(runs: Mapping[str, RunResult], title: str, path: Path) -> Path:
@@ -73,10 +77,7 @@ def plot_ttft_vs_len(runs: Mapping[str, RunResult], title: str, path: Path) -> P
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_vs_concurrency(summaries: Mapping[str, Mapping[str, Mapping[str, Any]]], title: str, path: Path) -> Path:
@@ -107,10 +108,7 @@ def plot_vs_concurrency(summaries: Mapping[str, Mapping[str, Mapping[str, Any]]]
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_plots(runs: Mapping[str, Mapping[str, RunResult]],

@@ -42,6 +42,22 @@ UNSUPPORTED_INPUTS: tuple[Tensor, ...] = (
     ("lora_weights", "FP16", [-1, -1], True),
     ("lora_config", "INT32", [-1, 3], True),
 )
+# Inputs and outputs the ensemble and the token model declare alike, in this order.
+REQUEST_FLAGS: tuple[Tensor, ...] = (
+    *((name, "BOOL", [1], True) for name in ("exclude_input_in_output", "return_log_probs", "return_perf_metrics",
+                                              "return_num_input_tokens", "return_num_output_tokens")),
+    ("cache_salt", "STRING", [1], True),
+)
+SEQUENCE_OUTPUTS: tuple[Tensor, ...] = (
+    ("cum_log_probs", "FP32", [-1], False),
+    ("output_log_probs", "FP32", [-1, -1], False),
+    ("batch_index", "INT32", [1], False),
+    ("sequence_index", "INT32", [1], False),
+    ("num_input_tokens", "INT32", [1], False),
+    ("num_output_tokens", "INT32", [1], False),
+    ("prompt_truncated_tokens", "INT32", [1], False),
+    ("dropped_turns", "INT32", [1], False),
+)
 ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     ("text_input", "STRING", [1], False),
     ("max_tokens", "INT32", [1], False),
@@ -62,25 +78,13 @@ ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     ("random_seed", "UINT64", [1], True),  # name before 0.19
     ("beam_width", "INT32", [1], True),
     ("stream", "BOOL", [1], True),
-    ("exclude_input_in_output", "BOOL", [1], True),
-    ("return_log_probs", "BOOL", [1], True),
-    ("return_perf_metrics", "BOOL", [1], True),
-    ("return_num_input_tokens", "BOOL", [1], True),
-    ("return_num_output_tokens", "BOOL", [1], True),
-    ("cache_salt", "STRING", [1], True),
+    *REQUEST_FLAGS,
     ("overflow", "STRING", [1], True),  # a stricter overflow policy than the server's (issue 5)
     ("messages", "STRING", [1], True),  # JSON chat, used instead of text_input (send it empty)
 ) + UNSUPPORTED_INPUTS
 ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
     ("text_output", "STRING", [-1], False),
-    ("cum_log_probs", "FP32", [-1], False),
-    ("output_log_probs", "FP32", [-1, -1], False),
-    ("batch_index", "INT32", [1], False),
-    ("sequence_index", "INT32", [1], False),
-    ("num_input_tokens", "INT32", [1], False),
-    ("num_output_tokens", "INT32", [1], False),
-    ("prompt_truncated_tokens", "INT32", [1], False),
-    ("dropped_turns", "INT32", [1], False),
+    *SEQUENCE_OUTPUTS,
 ) + PERF_OUTPUTS
 TOKEN_INPUTS: tuple[Tensor, ...] = (
     ("input_ids", "INT32", [-1], False),
@@ -103,12 +107,7 @@ TOKEN_INPUTS: tuple[Tensor, ...] = (
     ("beam_width", "INT32", [1], True),
     ("stop_words_list", "INT32", [2, -1], True),
     ("bad_words_list", "INT32", [2, -1], True),
-    ("exclude_input_in_output", "BOOL", [1], True),
-    ("return_log_probs", "BOOL", [1], True),
-    ("return_perf_metrics", "BOOL", [1], True),
-    ("return_num_input_tokens", "BOOL", [1], True),
-    ("return_num_output_tokens", "BOOL", [1], True),
-    ("cache_salt", "STRING", [1], True),
+    *REQUEST_FLAGS,
     # Echoed back on every response (token_model.ECHOED) for the upstream layout's ensemble.
     ("prompt_truncated_tokens", "INT32", [1], True),
     ("dropped_turns", "INT32", [1], True),
@@ -116,14 +115,7 @@ TOKEN_INPUTS: tuple[Tensor, ...] = (
 TOKEN_OUTPUTS: tuple[Tensor, ...] = (
     ("output_ids", "INT32", [-1, -1], False),
     ("sequence_length", "INT32", [-1], False),
-    ("cum_log_probs", "FP32", [-1], False),
-    ("output_log_probs", "FP32", [-1, -1], False),
-    ("batch_index", "INT32", [1], False),
-    ("sequence_index", "INT32", [1], False),
-    ("num_input_tokens", "INT32", [1], False),
-    ("num_output_tokens", "INT32", [1], False),
-    ("prompt_truncated_tokens", "INT32", [1], False),
-    ("dropped_turns", "INT32", [1], False),
+    *SEQUENCE_OUTPUTS,
 ) + PERF_OUTPUTS
 PRE_INPUTS: tuple[Tensor, ...] = (
     ("QUERY", "STRING", [1], False),
