@@ -79,11 +79,12 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, float eps, at:
 }
 
 // silu(g) = g * sigmoid(g), from e^-|g| so the exponential never overflows; one
-// division per lane (the division, not the exponential, bounds its speed).
+// division per lane (the division, not the exponential, bounds its speed). Below
+// -87 (e^g under float32's normal range) the result is 0, as torch's.
 inline vf silu(vf g) {
   const vf e = exp_nonpositive(g < 0.f ? g : -g);
   const vf inv = 1.f / (1.f + e);
-  return g * (g < 0.f ? e * inv : inv);
+  return g < -87.f ? vf{} : g * (g < 0.f ? e * inv : inv);
 }
 
 inline float silu(float g) {

@@ -30,9 +30,8 @@ inline float hsum(vf v) {
 // to 2^n * e^r with |r| <= ln2 / 2 and a degree-6 polynomial (about 1 ulp).
 inline vf exp_nonpositive(vf x) {
   typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
-  const vf lo = vf{} - 87.0f;  // e^-87 is float32's smallest normal: below it the result is 0
-  const auto underflow = x < lo;
-  x = underflow ? lo : x;
+  const vf lo = vf{} - 87.0f;
+  x = x < lo ? lo : x;  // e^-87 is below float32's normal range: as good as 0 next to the max term
   const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // round to nearest, x <= 0
   const vf nf = __builtin_convertvector(n, vf);
   const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
@@ -46,7 +45,7 @@ inline vf exp_nonpositive(vf x) {
   const vi bits = (n + 127) << 23;
   vf scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return underflow ? vf{} : p * scale;
+  return p * scale;
 }
 
 }  // namespace trtprompt_vec
