@@ -52,8 +52,35 @@ inline void prefetch_run(const T* p, int64_t n) {
   for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i, 0, 1);
 }
 
-inline void axpy(float a, const float* x, float* y, int64_t d) {
-  for (int64_t i = 0; i < d; i += kLanes) store(y + i, load(y + i) + a * load(x + i));
+// acc[0, NV vectors) += sum over rows t < n of p[t] * rows[t]: the accumulators stay in
+// registers for the whole block, one load and one store per block instead of per row.
+template <int NV>
+inline void weighted_rows(const float* p, const float* rows, int64_t n, int64_t d, float* acc) {
+  vf a[NV];
+  for (int k = 0; k < NV; ++k) a[k] = load(acc + k * kLanes);
+  for (int64_t t = 0; t < n; ++t) {
+    const float w = p[t];
+    const float* r = rows + t * d;
+    for (int k = 0; k < NV; ++k) a[k] += w * load(r + k * kLanes);
+  }
+  for (int k = 0; k < NV; ++k) store(acc + k * kLanes, a[k]);
+}
+
+// acc[0, d) += sum over rows t < n of p[t] * rows[t], in chunks of at most four vectors
+// (more would not stay in the 16 vector registers of AVX2).
+inline void accumulate_rows(const float* p, const float* rows, int64_t n, int64_t d, float* acc) {
+  int64_t c = 0;
+  for (; c + 4 * kLanes <= d; c += 4 * kLanes) weighted_rows<4>(p, rows + c, n, d, acc + c);
+  switch ((d - c) / kLanes) {
+    case 3:
+      return weighted_rows<3>(p, rows + c, n, d, acc + c);
+    case 2:
+      return weighted_rows<2>(p, rows + c, n, d, acc + c);
+    case 1:
+      return weighted_rows<1>(p, rows + c, n, d, acc + c);
+    default:
+      return;
+  }
 }
 
 // One (block, kv head) run of rows as float: float caches are read in place,
@@ -129,8 +156,7 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
       for (int64_t t = 0; t < n; t += 4) dot4(st.q.data() + j * d, k + t * d, d, st.scores.data() + j * tpb + t);
     st.softmax_block(g, n, tpb, d);
     const float* v = rows_as_float(v_cache + base, st.vbuf.data(), n * d);
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < g; ++j) axpy(st.scores[j * tpb + t], v + t * d, st.acc.data() + j * d, d);
+    for (int64_t j = 0; j < g; ++j) accumulate_rows(st.scores.data() + j * tpb, v, n, d, st.acc.data() + j * d);
   }
   for (int64_t j = 0; j < g; ++j) {
     const int64_t h = kh * g + j;

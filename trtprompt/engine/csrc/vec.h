@@ -20,10 +20,20 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
+// Sum of the 8 lanes as a tree of shuffles (3 dependent adds instead of 8); compilers
+// without __builtin_shufflevector (GCC before 12) add lane by lane.
 inline float hsum(vf v) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
+  vf4 s = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  s += __builtin_shufflevector(s, s, 2, 3, 0, 1);
+  s += __builtin_shufflevector(s, s, 1, 0, 3, 2);
+  return s[0];
+#else
   float s = 0.f;
   for (int64_t i = 0; i < kLanes; ++i) s += v[i];
   return s;
+#endif
 }
 
 // e^x for x <= 0 (scores minus their running max, -|g| in SiLU), 8 lanes at once: range reduction
