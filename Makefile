@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
-	# Build the paged-attention kernel now rather than on the first request; a
+	# Build the compiled kernels (paged attention, fused layer ops) now rather than on the first request; a
 	# machine without a C++ compiler gets the pure-torch path, said here.
 	$(PY) -m trtprompt.engine.kernels
 	# A real Prometheus for tests/test_monitoring_prometheus.py (skipped without it): Debian's

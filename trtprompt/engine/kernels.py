@@ -72,7 +72,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def main() -> None:
     """`python -m trtprompt.engine.kernels`: build now (make install does) and say which path runs."""
     ok, why = compiled_kernel_status()
-    print(f"paged attention: {'compiled kernel' if ok else 'pure-torch fallback'} ({why})")
+    print(f"paged attention and layer ops: {'compiled kernels' if ok else 'pure-torch fallback'} ({why})")
 
 
 if __name__ == "__main__":
