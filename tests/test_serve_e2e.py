@@ -83,6 +83,22 @@ def test_perf_metrics_come_from_the_engine(served: Served, oracle: Oracle) -> No
     assert result.last("kv_cache_alloc_new_blocks") + result.last("kv_cache_reused_blocks") == total
 
 
+def test_perf_outputs_on_the_final_response_only_when_asked(served: Served) -> None:
+    """TensorRT-LLM attaches perf outputs to every response; perf_metrics_final_only keeps the
+    per-token responses light (the OpenAI front end asks for it: it needs them once, for usage)."""
+    prompt = "perf on the final response " * 6
+    every = served.text(prompt, 6, temperature=0.0, min_tokens=6, return_perf_metrics=True)
+    final_only = served.text(prompt, 6, temperature=0.0, min_tokens=6, return_perf_metrics=True,
+                             perf_metrics_final_only=True)
+    assert every.error is None and final_only.error is None
+    assert len(every.responses) > 2 and len(final_only.responses) == len(every.responses)
+    assert all("first_token_time_ns" in r for r in every.responses)
+    assert ["first_token_time_ns" in r for r in final_only.responses] == [False] * (len(every.responses) - 1) + [True]
+    assert final_only.text == every.text
+    assert final_only.last("kv_cache_alloc_total_blocks") == every.last("kv_cache_alloc_total_blocks")
+    assert 0 < final_only.last("first_token_time_ns") <= final_only.last("last_token_time_ns")
+
+
 def test_shared_prefix_reuses_blocks(served: Served) -> None:
     prefix = "You are a terse assistant. Answer in one line. " * 8
     first = served.text(prefix + "Question one?", 4, return_perf_metrics=True)

@@ -39,6 +39,7 @@ class Item:
     return_num_output_tokens: bool = False
     messages: str | None = None  # JSON chat (trtprompt.prompt.chat), instead of text
     overflow: str | None = None
+    perf_final_only: bool = False  # perf outputs on the final response only (fused ensemble)
 
 
 def batch_size(tensors: Tensors, required: str, *alternatives: str) -> int:
@@ -206,6 +207,7 @@ def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> Item:
         return_perf_metrics=flag(tensors, "return_perf_metrics", i),
         return_num_input_tokens=flag(tensors, "return_num_input_tokens", i),
         return_num_output_tokens=flag(tensors, "return_num_output_tokens", i),
+        perf_final_only=flag(tensors, "perf_metrics_final_only", i),
         cache_salt=salt,
         stop_words=words(tensors, "stop_words", i),
     )

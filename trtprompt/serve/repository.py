@@ -79,6 +79,9 @@ ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     ("beam_width", "INT32", [1], True),
     ("stream", "BOOL", [1], True),
     *REQUEST_FLAGS,
+    # trtprompt's: perf outputs on the final response only (TensorRT-LLM attaches them to every
+    # response); the OpenAI front end needs them once, for usage (docs/openai.md).
+    ("perf_metrics_final_only", "BOOL", [1], True),
     ("overflow", "STRING", [1], True),  # a stricter overflow policy than the server's (issue 5)
     ("messages", "STRING", [1], True),  # JSON chat, used instead of text_input (send it empty)
 ) + UNSUPPORTED_INPUTS
@@ -285,7 +288,7 @@ def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
     layout exists for the GPU target, whose core is the C++ backend.
     """
     supported = [t for t in ENSEMBLE_INPUTS if t not in UNSUPPORTED_INPUTS and t[0] not in
-                 ("min_length", "random_seed")]
+                 ("min_length", "random_seed", "perf_metrics_final_only")]
     torch_core = ctx.engine.target != "trtllm"  # the C++ backend cannot hand the counts back
     outputs = [t for t in ENSEMBLE_OUTPUTS if t[0] in ("text_output", *COUNT_OUTPUTS)
                or (torch_core and t[0] in PROMPT_OUTPUTS)] + list(PERF_OUTPUTS)

@@ -38,7 +38,9 @@ class _TextRow:
 
     def engine_request(self) -> io.RowRequest:
         item = self.item
-        return io.RowRequest(self.prompt_ids, self.params, item.cache_salt, item.return_perf_metrics)
+        # Final outputs carry the request's stats anyway: per-step stats only when every response needs them.
+        every_response = item.return_perf_metrics and not item.perf_final_only
+        return io.RowRequest(self.prompt_ids, self.params, item.cache_salt, every_response)
 
     def response(self, frame: dict[str, Any]) -> list[Any] | None:
         """Output tensors for this frame, or None when it adds nothing to send."""
@@ -63,7 +65,7 @@ class _TextRow:
                io.tensor("sequence_index", [[0]], "int32"),
                io.tensor("prompt_truncated_tokens", [[self.prompt.prompt_truncated_tokens]], "int32"),
                io.tensor("dropped_turns", [[self.prompt.dropped_turns]], "int32")]
-        if self.item.return_perf_metrics:
+        if self.item.return_perf_metrics and (frame["finished"] or not self.item.perf_final_only):
             out += [io.tensor(k, [[v]], t) for k, (v, t) in inputs.perf_values(frame["stats"]).items()]
         out += [io.tensor(k, [[v]], "int32") for k, v in inputs.count_values(self.item, frame).items()]
         return out

@@ -105,6 +105,9 @@ class TritonEnsemble:
         optional: dict[str, Any] = dict(gen.sampling)
         optional.update(exclude_input_in_output=True, messages=gen.messages_json, cache_salt=gen.cache_salt)
         optional.update({name: True for name in REPORTING_INPUTS})
+        # Usage needs the perf outputs once: where the ensemble can, they come on the final response
+        # only, not on every token's (docs/openai.md).
+        optional.update(perf_metrics_final_only=True)
         inputs = text_inputs(gen.prompt or "", gen.max_tokens, gen.stream,
                              **{k: v for k, v in optional.items() if k in declared})
         if gen.stop:
