@@ -151,12 +151,15 @@ class _Phase:
         self.t0 = time.perf_counter()
         self.deadline = None if load.duration_s is None else self.t0 + load.duration_s
         self.not_sent = 0
+        # The records read the final perf values only: where the ensemble can, per-token responses skip them.
+        self.perf_final_only = api == "triton" and _declares(url, model, "perf_metrics_final_only")
 
     def inputs(self, req: BenchRequest) -> list[Any]:
         return text_inputs(req.prompt, req.max_tokens, stream=True, temperature=0.0,
                            min_tokens=req.max_tokens if self.load.ignore_eos else None,
                            exclude_input_in_output=True, return_perf_metrics=True,
-                           return_num_input_tokens=True, return_num_output_tokens=True)
+                           return_num_input_tokens=True, return_num_output_tokens=True,
+                           perf_metrics_final_only=True if self.perf_final_only else None)
 
     def new_client(self) -> Any:
         if self.api == "openai":
@@ -228,6 +231,15 @@ class _Phase:
         for w in workers:
             w.join()
         return time.perf_counter() - self.t0
+
+
+def _declares(url: str, model: str, name: str) -> bool:
+    """Whether the Triton model declares input `name` (False when the server cannot be asked)."""
+    try:
+        with LLMClient(url) as client:
+            return name in client.input_names(model)
+    except Exception:  # noqa: BLE001 - an unreachable server fails the requests themselves, with reasons
+        return False
 
 
 def run_load(url: str, workload: Workload, load: LoadSpec, metrics_url: str | None = None,
