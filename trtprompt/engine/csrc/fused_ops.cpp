@@ -14,6 +14,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "dtypes.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 
 namespace {
 
+using namespace trtprompt_dtypes;
 using namespace trtprompt_vec;
 
 // x as torch leaves it after rounding a float result to T.
@@ -145,21 +147,6 @@ void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
       }
     }
   });
-}
-
-// Calls fn<T>() for the tensor's dtype.
-template <typename Fn>
-void dispatch_float_types(const at::Tensor& t, const char* op, Fn&& fn) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return fn(float{});
-    case at::kBFloat16:
-      return fn(c10::BFloat16{});
-    case at::kHalf:
-      return fn(c10::Half{});
-    default:
-      TORCH_CHECK(false, op, ": dtype must be float32, bfloat16 or float16");
-  }
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

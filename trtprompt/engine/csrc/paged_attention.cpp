@@ -18,6 +18,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "dtypes.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -29,6 +30,7 @@
 
 namespace {
 
+using namespace trtprompt_dtypes;
 using namespace trtprompt_vec;
 
 // out[r] = q . rows[r] for four consecutive rows of length d (a multiple of kLanes).
@@ -213,19 +215,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
   check_inputs(q, k_cache, v_cache, block_tables, seq_lens);
   auto out = at::empty_like(q);
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      decode_all<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse);
-      break;
-    case at::kBFloat16:
-      decode_all<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse);
-      break;
-    case at::kHalf:
-      decode_all<c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_decode: dtype must be float32, bfloat16 or float16");
-  }
+  dispatch_float_types(q, "paged_decode", [&](auto tag) {
+    decode_all<decltype(tag)>(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse);
+  });
   return {out, lse};
 }
 
