@@ -264,7 +264,8 @@ def _small_chunks_batch(starts: list[int], sizes: list[int], device: torch.devic
     sizes_t = torch.tensor(sizes, device=device)
     rows = torch.tensor(starts, device=device)[:, None] + torch.minimum(pos[None, :], sizes_t[:, None] - 1)
     if min(sizes) == width:  # equal chunks (a batch of same-length prompts): no padding to mask
-        return SmallChunks(rows, contiguous_start(rows.reshape(-1).tolist()), None, None)
+        back_to_back = all(b - a == width for a, b in zip(starts, starts[1:]))
+        return SmallChunks(rows, starts[0] if back_to_back else None, None, None)
     valid = pos[None, :] < sizes_t[:, None]
     keep = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [C, query, key]
     return SmallChunks(rows, None, valid.reshape(-1), additive_mask(keep, dtype)[:, None])

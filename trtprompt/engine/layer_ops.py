@@ -44,7 +44,7 @@ class TorchOps:
 
 
 class CompiledOps:
-    """One compiled op each; inputs the kernels cannot take go through TorchOps."""
+    """One compiled op each (shapes as the model passes them; the kernels name any other)."""
 
     def __init__(self) -> None:
         from trtprompt.engine import kernels
@@ -52,19 +52,15 @@ class CompiledOps:
         available, why = kernels.compiled_kernel_status()  # loads the library that defines the ops
         if not available:
             raise RuntimeError(f"compiled layer ops are unavailable: {why}")
-        self.reference = TorchOps()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.ops.trtprompt.rms_norm(x.contiguous(), weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if gate_up.dim() != 2:
-            return self.reference.silu_and_mul(gate_up)
         return torch.ops.trtprompt.silu_and_mul(gate_up.contiguous())
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if x.stride(-1) != 1:
-            return self.reference.rotary(x, cos, sin)
+        """x may be a view of the fused qkv output (strided rows): the kernel reads it in place."""
         return torch.ops.trtprompt.rotary(x, cos.squeeze(1), sin.squeeze(1))
 
 

@@ -68,10 +68,9 @@ class Attention(torch.nn.Module):
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, gate_up: torch.nn.Module, down: torch.nn.Module, intermediate_size: int) -> None:
+    def __init__(self, gate_up: torch.nn.Module, down: torch.nn.Module) -> None:
         super().__init__()
         self.gate_up, self.down = gate_up, down
-        self.intermediate_size = intermediate_size
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         return self.down(ops.silu_and_mul(self.gate_up(x)))
@@ -130,7 +129,7 @@ class DecoderModel(torch.nn.Module):
         gate_up = fuse_linears([lin("mlp.gate_proj", c.intermediate_size, h),
                                 lin("mlp.up_proj", c.intermediate_size, h)])
         down = lin("mlp.down_proj", h, c.intermediate_size)
-        mlp = MLP(self._linear(gate_up), self._linear(down), c.intermediate_size)
+        mlp = MLP(self._linear(gate_up), self._linear(down))
         return DecoderLayer(attn, mlp, self._norm(tensors, p + "input_layernorm.weight", h),
                             self._norm(tensors, p + "post_attention_layernorm.weight", h))
 

@@ -132,4 +132,3 @@ class RotaryEmbedding(torch.nn.Module):
         cos = freqs.cos() * self.attention_scaling
         sin = freqs.sin() * self.attention_scaling
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
-

@@ -72,4 +72,3 @@ def fuse_linears(parts: Sequence[LinearWeights]) -> LinearWeights:
     ref = next(p.bias for p in parts if p.bias is not None)
     biases = [p.bias if p.bias is not None else ref.new_zeros(p.weight.shape[0]) for p in parts]
     return LinearWeights(weight, torch.cat(biases), scale)
-

@@ -26,8 +26,11 @@ from trtprompt.serve.openai.errors import APIError, from_triton, unavailable
 from trtprompt.serve.openai.params import Generation
 
 MAX_MESSAGE_BYTES = 2**31 - 1
-# Always asked for when the ensemble declares them: usage and cached tokens come from these.
-REPORTING_INPUTS = ("return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens")
+# Always asked for when the ensemble declares them: usage and cached tokens come from these, and
+# usage needs the perf outputs once, so they come on the final response only where the ensemble
+# can (perf_metrics_final_only; TensorRT-LLM attaches them to every response; docs/openai.md).
+REPORTING_INPUTS = ("return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens",
+                    "perf_metrics_final_only")
 
 
 @dataclass(frozen=True)
@@ -105,9 +108,6 @@ class TritonEnsemble:
         optional: dict[str, Any] = dict(gen.sampling)
         optional.update(exclude_input_in_output=True, messages=gen.messages_json, cache_salt=gen.cache_salt)
         optional.update({name: True for name in REPORTING_INPUTS})
-        # Usage needs the perf outputs once: where the ensemble can, they come on the final response
-        # only, not on every token's (docs/openai.md).
-        optional.update(perf_metrics_final_only=True)
         inputs = text_inputs(gen.prompt or "", gen.max_tokens, gen.stream,
                              **{k: v for k, v in optional.items() if k in declared})
         if gen.stop:
