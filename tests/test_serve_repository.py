@@ -110,6 +110,14 @@ def test_upstream_repository_is_a_consistent_triton_ensemble(tiny_engine_dir: Pa
     assert {"prompt_truncated_tokens", "dropped_turns", "num_input_tokens", "num_output_tokens"} <= ens_outputs
     assert steps[1].input_map["cache_salt"] == "cache_salt"
     assert configs["preprocessing"].parameters["salt_reaches_core"].string_value == "true"  # type: ignore[attr-defined]
+    # The engine process publishes the request metrics here: postprocessing does not (no double count),
+    # and the client's return_perf_metrics still decides (the trtllm target's ensemble forces it).
+    assert steps[1].input_map["return_perf_metrics"] == "return_perf_metrics"
+    assert set(steps[2].input_map) == {"TOKENS_BATCH", "SEQUENCE_LENGTH"}
+    for name in ("preprocessing", "postprocessing"):
+        params = configs[name].parameters  # type: ignore[attr-defined]
+        assert not {"force_perf_metrics", "publish_request_metrics"} & set(params), name
+    assert "RETURN_PERF_METRICS" not in {t.name for t in configs["preprocessing"].output}  # type: ignore[attr-defined]
 
 
 def test_refuses_flags_the_engine_was_not_built_for(engine_copy: Path, tmp_path: Path) -> None:

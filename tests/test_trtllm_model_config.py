@@ -149,6 +149,36 @@ def test_ensemble_client_interface_on_the_trtllm_target(good_repo: Path) -> None
     assert pre["salt_reaches_core"] == "false"
 
 
+def test_trtllm_ensemble_always_asks_for_perf_outputs_and_feeds_them_to_postprocessing(good_repo: Path) -> None:
+    """Issue 13: the C++ backend exports no hit rate or latency histograms, so postprocessing publishes
+    them from the core's perf outputs; preprocessing forces return_perf_metrics (the client's goes there,
+    since Triton refuses an ensemble input no step consumes)."""
+    from trtprompt.serve.tensors import PERF_OUTPUTS
+
+    ensemble = _parse(good_repo / "ensemble" / "config.pbtxt")
+    steps = {s.model_name: s for s in ensemble.ensemble_scheduling.step}
+    assert steps["preprocessing"].input_map["RETURN_PERF_METRICS"] == "return_perf_metrics"
+    assert steps["preprocessing"].output_map["RETURN_PERF_METRICS"] == "_RETURN_PERF_METRICS"
+    assert steps["tensorrt_llm"].input_map["return_perf_metrics"] == "_RETURN_PERF_METRICS"
+    perf = [name for name, *_ in PERF_OUTPUTS]
+    assert all(steps["tensorrt_llm"].output_map[name] == name for name in perf)
+    assert dict(steps["postprocessing"].input_map) == {"TOKENS_BATCH": "_TOKENS_BATCH",
+                                                       "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH",
+                                                       **{name.upper(): name for name in perf}}
+    assert set(perf) <= {t.name for t in ensemble.output}  # they always come back to the client too
+    pre = _parse(good_repo / "preprocessing" / "config.pbtxt")
+    post = _parse(good_repo / "postprocessing" / "config.pbtxt")
+    assert pre.parameters["force_perf_metrics"].string_value == "true"
+    assert {(t.name, t.data_type, t.optional) for t in pre.input if t.name == "RETURN_PERF_METRICS"} == {
+        ("RETURN_PERF_METRICS", mc.TYPE_BOOL, True)}
+    assert {t.name: t.optional for t in post.input} == {"TOKENS_BATCH": False, "SEQUENCE_LENGTH": False,
+                                                        **{name.upper(): True for name in perf}}
+    params = {k: v.string_value for k, v in post.parameters.items()}
+    assert (params["publish_request_metrics"], params["gpt_model_path"]) == (
+        "true", str((good_repo.parent / "engine").resolve()))
+    assert [(g.count, g.kind) for g in post.instance_group] == [(1, mc.ModelInstanceGroup.KIND_CPU)]
+
+
 def test_require_cache_salt_cannot_be_served_on_the_trtllm_target(
         tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path) -> None:
     engine = make_engine_dir("good", tmp_path / "engine", tiny_checkpoint_factory("llama"))

@@ -4,7 +4,9 @@ Used by the GPU target's Triton ensemble and tested on CPU over the torch
 `tensorrt_llm` model. Unlike tensorrtllm_backend's postprocessing, which
 decodes every streamed chunk on its own (losing Metaspace spaces and
 splitting UTF-8 characters), this one keeps a streaming detokenizer per
-request id; it must run as ONE instance (two could reorder chunks).
+request id; it must run as ONE instance (two could reorder chunks). On the
+trtllm target postprocessing also publishes the request metrics the C++
+backend does not export (RequestMetrics; docs/gpu.md, "Metrics").
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import triton_python_backend_utils as pb_utils
 from trtprompt.engine_dir import read_engine_dir
 from trtprompt.prompt.budget import PromptError, PromptPolicy
 from trtprompt.prompt.edge import PromptEdge, engine_dir_limits
-from trtprompt.serve import inputs, triton_io as io
+from trtprompt.serve import inputs, metrics_catalog as C, triton_io as io
 from trtprompt.serve.metrics_engine import refusal_reason, report_refused
+from trtprompt.serve.perf_observations import COUNTERS, PERF_FLAG, TIMING_KEYS, FirstSeen, observation
+from trtprompt.serve.tensors import PERF_OUTPUTS
 from trtprompt.tokenizer import StreamDetokenizer, Tokenizer
 
 
@@ -51,6 +55,10 @@ class PreprocessingModel:
         # The torch core takes a per-request salt; the tensorrtllm C++ backend declares no
         # such input, so there a salt could not keep tenants apart and is refused.
         self.salt_reaches_core = io.param_bool(params, "salt_reaches_core", True)
+        # The trtllm target's ensemble routes return_perf_metrics through here: its postprocessing
+        # needs the core's perf outputs on every request (docs/gpu.md, "Metrics").
+        self.perf_flag = PERF_FLAG in {t["name"] for t in cfg["output"]}
+        self.force_perf = io.param_bool(params, "force_perf_metrics", False)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
@@ -112,7 +120,14 @@ class PreprocessingModel:
                 pb_utils.Tensor("OUT_END_ID", col("end_id", np.int32)),
                 pb_utils.Tensor("OUT_PAD_ID", col("pad_id", np.int32)),
                 pb_utils.Tensor("PROMPT_TRUNCATED_TOKENS", col("truncated", np.int32)),
-                pb_utils.Tensor("DROPPED_TURNS", col("dropped", np.int32))]
+                pb_utils.Tensor("DROPPED_TURNS", col("dropped", np.int32))] + self._perf_flag(tensors, len(rows))
+
+    def _perf_flag(self, tensors: dict[str, np.ndarray], n: int) -> list[Any]:
+        """RETURN_PERF_METRICS for the core where declared: forced true, else the client's (default false)."""
+        if not self.perf_flag:
+            return []
+        rows = [[self.force_perf or inputs.flag(tensors, PERF_FLAG, i)] for i in range(n)]
+        return [pb_utils.Tensor(PERF_FLAG, np.array(rows, dtype=bool))]
 
 
 class PostprocessingModel:
@@ -134,6 +149,10 @@ class PostprocessingModel:
         self.max_open = int(params.get("max_open_streams") or 4096)
         self.idle_timeout_s = float(params.get("stream_idle_timeout_s") or 600)
         self.streams: OrderedDict[str, tuple[StreamDetokenizer, float]] = OrderedDict()
+        self.metrics: RequestMetrics | None = None
+        if io.param_bool(params, "publish_request_metrics", False):  # trtllm target (docs/gpu.md, "Metrics")
+            tokens_per_block = read_engine_dir(params["gpt_model_path"], params["tokenizer_dir"]).tokens_per_block
+            self.metrics = RequestMetrics(tokens_per_block, self.max_open)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
@@ -143,6 +162,8 @@ class PostprocessingModel:
                 n = inputs.batch_size(tensors, "TOKENS_BATCH")
                 key = request.request_id() if n == 1 else ""
                 texts = [self._text(tensors, i, key) for i in range(n)]
+                if self.metrics is not None:
+                    self.metrics.observe_batch(tensors, key, n)
                 out = np.array([[t.encode("utf-8")] for t in texts], dtype=object)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", out)]))
             except Exception as exc:  # noqa: BLE001 - reported to the client
@@ -165,3 +186,46 @@ class PostprocessingModel:
         while len(self.streams) > self.max_open or now - next(iter(self.streams.values()))[1] > self.idle_timeout_s:
             self.streams.popitem(last=False)
         return detok
+
+
+class RequestMetrics:
+    """The trtllm target's request metrics, from the C++ core's perf outputs (perf_observations).
+
+    The same families as the torch target's engine process publishes (metrics_catalog), one
+    observation per request: every response repeats the perf outputs, so the first one that
+    carries the first-token time is observed and its (request id, arrival time) remembered.
+    """
+
+    def __init__(self, tokens_per_block: int, capacity: int) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.seen = FirstSeen(capacity)
+        self.families: list[Any] = []  # the families must outlive their metrics
+        self.histograms = {h.timing_key: self._metric(h.name, h.help, "HISTOGRAM", list(h.buckets))
+                           for h in C.HISTOGRAMS if h.timing_key in TIMING_KEYS}
+        self.counters = {s.name: self._metric(s.name, s.help, "COUNTER", None)
+                         for s in C.SERIES if s.name in COUNTERS}
+
+    def _metric(self, name: str, help_text: str, kind: str, buckets: list[float] | None) -> Any:
+        family = pb_utils.MetricFamily(name=name, description=help_text, kind=getattr(pb_utils.MetricFamily, kind))
+        self.families.append(family)
+        return family.Metric(labels={}, buckets=buckets) if buckets else family.Metric(labels={})
+
+    def observe_batch(self, tensors: dict[str, np.ndarray], request_id: str, n: int) -> None:
+        """Observe each row whose perf outputs came (never fails the response it rides on)."""
+        try:
+            for i in range(n):
+                perf = {name: inputs.scalar(tensors, name.upper(), i, int) for name, *_ in PERF_OUTPUTS}
+                if None not in perf.values():
+                    self.observe(request_id, perf)
+        except Exception as exc:  # noqa: BLE001 - metrics must never fail a response
+            pb_utils.Logger.log_warn(f"trtprompt request metrics: {type(exc).__name__}: {exc}")
+
+    def observe(self, request_id: str, perf: dict[str, int]) -> None:
+        obs = observation(perf, self.tokens_per_block)
+        if obs is None or not self.seen.first((request_id, perf["arrival_time_ns"])):
+            return
+        for key, value in obs.histograms.items():
+            self.histograms[key].observe(value)
+        for name, amount in obs.counters.items():
+            if amount > 0:
+                self.counters[name].increment(amount)

@@ -23,6 +23,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from trtprompt.serve.options import EngineInfo, ServeOptions
+from trtprompt.serve.perf_observations import PERF_FLAG
 from trtprompt.serve.tensors import PERF_OUTPUTS, Tensor
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -158,6 +159,12 @@ POST_INPUTS: tuple[Tensor, ...] = (
     ("SEQUENCE_LENGTH", "INT32", [-1], False),
 )
 POST_OUTPUTS: tuple[Tensor, ...] = (("OUTPUT", "STRING", [-1], False),)
+# trtllm target only (docs/gpu.md, "Metrics"): the C++ core's perf outputs feed postprocessing's
+# request metrics, so preprocessing asks for them on every request. A Triton ensemble holds no
+# constants and refuses an input no step consumes, so the client's return_perf_metrics goes
+# through preprocessing, which answers true whatever the client sent.
+POST_PERF_INPUTS: tuple[Tensor, ...] = tuple((name.upper(), dtype, dims, True)
+                                             for name, dtype, dims, _ in PERF_OUTPUTS)
 
 
 @dataclass(frozen=True)
@@ -257,20 +264,34 @@ def core_takes_salt(ctx: RepoContext) -> bool:
     return False
 
 
+def publishes_request_metrics(ctx: RepoContext) -> bool:
+    """The trtllm target's postprocessing publishes request metrics from the core's perf outputs;
+    the torch core's engine process publishes its own (the same families: do not count twice)."""
+    return ctx.engine.target == "trtllm"
+
+
 def preprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
+    perf = publishes_request_metrics(ctx)
     params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "add_special_tokens": True,
               "gpt_model_path": str(ctx.engine.path),  # its prompt policy and bounds (issue 5)
               "enable_chunked_context": ctx.options.enable_chunked_context,  # decides max_input_len
-              "salt_reaches_core": core_takes_salt(ctx)}
-    return _base("preprocessing", ctx.max_batch_size, PRE_INPUTS, PRE_OUTPUTS, params)
+              "salt_reaches_core": core_takes_salt(ctx),
+              "force_perf_metrics": True if perf else None}
+    flag_in, flag_out = ((PERF_FLAG, "BOOL", [1], True),), ((PERF_FLAG, "BOOL", [1], False),)
+    return _base("preprocessing", ctx.max_batch_size, PRE_INPUTS + (flag_in if perf else ()),
+                 PRE_OUTPUTS + (flag_out if perf else ()), params)
 
 
 def postprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
+    perf = publishes_request_metrics(ctx)
     params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "skip_special_tokens": True,
-              "max_open_streams": 4096, "stream_idle_timeout_s": 600}
+              "max_open_streams": 4096, "stream_idle_timeout_s": 600,
+              "publish_request_metrics": True if perf else None,
+              "gpt_model_path": str(ctx.engine.path) if perf else None}  # its tokens_per_block
     # ONE instance: the streaming detokenizer state lives in it, and two
     # instances could reorder a stream's chunks (docs/design.md, "Triton facts").
-    return _base("postprocessing", ctx.max_batch_size, POST_INPUTS, POST_OUTPUTS, params)
+    return _base("postprocessing", ctx.max_batch_size, POST_INPUTS + (POST_PERF_INPUTS if perf else ()),
+                 POST_OUTPUTS, params)
 
 
 def _step(cfg: mc.ModelConfig, model: str, inputs: Mapping[str, str], outputs: Mapping[str, str]) -> None:
@@ -279,6 +300,46 @@ def _step(cfg: mc.ModelConfig, model: str, inputs: Mapping[str, str], outputs: M
         step.input_map[key] = value
     for key, value in outputs.items():
         step.output_map[key] = value
+
+
+def _preprocessing_step(cfg: mc.ModelConfig, ctx: RepoContext) -> None:
+    inputs = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
+              "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id",
+              "MESSAGES": "messages", "OVERFLOW": "overflow", "CACHE_SALT": "cache_salt"}
+    outputs = {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
+               "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "BAD_WORDS_IDS": "_BAD_WORDS_IDS",
+               "STOP_WORDS_IDS": "_STOP_WORDS_IDS", "OUT_END_ID": "_PREPROCESSOR_END_ID",
+               "OUT_PAD_ID": "_PREPROCESSOR_PAD_ID"}
+    if ctx.engine.target != "trtllm":  # the torch core echoes the prompt edge's counts
+        outputs |= {name.upper(): f"_{name}" for name in PROMPT_OUTPUTS}
+    if publishes_request_metrics(ctx):
+        inputs[PERF_FLAG] = "return_perf_metrics"
+        outputs[PERF_FLAG] = f"_{PERF_FLAG}"
+    _step(cfg, "preprocessing", inputs, outputs)
+
+
+def _core_step(cfg: mc.ModelConfig, ctx: RepoContext) -> None:
+    inputs = {
+        "input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN",
+        "request_output_len": "_REQUEST_OUTPUT_LEN", "end_id": "_PREPROCESSOR_END_ID",
+        "pad_id": "_PREPROCESSOR_PAD_ID", "stop_words_list": "_STOP_WORDS_IDS",
+        "bad_words_list": "_BAD_WORDS_IDS", "streaming": "stream", "runtime_top_k": "top_k",
+        "runtime_top_p": "top_p", "temperature": "temperature", "len_penalty": "length_penalty",
+        "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+        "frequency_penalty": "frequency_penalty", "min_tokens": "min_tokens", "seed": "seed",
+        "beam_width": "beam_width", "exclude_input_in_output": "exclude_input_in_output",
+        "return_log_probs": "return_log_probs", "return_perf_metrics": "return_perf_metrics",
+    } | {f"return_{name}": f"return_{name}" for name in COUNT_OUTPUTS}
+    if publishes_request_metrics(ctx):
+        inputs["return_perf_metrics"] = f"_{PERF_FLAG}"
+    if core_takes_salt(ctx):
+        inputs["cache_salt"] = "cache_salt"
+    outputs = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
+    outputs |= {name: name for name, *_ in PERF_OUTPUTS} | {name: name for name in COUNT_OUTPUTS}
+    if ctx.engine.target != "trtllm":  # preprocessing's counts, handed back by the core on every response
+        inputs |= {name: f"_{name}" for name in PROMPT_OUTPUTS}
+        outputs |= {name: name for name in PROMPT_OUTPUTS}
+    _step(cfg, "tensorrt_llm", inputs, outputs)
 
 
 def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
@@ -294,36 +355,12 @@ def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
                or (torch_core and t[0] in PROMPT_OUTPUTS)] + list(PERF_OUTPUTS)
     cfg = _base("ensemble", ctx.max_batch_size, supported, outputs, {}, backend=None)
     cfg.platform = "ensemble"
-    _step(cfg, "preprocessing",
-          {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
-           "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id",
-           "MESSAGES": "messages", "OVERFLOW": "overflow", "CACHE_SALT": "cache_salt"},
-          {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
-           "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "BAD_WORDS_IDS": "_BAD_WORDS_IDS",
-           "STOP_WORDS_IDS": "_STOP_WORDS_IDS", "OUT_END_ID": "_PREPROCESSOR_END_ID",
-           "OUT_PAD_ID": "_PREPROCESSOR_PAD_ID"} | {name.upper(): f"_{name}" for name in PROMPT_OUTPUTS if torch_core})
-    core_inputs = {
-        "input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN",
-        "request_output_len": "_REQUEST_OUTPUT_LEN", "end_id": "_PREPROCESSOR_END_ID",
-        "pad_id": "_PREPROCESSOR_PAD_ID", "stop_words_list": "_STOP_WORDS_IDS",
-        "bad_words_list": "_BAD_WORDS_IDS", "streaming": "stream", "runtime_top_k": "top_k",
-        "runtime_top_p": "top_p", "temperature": "temperature", "len_penalty": "length_penalty",
-        "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-        "frequency_penalty": "frequency_penalty", "min_tokens": "min_tokens", "seed": "seed",
-        "beam_width": "beam_width", "exclude_input_in_output": "exclude_input_in_output",
-        "return_log_probs": "return_log_probs", "return_perf_metrics": "return_perf_metrics",
-    } | {f"return_{name}": f"return_{name}" for name in COUNT_OUTPUTS}
-    if core_takes_salt(ctx):
-        core_inputs["cache_salt"] = "cache_salt"
-    core_outputs = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
-    core_outputs |= {name: name for name, *_ in PERF_OUTPUTS} | {name: name for name in COUNT_OUTPUTS}
-    if torch_core:  # preprocessing's counts, handed back by the core on every response
-        core_inputs |= {name: f"_{name}" for name in PROMPT_OUTPUTS}
-        core_outputs |= {name: name for name in PROMPT_OUTPUTS}
-    _step(cfg, "tensorrt_llm", core_inputs, core_outputs)
-    _step(cfg, "postprocessing",
-          {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
-          {"OUTPUT": "text_output"})
+    _preprocessing_step(cfg, ctx)
+    _core_step(cfg, ctx)
+    post_inputs = {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"}
+    if publishes_request_metrics(ctx):  # the core's own outputs: allowed after a decoupled step
+        post_inputs |= {name.upper(): name for name, *_ in PERF_OUTPUTS}
+    _step(cfg, "postprocessing", post_inputs, {"OUTPUT": "text_output"})
     return cfg
 
 
