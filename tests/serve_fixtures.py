@@ -16,7 +16,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import pytest
 
@@ -77,14 +77,16 @@ class Served:
         return None
 
     def text(self, prompt: str | bytes, max_tokens: int, stream: bool = True, model: str = "ensemble",
-             timeout_s: float = 60.0, **optional: Any) -> StreamResult:
+             timeout_s: float = 60.0, outputs: Sequence[str] | None = None, **optional: Any) -> StreamResult:
         with LLMClient(self.url) as client:
-            return client.infer(model, text_inputs(prompt, max_tokens, stream, **optional), timeout_s)
+            return client.infer(model, text_inputs(prompt, max_tokens, stream, **optional), timeout_s,
+                                outputs=outputs)
 
     def tokens(self, ids: list[int], max_tokens: int, streaming: bool = True,
-               **optional: Any) -> StreamResult:
+               outputs: Sequence[str] | None = None, **optional: Any) -> StreamResult:
         with LLMClient(self.url) as client:
-            return client.infer("tensorrt_llm", token_inputs(ids, max_tokens, streaming, **optional), 60.0)
+            return client.infer("tensorrt_llm", token_inputs(ids, max_tokens, streaming, **optional), 60.0,
+                                outputs=outputs)
 
     def assert_healthy(self) -> None:
         assert self.proc.poll() is None, "the server process exited"

@@ -99,6 +99,29 @@ def test_perf_outputs_on_the_final_response_only_when_asked(served: Served) -> N
     assert 0 < final_only.last("first_token_time_ns") <= final_only.last("last_token_time_ns")
 
 
+def test_only_the_outputs_a_client_names_come_back(served: Served, oracle: Oracle) -> None:
+    """A client that names its outputs gets those and no others (the serving models build only
+    those: most of a streamed response's cost); naming none returns every declared output."""
+    prompt = "name the outputs you read " * 4
+    gen = oracle.run(prompt, 8)
+    reporting = dict(temperature=0.0, return_perf_metrics=True, return_num_output_tokens=True)
+    every = served.text(prompt, 8, **reporting)
+    named = served.text(prompt, 8, outputs=["text_output", "num_output_tokens", "first_token_time_ns"],
+                        **reporting)
+    assert every.error is None and named.error is None, (every.error, named.error)
+    assert {"text_output", "batch_index", "sequence_index", "num_output_tokens",
+            "kv_cache_alloc_total_blocks"} <= set(every.responses[-1])
+    assert len(named.responses) == len(every.responses) > 1
+    assert [set(r) for r in named.responses] == [{"text_output", "num_output_tokens", "first_token_time_ns"}] * \
+        len(every.responses)
+    assert named.text == every.text == oracle.tokenizer.decode(gen.output_ids)
+    assert named.last("num_output_tokens") == len(gen.output_ids) and named.last("first_token_time_ns") > 0
+    ids = served.tokens(gen.prompt_ids, 8, outputs=["output_ids"])
+    assert ids.error is None, ids.error
+    assert [set(r) for r in ids.responses] == [{"output_ids"}] * len(gen.output_ids)
+    assert ids.output_ids == gen.output_ids
+
+
 def test_shared_prefix_reuses_blocks(served: Served) -> None:
     prefix = "You are a terse assistant. Answer in one line. " * 8
     first = served.text(prefix + "Question one?", 4, return_perf_metrics=True)

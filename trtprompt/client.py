@@ -141,6 +141,10 @@ class LLMClient:
         """Inputs the model declares (layouts differ: upstream has no return_num_* inputs)."""
         return {inp.name for inp in self._client.get_model_metadata(model).inputs}
 
+    def output_names(self, model: str) -> set[str]:
+        """Outputs the model declares."""
+        return {out.name for out in self._client.get_model_metadata(model).outputs}
+
     def __enter__(self) -> "LLMClient":
         return self
 
@@ -150,18 +154,23 @@ class LLMClient:
     def infer(self, model: str, inputs: Sequence[Any], timeout_s: float = 120.0,
               on_response: Callable[[dict[str, np.ndarray]], None] | None = None,
               stop_after: int | None = None, parameters: Mapping[str, Any] | None = None,
-              request_id: str = "") -> StreamResult:
+              request_id: str = "", outputs: Sequence[str] | None = None) -> StreamResult:
         """Send one request and collect its responses until the final one.
 
         stop_after=N returns after N data responses without waiting (the
-        caller then cancels with close(cancel=True)).
+        caller then cancels with close(cancel=True)). outputs names the
+        outputs to return (None: all the model declares).
         """
+        import tritonclient.grpc as grpcclient
+
         result = StreamResult()
         t0 = time.perf_counter()
         # The upstream layout's postprocessing keys its detokenizer by request id.
         self._client.async_stream_infer(model, list(inputs), request_id=request_id or uuid.uuid4().hex,
                                         enable_empty_final_response=True,
-                                        parameters=dict(parameters) if parameters else None)
+                                        parameters=dict(parameters) if parameters else None,
+                                        outputs=None if outputs is None else
+                                        [grpcclient.InferRequestedOutput(name) for name in outputs])
         deadline = t0 + timeout_s
         while not result.finished:
             remaining = deadline - time.perf_counter()

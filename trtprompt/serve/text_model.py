@@ -19,9 +19,9 @@ from trtprompt.tokenizer import Tokenizer
 class _TextRow:
     """One batch row: its prompt ids, detokenizer and response building."""
 
-    def __init__(self, model: "TextModel", index: int, item: inputs.Item) -> None:
+    def __init__(self, model: "TextModel", index: int, item: inputs.Item, wanted: frozenset[str]) -> None:
         tok = model.tokenizer
-        self.model, self.index, self.item = model, index, item
+        self.model, self.index, self.item, self.wanted = model, index, item, wanted
         try:  # budget, chat window, salt requirement (trtprompt.prompt.edge)
             self.prompt: EdgePrompt = model.edge.prepare(item.text, item.messages, item.overflow,
                                                          item.cache_salt, item.params.get("max_tokens"))
@@ -60,15 +60,14 @@ class _TextRow:
         return self._tensors(text, frame)
 
     def _tensors(self, text: str, frame: dict[str, Any]) -> list[Any]:
-        out = [io.text_tensor("text_output", text),
-               io.tensor("batch_index", [[self.index]], "int32"),
-               io.tensor("sequence_index", [[0]], "int32"),
-               io.tensor("prompt_truncated_tokens", [[self.prompt.prompt_truncated_tokens]], "int32"),
-               io.tensor("dropped_turns", [[self.prompt.dropped_turns]], "int32")]
+        out = [io.text_tensor("text_output", text)] if "text_output" in self.wanted else []
+        values = {"batch_index": (self.index, "int32"), "sequence_index": (0, "int32"),
+                  "prompt_truncated_tokens": (self.prompt.prompt_truncated_tokens, "int32"),
+                  "dropped_turns": (self.prompt.dropped_turns, "int32")}
         if self.item.return_perf_metrics and (frame["finished"] or not self.item.perf_final_only):
-            out += [io.tensor(k, [[v]], t) for k, (v, t) in inputs.perf_values(frame["stats"]).items()]
-        out += [io.tensor(k, [[v]], "int32") for k, v in inputs.count_values(self.item, frame).items()]
-        return out
+            values |= inputs.perf_values(frame["stats"])
+        values |= {k: (v, "int32") for k, v in inputs.count_values(self.item, frame).items()}
+        return out + io.scalar_tensors(values, self.wanted)
 
 
 class TextModel(io.RowModel):
@@ -91,6 +90,7 @@ class TextModel(io.RowModel):
         info = P.call(self.socket, {"op": "info"})
         return int(info["max_input_len"]), int(info["max_seq_len"])
 
-    def make_rows(self, tensors: dict[str, Any]) -> list[_TextRow]:
+    def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> list[_TextRow]:
         n = inputs.batch_size(tensors, "text_input", "messages")
-        return [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default)) for i in range(n)]
+        return [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default), wanted)
+                for i in range(n)]

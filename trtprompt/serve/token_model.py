@@ -23,8 +23,9 @@ ECHOED: tuple[str, ...] = ("prompt_truncated_tokens", "dropped_turns")
 
 
 class _TokenRow:
-    def __init__(self, model: "TokenModel", index: int, item: inputs.Item, echo: dict[str, int]) -> None:
-        self.model, self.index, self.item, self.echo = model, index, item, echo
+    def __init__(self, model: "TokenModel", index: int, item: inputs.Item, echo: dict[str, int],
+                 wanted: frozenset[str]) -> None:
+        self.model, self.index, self.item, self.echo, self.wanted = model, index, item, echo, wanted
         self.output_ids: list[int] = []
 
     def engine_request(self) -> io.RowRequest:
@@ -43,15 +44,14 @@ class _TokenRow:
                 return None
             ids = self.output_ids if self.item.exclude_input_in_output \
                 else self.item.prompt_token_ids + self.output_ids
-        out = [pb_utils.Tensor("output_ids", _ids_array(ids)),
-               io.tensor("sequence_length", [[len(ids)]], "int32"),
-               io.tensor("batch_index", [[self.index]], "int32"),
-               io.tensor("sequence_index", [[0]], "int32")]
-        out += [io.tensor(name, [[value]], "int32") for name, value in self.echo.items()]
+        out = [pb_utils.Tensor("output_ids", _ids_array(ids))] if "output_ids" in self.wanted else []
+        values = {"sequence_length": (len(ids), "int32"), "batch_index": (self.index, "int32"),
+                  "sequence_index": (0, "int32")}
+        values |= {name: (value, "int32") for name, value in self.echo.items()}
         if self.item.return_perf_metrics:
-            out += [io.tensor(k, [[v]], t) for k, (v, t) in inputs.perf_values(frame["stats"]).items()]
-        out += [io.tensor(k, [[v]], "int32") for k, v in inputs.count_values(self.item, frame).items()]
-        return out
+            values |= inputs.perf_values(frame["stats"])
+        values |= {k: (v, "int32") for k, v in inputs.count_values(self.item, frame).items()}
+        return out + io.scalar_tensors(values, self.wanted)
 
 
 def _echo(tensors: dict[str, Any], i: int) -> dict[str, int]:
@@ -83,11 +83,11 @@ class TokenModel(io.RowModel):
             self._max_input_len = int(P.call(self.socket, {"op": "info"})["max_input_len"])
         return self._max_input_len
 
-    def make_rows(self, tensors: dict[str, Any]) -> list[_TokenRow]:
+    def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> list[_TokenRow]:
         n = inputs.batch_size(tensors, "input_ids")
         limit = self.max_input_len()  # input_ids past it are refused before reaching the engine
-        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default, limit), _echo(tensors, i))
-                for i in range(n)]
+        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default, limit), _echo(tensors, i),
+                          wanted) for i in range(n)]
 
     def finalize(self) -> None:
         self.metrics.stop()

@@ -98,6 +98,12 @@ def send_error(sender: Any, exc: BaseException) -> None:
     sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error_for(exc)), flags=FINAL)
 
 
+def scalar_tensors(values: Mapping[str, tuple[int, str]], wanted: frozenset[str]) -> list[Any]:
+    """[[value]] tensors (name -> (value, numpy dtype)) for the outputs the client asked for only:
+    building and relaying tensors is most of a streamed response's cost (docs/design.md, "Serving path")."""
+    return [tensor(name, [[value]], dtype) for name, (value, dtype) in values.items() if name in wanted]
+
+
 def send(sender: Any, tensors: list[Any], final: bool) -> None:
     sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
 
@@ -250,18 +256,20 @@ class RowModel:
                                      self.client.steps)
         self.workers = Workers()
 
-    def make_rows(self, tensors: dict[str, Any]) -> Sequence[Row]:
+    def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> Sequence[Row]:
+        """The request's rows; `wanted` is the outputs the client asked for (all when it named none)."""
         raise NotImplementedError
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             tensors = read_inputs(request, self.input_names)
-            self.workers.start(self._handle, tensors, request.get_response_sender())
+            wanted = frozenset(request.requested_output_names())
+            self.workers.start(self._handle, tensors, wanted, request.get_response_sender())
         return None
 
-    def _handle(self, tensors: dict[str, Any], sender: Any) -> None:
+    def _handle(self, tensors: dict[str, Any], wanted: frozenset[str], sender: Any) -> None:
         try:
-            rows = self.make_rows(tensors)
+            rows = self.make_rows(tensors, wanted)
         except Exception as exc:  # noqa: BLE001 - reported to the client
             send_error(sender, exc)
             report_refused(refusal_reason(exc), self.client.path)

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Sequence
 
 import grpc
 import numpy as np
-from tritonclient.grpc import InferInput, InferResult, service_pb2, service_pb2_grpc
+from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult, service_pb2, service_pb2_grpc
 from tritonclient.grpc._utils import _get_inference_request  # the request builder tritonclient itself uses
 
 from trtprompt.client import text_inputs
@@ -31,6 +31,8 @@ MAX_MESSAGE_BYTES = 2**31 - 1
 # can (perf_metrics_final_only; TensorRT-LLM attaches them to every response; docs/openai.md).
 REPORTING_INPUTS = ("return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens",
                     "perf_metrics_final_only")
+# What a Piece reads: asking for these only keeps every streamed response small (docs/openai.md).
+READ_OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "kv_cache_reused_blocks")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class TritonEnsemble:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self._inputs: frozenset[str] | None = None
+        self._outputs: list[InferRequestedOutput] = []
 
     async def close(self) -> None:
         await self._channel.close()
@@ -94,6 +97,8 @@ class TritonEnsemble:
             except grpc.aio.AioRpcError as exc:
                 raise _rpc_error(exc) from None
             self._inputs = frozenset(t.name for t in meta.inputs)
+            declared = {t.name for t in meta.outputs}
+            self._outputs = [InferRequestedOutput(name) for name in READ_OUTPUTS if name in declared]
         return self._inputs
 
     async def inputs_for(self, gen: Generation) -> list[InferInput]:
@@ -122,7 +127,7 @@ class TritonEnsemble:
         Closing the iterator early (the HTTP client went away) cancels the call.
         """
         request = _get_inference_request(model_name=self.model, inputs=list(inputs), model_version="",
-                                         request_id=uuid.uuid4().hex, outputs=None, sequence_id=0,
+                                         request_id=uuid.uuid4().hex, outputs=self._outputs or None, sequence_id=0,
                                          sequence_start=False, sequence_end=False, priority=0, timeout=None,
                                          parameters=None)
         request.parameters["triton_enable_empty_final_response"].bool_param = True
