@@ -1,9 +1,9 @@
 """Load generator over Triton gRPC streaming against the `ensemble` model.
 
-Each worker thread owns one gRPC stream (trtprompt.client.LLMClient): a
-stream error carries no request id, so one request in flight per stream is
-what lets every error be pinned on its request. Fixed concurrency = that
-many workers pulling requests; Poisson arrivals = a scheduler thread
+Each worker thread sends one request at a time, each as its own gRPC stream
+call over the phase's one channel (bench/triton_client.py), so every error
+is pinned on its request. Fixed concurrency = that many workers pulling
+requests; Poisson arrivals = a scheduler thread
 releasing requests at seeded exponential gaps to a pool of workers. A
 request that must follow another (multi-turn) waits for it to finish.
 Warm-up requests run first and are left out of the records and of the
@@ -26,12 +26,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from trtprompt.bench.openai_client import OpenAIClient, served_model
+from trtprompt.bench.triton_client import SharedTritonChannel
 from trtprompt.bench.workloads import BenchRequest, Workload
 from trtprompt.client import PERF_OUTPUTS, LLMClient, StreamResult, text_inputs
 
 METRIC_PREFIXES = ("nv_trt_llm_", "trtprompt_", "nv_inference_")
 APIS = ("triton", "openai")
 _SERIES = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)$")
+# What the records read (_record): asking for these only keeps every streamed response small.
+RECORDED_OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", *PERF_OUTPUTS)
 
 
 @dataclass(frozen=True)
@@ -151,8 +154,11 @@ class _Phase:
         self.t0 = time.perf_counter()
         self.deadline = None if load.duration_s is None else self.t0 + load.duration_s
         self.not_sent = 0
+        self.channel: SharedTritonChannel | None = None  # api="triton": opened by run()
         # The records read the final perf values only: where the ensemble can, per-token responses skip them.
-        self.perf_final_only = api == "triton" and _declares(url, model, "perf_metrics_final_only")
+        declared_inputs, declared_outputs = _declared(url, model) if api == "triton" else (set(), set())
+        self.perf_final_only = "perf_metrics_final_only" in declared_inputs
+        self.outputs = [name for name in RECORDED_OUTPUTS if name in declared_outputs] or None
 
     def inputs(self, req: BenchRequest) -> list[Any]:
         return text_inputs(req.prompt, req.max_tokens, stream=True, temperature=0.0,
@@ -164,7 +170,7 @@ class _Phase:
     def new_client(self) -> Any:
         if self.api == "openai":
             return OpenAIClient(self.url, self.model, self.load.timeout_s)
-        return LLMClient(self.url)
+        return _ChannelUser(self.channel)
 
     def send(self, client: Any, req: BenchRequest) -> tuple[Any, RequestRecord]:
         start = time.perf_counter() - self.t0
@@ -173,7 +179,7 @@ class _Phase:
                 result = client.infer(req, self.load.ignore_eos)
             else:
                 result = client.infer(self.model, self.inputs(req), self.load.timeout_s,
-                                      request_id=uuid.uuid4().hex)
+                                      request_id=uuid.uuid4().hex, outputs=self.outputs)
             return client, _record(req, start, result, None)
         except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
             # Late responses of this request would confuse the next one on this stream.
@@ -218,7 +224,15 @@ class _Phase:
             self.jobs.put(None)
 
     def run(self) -> float:
-        # Streams are opened before the clock starts: connecting is not part of the load.
+        self.channel = SharedTritonChannel(self.url) if self.api == "triton" else None
+        try:
+            return self._run()
+        finally:
+            if self.channel is not None:
+                self.channel.close()
+
+    def _run(self) -> float:
+        # Connections are opened before the clock starts: connecting is not part of the load.
         clients = [self.new_client() for _ in range(min(self.load.workers, max(1, len(self.requests))))]
         workers = [threading.Thread(target=self.worker, args=(c,), name=f"bench-worker-{i}", daemon=True)
                    for i, c in enumerate(clients)]
@@ -233,13 +247,24 @@ class _Phase:
         return time.perf_counter() - self.t0
 
 
-def _declares(url: str, model: str, name: str) -> bool:
-    """Whether the Triton model declares input `name` (False when the server cannot be asked)."""
+class _ChannelUser:
+    """A worker's handle on the phase's one Triton channel (bench/triton_client.py): closing it,
+    as a worker does after a failed request, leaves the channel to the other workers."""
+
+    def __init__(self, channel: SharedTritonChannel) -> None:
+        self.infer = channel.infer
+
+    def close(self, cancel: bool = False) -> None:
+        """Nothing to close: a failed request's call was cancelled by the channel itself."""
+
+
+def _declared(url: str, model: str) -> tuple[set[str], set[str]]:
+    """The Triton model's input and output names (empty when the server cannot be asked)."""
     try:
         with LLMClient(url) as client:
-            return name in client.input_names(model)
+            return client.input_names(model), client.output_names(model)
     except Exception:  # noqa: BLE001 - an unreachable server fails the requests themselves, with reasons
-        return False
+        return set(), set()
 
 
 def run_load(url: str, workload: Workload, load: LoadSpec, metrics_url: str | None = None,

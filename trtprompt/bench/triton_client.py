@@ -1,0 +1,108 @@
+"""One gRPC channel for every stream of a load run against Triton.
+
+tritonclient's streaming client (trtprompt.client.LLMClient) holds a channel,
+a stream and a polling thread per client object, and allows one stream per
+object; at concurrency 32 those 32 channels cost the load generator more CPU
+per output token than tritonserver spends relaying it, on the cores the
+server shares (docs/design.md, "Serving path"). Here one grpc.aio channel on
+one event-loop thread carries every request as its own ModelStreamInfer call,
+as the OpenAI front end does (trtprompt.serve.openai.triton); the runner's
+worker threads wait on a future instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
+
+import grpc
+from tritonclient.grpc import InferRequestedOutput, InferResult, service_pb2_grpc
+from tritonclient.grpc._utils import _get_inference_request  # the request builder tritonclient itself uses
+
+from trtprompt.client import StreamResult
+
+T = TypeVar("T")
+MAX_MESSAGE_BYTES = 2**31 - 1
+
+
+class SharedTritonChannel:
+    """Thread-safe: any number of threads call infer() at once, each blocking on its own request."""
+
+    def __init__(self, url: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="bench-grpc", daemon=True)
+        self._thread.start()
+        self._channel: grpc.aio.Channel | None = None
+        self._stub = self._run(self._open(url))
+
+    async def _open(self, url: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        # Created inside the loop: a grpc.aio channel belongs to the loop it was made in.
+        self._channel = grpc.aio.insecure_channel(url, options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        return service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._run(self._channel.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def infer(self, model: str, inputs: Sequence[Any], timeout_s: float, request_id: str,
+              outputs: Sequence[str] | None = None) -> StreamResult:
+        """One streamed request, as LLMClient.infer answers it: responses until the final one."""
+        request = _get_inference_request(
+            model_name=model, inputs=list(inputs), model_version="", request_id=request_id,
+            outputs=[InferRequestedOutput(name) for name in outputs] if outputs else None, sequence_id=0,
+            sequence_start=False, sequence_end=False, priority=0, timeout=None, parameters=None)
+        # The final flag may come on an empty response after the last data one.
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
+        return self._run(self._bounded(request, model, timeout_s))
+
+    async def _bounded(self, request: Any, model: str, timeout_s: float) -> StreamResult:
+        try:
+            return await asyncio.wait_for(self._collect(request), timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no final response from {model!r} within {timeout_s:.0f}s") from None
+
+    async def _collect(self, request: Any) -> StreamResult:
+        result = StreamResult()
+        t0 = time.perf_counter()
+        sent = asyncio.Event()
+
+        async def requests() -> AsyncIterator[Any]:
+            yield request
+            await sent.wait()  # keep our side open until the last response arrived
+
+        call = self._stub.ModelStreamInfer(requests())
+        try:
+            async for response in call:
+                if _take(result, response, time.perf_counter() - t0):
+                    return result
+            result.error = "tritonserver closed the stream before the final response"
+            return result
+        finally:
+            sent.set()
+            if not result.finished:
+                call.cancel()  # a timeout or an error on our side: Triton cancels the request
+
+
+def _take(result: StreamResult, response: Any, at_s: float) -> bool:
+    """Add one stream response to the result; True when it was the request's last."""
+    if response.error_message:  # an error response ends the request
+        result.error, result.finished = response.error_message, True
+        return True
+    infer = response.infer_response
+    if infer.outputs:
+        parsed = InferResult(infer)
+        result.responses.append({o.name: parsed.as_numpy(o.name) for o in infer.outputs})
+        result.times.append(at_s)
+    final = infer.parameters.get("triton_final_response")
+    result.finished = bool(final is not None and final.bool_param)
+    return result.finished
