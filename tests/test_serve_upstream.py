@@ -19,7 +19,7 @@ pytestmark = pytest.mark.server
 @pytest.fixture(scope="module")
 def upstream(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     server = start_server(tiny_engine_dir, tmp_path_factory.mktemp("upstream") / "run",
-                          "--layout", "upstream", "--no-restart")
+                          "--layout", "upstream", "--no-restart", "--engine-threads", "1")
     yield server
     if server.proc.poll() is None:  # the last test stops it by killing the engine
         check_stopped_cleanly(server)
@@ -39,6 +39,10 @@ def test_streams_whole_characters_per_request_id(upstream: Served, oracle: Oracl
         assert set(full[len(result.text):]) <= {"\ufffd"}
         assert "\ufffd" not in "".join(p[-1:] for p in result.pieces if p)
         assert len(result.responses) >= 20
+
+
+def test_engine_process_runs_the_threads_it_was_given(upstream: Served) -> None:
+    assert upstream.engine_info()["torch_threads"] == 1  # --engine-threads 1 (leaves a core to Triton)
 
 
 def test_non_streaming_and_perf_metrics_through_the_ensemble(upstream: Served, oracle: Oracle) -> None:

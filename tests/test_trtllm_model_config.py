@@ -179,6 +179,14 @@ def test_trtllm_ensemble_always_asks_for_perf_outputs_and_feeds_them_to_postproc
     assert [(g.count, g.kind) for g in post.instance_group] == [(1, mc.ModelInstanceGroup.KIND_CPU)]
 
 
+def test_engine_threads_is_refused_on_the_trtllm_target(
+        tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path) -> None:
+    engine = make_engine_dir("good", tmp_path / "engine", tiny_checkpoint_factory("llama"))
+    result = _repo_only(engine, tmp_path / "repo", "--engine-threads", "2")
+    assert result.exit_code != 0
+    assert "engine_threads sets the torch target's engine process threads" in result.output
+
+
 def test_require_cache_salt_cannot_be_served_on_the_trtllm_target(
         tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path) -> None:
     engine = make_engine_dir("good", tmp_path / "engine", tiny_checkpoint_factory("llama"))

@@ -183,6 +183,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
        low=1, high=BIG, trtllm="cancellation_check_period_ms", serve=True),
     _k("stats_check_period_ms", "serve", int, 100, "How often engine statistics are published.", low=1,
        high=BIG, trtllm="stats_check_period_ms", serve=True),
+    # The torch target's engine process only (docs/design.md, "Serving path": on a machine whose cores the
+    # engine shares with tritonserver and the front end, their work stalls its barrier-synchronized threads).
+    _k("engine_threads", "serve", int, None, "Intra-op threads of the torch engine process (unset: one per "
+       "core); fewer leave cores to tritonserver and the front end.", low=1, high=4096, nullable=True, serve=True),
     _k("layout", "serve", str, "fused", "Model repository layout (fused stubs or TensorRT-LLM's upstream models).",
        choices=LAYOUTS, serve=True),
 )}

@@ -76,6 +76,15 @@ def output_entry(out: RequestOutput, request_id: str, perf: bool) -> dict[str, A
     return entry
 
 
+def set_engine_threads(params: Mapping[str, str]) -> None:
+    """Apply the engine_threads serve option (unset: torch's default, one thread per core)."""
+    threads = knobs.from_parameters(params, ("engine_threads",)).get("engine_threads")
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def torch_threads() -> int:
     """Intra-op threads of this process (the engine must use the cores it is given)."""
     import torch
@@ -254,6 +263,7 @@ def serve(repository: Path, socket_path: str, restarts: int = 0) -> None:
     # 5 ms switch interval a step's frame waited up to that long for its
     # writer thread.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    set_engine_threads(params)
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_dir(params["gpt_model_path"], **engine_overrides(params))
     loop = EngineLoop(engine).start()

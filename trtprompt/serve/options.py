@@ -62,6 +62,9 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
         raise ValueError("enable_kv_cache_reuse cannot work with an engine built with "
                          "gather_context_logits; rebuild without it or serve with --disable-kv-cache-reuse")
     rules.check_not_raised({k: getattr(opts, k) for k in knobs.LOWERABLE_KEYS}, build)
+    if engine.target != "torch" and opts.engine_threads is not None:
+        raise ValueError("engine_threads sets the torch target's engine process threads; this engine is for "
+                         f"the {engine.target} target, which has no such process: leave it unset")
     if engine.target == "torch" and opts.max_beam_width != 1:
         raise ValueError("max_beam_width must be 1 for the torch target (no beam search)")
 

@@ -224,6 +224,7 @@ def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
         "exclude_input_in_output": o.exclude_input_in_output,
         "cancellation_check_period_ms": o.cancellation_check_period_ms,
         "stats_check_period_ms": o.stats_check_period_ms,
+        "engine_threads": o.engine_threads,  # read by the engine process (serve/engine_server.py)
     }
 
 
