@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+import tritonclient.grpc as grpcclient
 
 from serve_fixtures import Oracle, Served
 from trtprompt.serve.options import EngineInfo
@@ -65,6 +67,31 @@ def test_greedy_completion_equals_generate(served: Served, oracle: Oracle) -> No
                                        stream=True))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_fused_layout_answers_openai_requests_from_the_engine_process_directly(served: Served) -> None:
+    """No tritonserver hop (docs/design.md, "Serving path"): Triton's ensemble counts no OpenAI
+    request while the engine process counts each; a Triton client still reaches the same engine."""
+    def ensemble_requests() -> int:  # Triton's own count of requests the `ensemble` model answered
+        with grpcclient.InferenceServerClient(served.url) as triton:
+            stats = triton.get_inference_statistics("ensemble", as_json=True)["model_stats"][0]
+        return int(stats["inference_stats"]["success"].get("count", 0))
+
+    def engine_finished() -> int:  # the engine process's own count (what /metrics publishes)
+        return int(served.engine_stats()["finished"].get("length", 0))
+
+    triton_before, engine_before = ensemble_requests(), engine_finished()
+    c = client(served)
+    for _ in range(3):
+        c.completions.create(model=model_name(served), prompt="count me once", max_tokens=4, temperature=0)
+    assert engine_finished() == engine_before + 3
+    assert ensemble_requests() == triton_before
+    result = served.text("count me once", 4, temperature=0.0)
+    assert result.error is None, result.error
+    deadline = time.monotonic() + 30  # Triton counts a decoupled request once its stub released it
+    while ensemble_requests() < triton_before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ensemble_requests() == triton_before + 1
 
 
 def test_async_client_chat_streaming_and_not_through_the_chat_template(served: Served) -> None:

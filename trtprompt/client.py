@@ -69,42 +69,53 @@ def _text(arr: np.ndarray) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+def input_array(value: Any, dtype: Any = None) -> np.ndarray:
+    """One [1, ...] input value (batch of one), typed like the model config; text as BYTES."""
+    if isinstance(value, (str, bytes)):
+        return np.array([[value.encode("utf-8") if isinstance(value, str) else value]], dtype=object)
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (str, bytes)):  # a words list
+        return np.array([[w.encode("utf-8") if isinstance(w, str) else w for w in value]], dtype=object)
+    arr = np.asarray(value)
+    if dtype is not None:
+        arr = arr.astype(dtype)
+    return arr.reshape(1, 1) if arr.ndim == 0 else arr
+
+
 def make_input(name: str, value: Any, dtype: str | None = None) -> Any:
     """One [1, ...] input (batch of one), typed like the model config."""
+    return _infer_input(name, input_array(value, dtype))
+
+
+def _infer_input(name: str, arr: np.ndarray) -> Any:
     import tritonclient.grpc as grpcclient
 
-    if isinstance(value, (str, bytes)):
-        arr = np.array([[value.encode("utf-8") if isinstance(value, str) else value]], dtype=object)
-        triton_type = "BYTES"
-    else:
-        arr = np.asarray(value)
-        if dtype is not None:
-            arr = arr.astype(dtype)
-        if arr.ndim == 0:
-            arr = arr.reshape(1, 1)
-        triton_type = NP_TO_TRITON[arr.dtype]
-    inp = grpcclient.InferInput(name, list(arr.shape), triton_type)
+    inp = grpcclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype == object else NP_TO_TRITON[arr.dtype])
     inp.set_data_from_numpy(arr)
     return inp
 
 
-def text_inputs(prompt: str | bytes, max_tokens: int, stream: bool = True, **optional: Any) -> list[Any]:
-    """Inputs for `ensemble`; optional names as TensorRT-LLM's ensemble has them (temperature=0.0, ...)."""
+def text_arrays(prompt: str | bytes, max_tokens: int, stream: bool = True, **optional: Any) -> dict[str, np.ndarray]:
+    """`ensemble`'s input arrays; optional names as TensorRT-LLM's ensemble has them (temperature=0.0, ...)."""
     types = {"temperature": np.float32, "top_p": np.float32, "length_penalty": np.float32,
              "repetition_penalty": np.float32, "presence_penalty": np.float32,
              "frequency_penalty": np.float32, "seed": np.uint64, "random_seed": np.uint64}
-    inputs = [make_input("text_input", prompt), make_input("max_tokens", max_tokens, np.int32),
-              make_input("stream", stream, np.bool_)]
+    arrays = {"text_input": input_array(prompt), "max_tokens": input_array(max_tokens, np.int32),
+              "stream": input_array(stream, np.bool_)}
     for name, value in optional.items():
         if value is None:
             continue
         if isinstance(value, bool):
-            inputs.append(make_input(name, value, np.bool_))
+            arrays[name] = input_array(value, np.bool_)
         elif isinstance(value, (str, bytes)) or name in ("stop_words", "bad_words"):
-            inputs.append(make_input(name, value))
+            arrays[name] = input_array(value)
         else:
-            inputs.append(make_input(name, value, types.get(name, np.int32)))
-    return inputs
+            arrays[name] = input_array(value, types.get(name, np.int32))
+    return arrays
+
+
+def text_inputs(prompt: str | bytes, max_tokens: int, stream: bool = True, **optional: Any) -> list[Any]:
+    """Inputs for `ensemble` (text_arrays as tritonclient InferInputs)."""
+    return [_infer_input(name, arr) for name, arr in text_arrays(prompt, max_tokens, stream, **optional).items()]
 
 
 def token_inputs(input_ids: Sequence[int], max_tokens: int, streaming: bool = True,

@@ -14,6 +14,7 @@ import numpy as np
 
 from trtprompt.engine.request import FLOAT_BOUNDS, SamplingParams, check_bound
 from trtprompt.error_codes import CodedError, ErrorCode, FieldError
+from trtprompt.prompt.budget import PromptError
 from trtprompt.serve.tensors import PERF_OUTPUTS
 
 Tensors = Mapping[str, np.ndarray]
@@ -211,6 +212,20 @@ def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> Item:
         cache_salt=salt,
         stop_words=words(tensors, "stop_words", i),
     )
+
+
+def text_request(item: Item, edge: Any, tokenizer: Any) -> tuple[Any, dict[str, Any]]:
+    """A text row's prompt (budget, chat window, salt rule: trtprompt.prompt.edge.PromptEdge) and its
+    engine parameters (stop words as token ids): what the fused ensemble and the OpenAI front end's
+    engine path both submit."""
+    try:
+        prompt = edge.prepare(item.text, item.messages, item.overflow, item.cache_salt, item.params.get("max_tokens"))
+    except PromptError as exc:
+        raise InputError(str(exc), exc.code) from None
+    params = dict(item.params)
+    if item.stop_words:
+        params["stop_token_ids"] = [tokenizer.encode(w, add_special_tokens=False) for w in item.stop_words]
+    return prompt, params
 
 
 def words_list(arr: np.ndarray | None, name: str) -> list[list[int]]:

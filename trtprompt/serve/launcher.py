@@ -260,11 +260,14 @@ class Server:
     def start_openai(self) -> None:
         if self.openai is None:
             return
-        from trtprompt.serve.openai.process import FrontendError, start_frontend
+        from trtprompt.serve.openai.process import DirectEngine, FrontendError, start_frontend
 
+        # Fused layout: OpenAI requests skip tritonserver and the stub (docs/design.md, "Serving path").
+        direct = DirectEngine(self.socket_path, self.engine.tokenizer_dir) if self.options.layout == "fused" else None
         try:
             self.openai_proc = start_frontend(self.openai, self.engine.path, self.ports.host, self.ports.local_host,
-                                              self.ports.grpc, self.run_dir, self._spawn, self.ready_timeout_s)
+                                              self.ports.grpc, self.run_dir, self._spawn, self.ready_timeout_s,
+                                              direct)
         except FrontendError as exc:
             raise LaunchError(str(exc)) from None
 

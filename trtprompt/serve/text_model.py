@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from trtprompt.engine_dir import read_engine_dir
-from trtprompt.prompt.budget import PromptError, PromptPolicy
+from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.edge import EdgePrompt, PromptEdge
 from trtprompt.serve import inputs, protocol as P, triton_io as io
 from trtprompt.tokenizer import Tokenizer
@@ -22,15 +22,9 @@ class _TextRow:
     def __init__(self, model: "TextModel", index: int, item: inputs.Item, wanted: frozenset[str]) -> None:
         tok = model.tokenizer
         self.model, self.index, self.item, self.wanted = model, index, item, wanted
-        try:  # budget, chat window, salt requirement (trtprompt.prompt.edge)
-            self.prompt: EdgePrompt = model.edge.prepare(item.text, item.messages, item.overflow,
-                                                         item.cache_salt, item.params.get("max_tokens"))
-        except PromptError as exc:
-            raise inputs.InputError(str(exc), exc.code) from None
+        self.prompt: EdgePrompt
+        self.prompt, self.params = inputs.text_request(item, model.edge, tok)
         self.prompt_ids = self.prompt.ids
-        self.params = dict(item.params)
-        if item.stop_words:
-            self.params["stop_token_ids"] = [tok.encode(w, add_special_tokens=False) for w in item.stop_words]
         # Detokenized in the prompt's context, so the first word keeps its
         # leading space (Metaspace), exactly as `trtprompt generate` prints it.
         self.detok = tok.stream(self.prompt_ids, skip_special_tokens=model.skip_special_tokens)

@@ -30,6 +30,9 @@ from trtprompt.serve.openai.errors import APIError, bad_request, unauthorized
 from trtprompt.serve.openai.params import Generation, parse_request
 from trtprompt.serve.openai.triton import Piece, TritonEnsemble
 
+# Where requests go: the engine process itself (torch target, fused layout) or Triton's `ensemble`.
+Source = Any  # EnginePath | TritonEnsemble: ready(), inputs_for(gen), generate(prepared), close()
+
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the log does
 
@@ -56,7 +59,7 @@ async def _body(request: Request) -> Any:
 
 
 async def health(request: Request) -> Response:
-    ok = await request.app.state.triton.ready()
+    ok = await request.app.state.source.ready()
     return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
 
@@ -80,8 +83,8 @@ async def _generate(request: Request, kind: str) -> Response:
     cfg: FrontendConfig = request.app.state.cfg
     _authorize(request, cfg)
     gen = parse_request(kind, await _body(request), cfg.limits)
-    triton: TritonEnsemble = request.app.state.triton
-    pieces = triton.generate(await triton.inputs_for(gen))
+    source: Source = request.app.state.source
+    pieces = source.generate(await source.inputs_for(gen))
     env = R.Envelope(kind, cfg.limits.name)
     if not gen.stream:
         tally = await _unless_gone(request, _collect(pieces))
@@ -162,14 +165,22 @@ async def _internal_error(_request: Request, exc: Exception) -> Response:
     return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
 
+def _source(cfg: FrontendConfig) -> Source:
+    if cfg.engine_socket is None:
+        return TritonEnsemble(cfg.grpc_url, cfg.triton_model)
+    from trtprompt.serve.openai.engine_path import EnginePath  # loads the tokenizer
+
+    return EnginePath(cfg.engine_socket, cfg.engine_dir, cfg.tokenizer_dir)
+
+
 def create_app(cfg: FrontendConfig) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        app.state.triton = TritonEnsemble(cfg.grpc_url, cfg.triton_model)  # needs the running loop
+        app.state.source = _source(cfg)  # needs the running loop
         try:
             yield
         finally:
-            await app.state.triton.close()
+            await app.state.source.close()
 
     routes = [Route("/health", health), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),

@@ -18,6 +18,10 @@ class FrontendConfig:
     tokens_per_block: int | None  # cached_tokens = reused blocks x this
     api_key: str | None = None  # None: no authentication
     triton_model: str = "ensemble"
+    # Set: requests go straight to this engine process (serve/openai/engine_path.py), not through Triton.
+    engine_socket: str | None = None
+    engine_dir: str = ""
+    tokenizer_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.grpc_url or ":" not in self.grpc_url:
@@ -28,13 +32,17 @@ class FrontendConfig:
             raise ValueError(f"tokens_per_block must be >= 1, got {self.tokens_per_block}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it unset for no authentication)")
+        if self.engine_socket is not None and not self.engine_dir:
+            raise ValueError("engine_dir is required with engine_socket")
 
     @classmethod
     def for_engine(cls, engine_dir: str | Path, grpc_url: str, api_key: str | None = None,
-                   name: str | None = None) -> "FrontendConfig":
+                   name: str | None = None, engine_socket: str | None = None,
+                   tokenizer_dir: str | None = None) -> "FrontendConfig":
         """The served model's name (the engine directory's), max_model_len and block size, read once."""
         root = Path(engine_dir).resolve()
         build = load_engine_config(root)["build_config"]  # config.json only: no tokenizer needed here
         tpb = (build.get("plugin_config") or {}).get("tokens_per_block", build.get("tokens_per_block"))
         limits = ModelLimits(name or root.name, int(build["max_seq_len"]))
-        return cls(grpc_url, limits, int(tpb) if tpb is not None else None, api_key)
+        return cls(grpc_url, limits, int(tpb) if tpb is not None else None, api_key,
+                   engine_socket=engine_socket, engine_dir=str(root), tokenizer_dir=tokenizer_dir)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -33,19 +34,30 @@ def _write_key(run_dir: Path, key: str) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class DirectEngine:
+    """The torch target's engine process, which the front end then talks to instead of Triton."""
+
+    socket: str
+    tokenizer_dir: Path
+
+
 def frontend_command(opts: OpenAIOptions, engine_dir: Path, grpc_url: str, host: str,
-                     key_file: Path | None) -> list[str]:
+                     key_file: Path | None, direct: DirectEngine | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "trtprompt.serve.openai", str(engine_dir), "--grpc-url", grpc_url,
            "--host", host, "--port", str(opts.port)]
+    if direct is not None:
+        cmd += ["--engine-socket", direct.socket, "--tokenizer-dir", str(direct.tokenizer_dir)]
     return cmd + (["--api-key-file", str(key_file)] if key_file is not None else [])
 
 
 def start_frontend(opts: OpenAIOptions, engine_dir: Path, host: str, local_host: str, grpc_port: int,
-                   run_dir: Path, spawn: Spawn, timeout_s: float) -> subprocess.Popen:
-    """Spawn the front end and wait until /health answers 200 (tritonserver must be ready)."""
+                   run_dir: Path, spawn: Spawn, timeout_s: float,
+                   direct: DirectEngine | None = None) -> subprocess.Popen:
+    """Spawn the front end and wait until /health answers 200 (tritonserver or the engine must be ready)."""
     key_file = _write_key(run_dir, opts.api_key) if opts.api_key is not None else None
     log = run_dir / "openai.log"
-    proc = spawn(frontend_command(opts, engine_dir, f"{local_host}:{grpc_port}", host, key_file), log)
+    proc = spawn(frontend_command(opts, engine_dir, f"{local_host}:{grpc_port}", host, key_file, direct), log)
     try:
         _wait_healthy(proc, opts.port, local_host, log, timeout_s)
     except FrontendError:

@@ -1,8 +1,10 @@
 """Run the OpenAI front end: `python -m trtprompt.serve.openai ENGINE_DIR --grpc-url ... --port ...`.
 
 `trtprompt serve` starts it as its own process next to tritonserver (its
-event loop then shares no GIL with the launcher), and it can also be run
-by hand in front of any tritonserver serving the engine's `ensemble`. The
+event loop then shares no GIL with the launcher), on the fused layout with
+--engine-socket (requests go straight to the engine process,
+serve/openai/engine_path.py); it can also be run by hand in front of any
+tritonserver serving the engine's `ensemble`. The
 API key comes from a file (`--api-key-file`, written 0600 by serve) or
 TRTPROMPT_API_KEY, never from the command line, which other users can read.
 """
@@ -27,6 +29,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8003)
     ap.add_argument("--api-key-file", type=Path, help=f"file holding the API key (else ${API_KEY_ENV})")
     ap.add_argument("--model-name", help="name to serve the model as (default: the engine directory's name)")
+    ap.add_argument("--engine-socket", help="the torch target's engine process socket: send requests there "
+                    "directly instead of through tritonserver (fused layout; `trtprompt serve` sets it)")
+    ap.add_argument("--tokenizer-dir", help="tokenizer for --engine-socket (default: the engine directory's)")
     return ap.parse_args(argv)
 
 
@@ -47,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = FrontendConfig.for_engine(args.engine_dir, args.grpc_url, read_api_key(args.api_key_file),
-                                        args.model_name)
+                                        args.model_name, args.engine_socket, args.tokenizer_dir)
     except (OSError, ValueError) as exc:
         print(f"openai front end: {exc}", file=sys.stderr)
         return 2

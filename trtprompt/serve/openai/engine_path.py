@@ -1,0 +1,120 @@
+"""The OpenAI front end's path straight to the torch target's engine process.
+
+Through Triton every streamed token costs a Python-backend IPC send, a gRPC
+message out of tritonserver and one into this front end, on the cores the
+engine uses (docs/design.md, "Serving path"). On the torch target's fused
+layout the front end therefore does what the fused `ensemble` model does,
+with the same code: the same inputs parsed (serve/inputs.py), the same prompt
+edge (budget, chat window, salt rule), one multiplexed engine connection
+(serve/relay.py), the same streaming detokenizer, the same tagged errors. Triton
+keeps serving Triton clients; the trtllm target and the upstream layout answer
+OpenAI requests through Triton (serve/openai/triton.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from trtprompt.engine_dir import read_engine_dir
+from trtprompt.error_codes import ErrorCode, code_of, tagged
+from trtprompt.client import text_arrays
+from trtprompt.prompt.budget import PromptPolicy
+from trtprompt.prompt.edge import PromptEdge
+from trtprompt.serve import inputs, protocol as P
+from trtprompt.serve.metrics_engine import refusal_reason, report_refused
+from trtprompt.serve.openai.errors import APIError, from_triton
+from trtprompt.serve.openai.params import Generation
+from trtprompt.serve.openai.triton import Piece
+from trtprompt.serve.relay import EngineClient
+from trtprompt.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A checked request, ready to submit."""
+
+    prompt_ids: list[int]
+    params: dict[str, Any]
+    cache_salt: str | None
+
+
+def api_error_of(exc: BaseException) -> APIError:
+    """The API error the Triton path answers the same failure with (its code, as a tag)."""
+    code = code_of(exc, None)
+    message = str(exc) if code is not None else f"internal error: {type(exc).__name__}: {exc}"
+    return from_triton(tagged(code or ErrorCode.INTERNAL, message))
+
+
+class EnginePath:
+    """Create inside the running event loop; the engine connection's reader thread feeds it."""
+
+    def __init__(self, socket_path: str, engine_dir: str, tokenizer_dir: str | None = None) -> None:
+        engine = read_engine_dir(engine_dir, tokenizer_dir)
+        self.socket = socket_path
+        self.tokenizer = Tokenizer.from_dir(engine.tokenizer_dir)
+        self.edge = PromptEdge(PromptPolicy.from_mapping(engine.prompt), self.tokenizer, True, self._limits)
+        self.client = EngineClient(socket_path)
+
+    def _limits(self) -> tuple[int, int]:
+        info = P.call(self.socket, {"op": "info"})
+        return int(info["max_input_len"]), int(info["max_seq_len"])
+
+    async def close(self) -> None:
+        self.client.close()
+
+    async def ready(self) -> bool:
+        try:
+            await asyncio.to_thread(P.call, self.socket, {"op": "info"}, 2.0)
+        except (OSError, P.EngineUnavailableError):
+            return False
+        return True
+
+    async def inputs_for(self, gen: Generation) -> EngineRequest:
+        """Parse and fit the request off the event loop (tokenizing a long prompt takes a while)."""
+        return await asyncio.to_thread(self._prepare, gen)
+
+    def _prepare(self, gen: Generation) -> EngineRequest:
+        arrays = text_arrays(gen.prompt or "", gen.max_tokens, gen.stream, **dict(gen.sampling),
+                             exclude_input_in_output=True, messages=gen.messages_json,
+                             cache_salt=gen.cache_salt, stop_words=list(gen.stop) or None)
+        try:
+            item = inputs.parse_text_item(arrays, 0, exclude_default=True)
+            prompt, params = inputs.text_request(item, self.edge, self.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - answered to the client, counted as the ensemble counts it
+            report_refused(refusal_reason(exc), self.socket)
+            raise api_error_of(exc) from None
+        return EngineRequest(prompt.ids, params, item.cache_salt)
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[Piece]:
+        """Pieces until the final one; APIError on an error. Leaving early aborts the engine request."""
+        loop, entries = asyncio.get_running_loop(), asyncio.Queue()
+        try:
+            rid = self.client.submit(req.prompt_ids, req.params, req.cache_salt, False,
+                                     lambda entry: loop.call_soon_threadsafe(entries.put_nowait, entry))
+        except Exception as exc:  # noqa: BLE001 - engine unavailable or a refused submit
+            raise api_error_of(exc) from None
+        detok = self.tokenizer.stream(req.prompt_ids, skip_special_tokens=True)
+        finished = False
+        try:
+            while not finished:
+                entry = await entries.get()
+                error = P.entry_error(entry)
+                if error is not None:
+                    finished = True
+                    raise api_error_of(error)
+                finished = entry["finished"]
+                piece = _piece(entry, detok.step(entry["new_token_ids"]) + (detok.flush() if finished else ""))
+                if piece.text or finished:
+                    yield piece
+        finally:
+            if not finished:
+                self.client.abort([rid])  # the HTTP client went away: free the KV blocks now
+
+
+def _piece(entry: dict[str, Any], text: str) -> Piece:
+    stats = entry.get("stats") or {}  # the final entry carries the request's stats
+    reused = stats.get("kv_cache_reused_blocks")
+    return Piece(text, entry.get("num_input_tokens"), entry.get("num_output_tokens"),
+                 None if reused is None else int(reused))
