@@ -13,6 +13,7 @@ do not depend on how busy the shared machine was; wall-clock throughput
 does, hence the back-to-back in-process run.
 
     .venv/bin/python scripts/bench_serve_path.py build/h2-engine --code build/h2-base --code .
+    .venv/bin/python scripts/bench_serve_path.py build/h2-engine --engine-threads 1   # a core left to the relay
 
 Prints one JSON object; not part of `make test`.
 """
@@ -55,6 +56,8 @@ def role(pid: int) -> str:
     if "triton_python_backend_stub" in cmd:
         model = re.search(r"/([^/ ]+)/\d+/model\.py", cmd)
         return f"stub {model.group(1) if model else pid}"
+    if "trtprompt.serve.openai" in cmd:
+        return "openai front end"
     if "tritonserver" in cmd:
         return "tritonserver"
     return f"other {cmd[:40]}"
@@ -77,18 +80,18 @@ def start_serve(code: Path, engine_dir: Path, run_dir: Path, ports: list[int],
 
 
 def served(code: Path, engine_dir: Path, work: Workload, warm: Workload, concurrency: int,
-           run_dir: Path, extra: list[str]) -> dict[str, Any]:
-    ports = free_ports(3)
-    proc = start_serve(code, engine_dir, run_dir, ports, extra)
-    url = f"127.0.0.1:{ports[0]}"
+           run_dir: Path, extra: list[str], api: str = "triton") -> dict[str, Any]:
+    ports = free_ports(4)
+    proc = start_serve(code, engine_dir, run_dir, ports[:3], extra + ["--openai-port", str(ports[3])])
+    url = f"127.0.0.1:{ports[0]}" if api == "triton" else f"http://127.0.0.1:{ports[3]}"
     try:
-        run_load(url, warm, LoadSpec(concurrency=len(warm.requests), warmup=0), progress=False)
+        run_load(url, warm, LoadSpec(concurrency=len(warm.requests), warmup=0), progress=False, api=api)
         pids = {pid: role(pid) for pid in descendants(proc.pid)}
         torch_threads = _info(run_dir).get("torch_threads")
         threads = _ThreadPeak(pids).start()
         before = {pid: cpu_s(pid) for pid in pids}
         client0 = time.process_time()
-        result = run_load(url, work, LoadSpec(concurrency=concurrency, warmup=0), progress=False)
+        result = run_load(url, work, LoadSpec(concurrency=concurrency, warmup=0), progress=False, api=api)
         client = time.process_time() - client0
         after = {pid: cpu_s(pid) for pid in pids}
         peak = threads.stop()
@@ -100,7 +103,7 @@ def served(code: Path, engine_dir: Path, work: Workload, warm: Workload, concurr
     cpu: dict[str, float] = {"client": client}
     for pid, name in pids.items():
         cpu[name] = cpu.get(name, 0.0) + after[pid] - before[pid]
-    return {"code": str(code), "wall_s": result.wall_s, "output_tokens": tokens,
+    return {"code": str(code), "api": api, "wall_s": result.wall_s, "output_tokens": tokens,
             "output_tok_s": tokens / result.wall_s, "errors": errors[:3], "num_errors": len(errors),
             "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
             "cpu_ms_per_token": {k: round(1000 * v / tokens, 3) for k, v in cpu.items()},
@@ -189,6 +192,10 @@ def main() -> None:
     ap.add_argument("--run-dir", type=Path, default=ROOT / "build" / "bench-serve-path")
     ap.add_argument("--serve-args", default="", help="extra `trtprompt serve` options, space-separated")
     ap.add_argument("--skip-in-process", action="store_true")
+    ap.add_argument("--api", choices=("triton", "openai", "both"), default="triton",
+                    help="served through Triton gRPC (`ensemble`), the OpenAI endpoint, or each in turn")
+    ap.add_argument("--engine-threads", type=int, default=None,
+                    help="torch threads of the engine on both paths (`serve --engine-threads`; default: one per core)")
     args = ap.parse_args()
     tok = Tokenizer.from_dir(args.engine_dir / "tokenizer")
     spec = WorkloadSpec("random", num_requests=args.num_requests, output_len=args.output_len,
@@ -198,9 +205,17 @@ def main() -> None:
     args.run_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"cpu": _cpu_model(), "load_before": os.getloadavg(), "runs": []}
     codes = args.code or [ROOT]
+    serve_args = args.serve_args.split()
+    if args.engine_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.engine_threads)  # the in-process engine's, as the served engine's below
+        serve_args += ["--engine-threads", str(args.engine_threads)]
+    apis = ("triton", "openai") if args.api == "both" else (args.api,)
     for i, code in enumerate(codes):
-        report["runs"].append(served(code, args.engine_dir, work, warm, args.concurrency,
-                                     args.run_dir / f"serve{i}", args.serve_args.split()))
+        for api in apis:
+            report["runs"].append(served(code, args.engine_dir, work, warm, args.concurrency,
+                                         args.run_dir / f"serve{i}-{api}", serve_args, api))
         if i == 0 and not args.skip_in_process:
             report["in_process"] = in_process(args.engine_dir, work, tok, args.concurrency)
     for run in report["runs"]:

@@ -44,12 +44,20 @@ class SharedTritonChannel:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         return service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
+    async def _shutdown(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        # A call returns at its final response, before gRPC has read its status: let those
+        # bookkeeping tasks end here rather than be destroyed pending with the loop.
+        pending = asyncio.all_tasks() - {asyncio.current_task()}
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)
+
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
-        if self._channel is not None:
-            self._run(self._channel.close())
+        self._run(self._shutdown())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
