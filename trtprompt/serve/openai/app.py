@@ -16,7 +16,7 @@ import hmac
 import json
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -30,8 +30,19 @@ from trtprompt.serve.openai.errors import APIError, bad_request, unauthorized
 from trtprompt.serve.openai.params import Generation, parse_request
 from trtprompt.serve.openai.triton import Piece, TritonEnsemble
 
-# Where requests go: the engine process itself (torch target, fused layout) or Triton's `ensemble`.
-Source = Any  # EnginePath | TritonEnsemble: ready(), inputs_for(gen), generate(prepared), close()
+
+class Source(Protocol):
+    """Where requests go: the engine process itself (engine_path.EnginePath, the torch target's fused
+    layout) or Triton's `ensemble` (triton.TritonEnsemble)."""
+
+    async def ready(self) -> bool: ...
+
+    async def inputs_for(self, gen: Generation) -> Any: ...
+
+    def generate(self, prepared: Any) -> AsyncIterator[Piece]: ...
+
+    async def close(self) -> None: ...
+
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the log does
@@ -127,8 +138,9 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
     finally:
         watch.cancel()
         if not task.done():
-            task.cancel()
-    return task.result() if not task.cancelled() else None
+            task.cancel()  # takes effect at the task's next await: wait for it to unwind
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
 
 
 async def _events(env: R.Envelope, gen: Generation, head: tuple[Piece | None], pieces: AsyncIterator[Piece],
