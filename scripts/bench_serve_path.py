@@ -181,7 +181,7 @@ def in_process(engine_dir: Path, work: Workload, tok: Tokenizer, concurrency: in
             "torch_threads": torch.get_num_threads()}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("engine_dir", type=Path)
     ap.add_argument("--code", type=Path, action="append", help="checkout to serve from (repeatable)")
@@ -196,7 +196,11 @@ def main() -> None:
                     help="served through Triton gRPC (`ensemble`), the OpenAI endpoint, or each in turn")
     ap.add_argument("--engine-threads", type=int, default=None,
                     help="torch threads of the engine on both paths (`serve --engine-threads`; default: one per core)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     tok = Tokenizer.from_dir(args.engine_dir / "tokenizer")
     spec = WorkloadSpec("random", num_requests=args.num_requests, output_len=args.output_len,
                         input_len=args.input_len)
@@ -204,7 +208,6 @@ def main() -> None:
     warm = Workload(spec, work.requests[:2])
     args.run_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"cpu": _cpu_model(), "load_before": os.getloadavg(), "runs": []}
-    codes = args.code or [ROOT]
     serve_args = args.serve_args.split()
     if args.engine_threads is not None:
         import torch
@@ -212,7 +215,7 @@ def main() -> None:
         torch.set_num_threads(args.engine_threads)  # the in-process engine's, as the served engine's below
         serve_args += ["--engine-threads", str(args.engine_threads)]
     apis = ("triton", "openai") if args.api == "both" else (args.api,)
-    for i, code in enumerate(codes):
+    for i, code in enumerate(args.code or [ROOT]):
         for api in apis:
             report["runs"].append(served(code, args.engine_dir, work, warm, args.concurrency,
                                          args.run_dir / f"serve{i}-{api}", serve_args, api))

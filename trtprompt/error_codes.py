@@ -105,6 +105,14 @@ def parse_code(value: object) -> ErrorCode:
         return ErrorCode.INTERNAL
 
 
+def describe(exc: BaseException) -> tuple[ErrorCode, str]:
+    """The code a failure is answered with, and its message (no code: an internal error, named)."""
+    code = code_of(exc, None)
+    if code is None:
+        return ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return code, str(exc)
+
+
 def tagged(code: ErrorCode, message: str) -> str:
     """The message as the stub sends it to Triton: the code first, as a tag."""
     return f"[{code.value}] {message}"

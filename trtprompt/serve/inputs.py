@@ -15,9 +15,15 @@ import numpy as np
 from trtprompt.engine.request import FLOAT_BOUNDS, SamplingParams, check_bound
 from trtprompt.error_codes import CodedError, ErrorCode, FieldError
 from trtprompt.prompt.budget import PromptError
+from trtprompt.prompt.edge import EdgePrompt, PromptEdge
+from trtprompt.tokenizer import Tokenizer
 from trtprompt.serve.tensors import PERF_OUTPUTS
 
 Tensors = Mapping[str, np.ndarray]
+# How the text paths tokenize prompts and detokenize outputs: the fused ensemble's parameters
+# (serve/repository.py) and the OpenAI front end's engine path (serve/openai/engine_path.py).
+ADD_SPECIAL_TOKENS = True
+SKIP_SPECIAL_TOKENS = True
 
 
 class InputError(CodedError):
@@ -214,7 +220,7 @@ def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> Item:
     )
 
 
-def text_request(item: Item, edge: Any, tokenizer: Any) -> tuple[Any, dict[str, Any]]:
+def text_request(item: Item, edge: PromptEdge, tokenizer: Tokenizer) -> tuple[EdgePrompt, dict[str, Any]]:
     """A text row's prompt (budget, chat window, salt rule: trtprompt.prompt.edge.PromptEdge) and its
     engine parameters (stop words as token ids): what the fused ensemble and the OpenAI front end's
     engine path both submit."""

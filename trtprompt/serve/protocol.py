@@ -131,6 +131,12 @@ def connect(path: str, timeout: float | None = 5.0) -> socket.socket:
     return sock
 
 
+def engine_limits(path: str) -> tuple[int, int]:
+    """(max_input_len, max_seq_len) of the engine process at path (the prompt edge's bounds)."""
+    info = call(path, {"op": "info"})
+    return int(info["max_input_len"]), int(info["max_seq_len"])
+
+
 def call(path: str, message: Mapping[str, Any], timeout: float = 5.0) -> dict[str, Any]:
     """One request/reply op (info, stats) on a connection of its own."""
     sock = connect(path, timeout)

@@ -22,6 +22,7 @@ from typing import Iterable, Mapping
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from trtprompt.serve import inputs
 from trtprompt.serve.options import EngineInfo, ServeOptions
 from trtprompt.serve.perf_observations import PERF_FLAG
 from trtprompt.serve.tensors import PERF_OUTPUTS, Tensor
@@ -246,8 +247,8 @@ def fused_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
         "gpt_model_path": str(ctx.engine.path),
         "exclude_input_in_output": ctx.options.exclude_input_in_output,
         "cancellation_check_period_ms": ctx.options.cancellation_check_period_ms,
-        "add_special_tokens": True,
-        "skip_special_tokens": True,
+        "add_special_tokens": inputs.ADD_SPECIAL_TOKENS,
+        "skip_special_tokens": inputs.SKIP_SPECIAL_TOKENS,
     }
     return _base("ensemble", ctx.max_batch_size, ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, params,
                  decoupled=True)
@@ -273,7 +274,7 @@ def publishes_request_metrics(ctx: RepoContext) -> bool:
 
 def preprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
     perf = publishes_request_metrics(ctx)
-    params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "add_special_tokens": True,
+    params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "add_special_tokens": inputs.ADD_SPECIAL_TOKENS,
               "gpt_model_path": str(ctx.engine.path),  # its prompt policy and bounds (issue 5)
               "enable_chunked_context": ctx.options.enable_chunked_context,  # decides max_input_len
               "salt_reaches_core": core_takes_salt(ctx),
@@ -285,7 +286,7 @@ def preprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
 
 def postprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
     perf = publishes_request_metrics(ctx)
-    params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "skip_special_tokens": True,
+    params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "skip_special_tokens": inputs.SKIP_SPECIAL_TOKENS,
               "max_open_streams": 4096, "stream_idle_timeout_s": 600,
               "publish_request_metrics": True if perf else None,
               "gpt_model_path": str(ctx.engine.path) if perf else None}  # its tokens_per_block

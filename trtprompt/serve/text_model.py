@@ -7,6 +7,7 @@ could not: cancellation does not cross it, docs/design.md, "Triton facts").
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from trtprompt.engine_dir import read_engine_dir
@@ -77,12 +78,9 @@ class TextModel(io.RowModel):
         self.add_special_tokens = io.param_bool(params, "add_special_tokens", True)
         self.skip_special_tokens = io.param_bool(params, "skip_special_tokens", True)
         policy = PromptPolicy.from_mapping(read_engine_dir(params["gpt_model_path"], params["tokenizer_dir"]).prompt)
-        self.edge = PromptEdge(policy, self.tokenizer, self.add_special_tokens, self._engine_limits)
+        self.edge = PromptEdge(policy, self.tokenizer, self.add_special_tokens,
+                               functools.partial(P.engine_limits, self.socket))
         self.start_relay(self.socket, params)
-
-    def _engine_limits(self) -> tuple[int, int]:
-        info = P.call(self.socket, {"op": "info"})
-        return int(info["max_input_len"]), int(info["max_seq_len"])
 
     def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> list[_TextRow]:
         n = inputs.batch_size(tensors, "text_input", "messages")

@@ -19,7 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtprompt.knobs import KNOBS
-from trtprompt.error_codes import STATUSES, ErrorCode, code_of, tagged
+from trtprompt.error_codes import STATUSES, ErrorCode, describe, tagged
 from trtprompt.serve import protocol as P
 from trtprompt.serve.inputs import InputError
 from trtprompt.serve.metrics_engine import refusal_reason, report_refused
@@ -87,9 +87,7 @@ class Cancelled(Exception):
 
 def error_for(exc: BaseException) -> Any:
     """The TritonError a failure is reported with: its code's Triton status, the code as a tag."""
-    code = code_of(exc, None)
-    message = str(exc) if code is not None else f"internal error: {type(exc).__name__}: {exc}"
-    code = code or ErrorCode.INTERNAL
+    code, message = describe(exc)
     E = pb_utils.TritonError
     return E(tagged(code, message), getattr(E, STATUSES[code].triton))
 
@@ -177,7 +175,7 @@ class Job:
                 pb_utils.Logger.log_warn(entry["warning"])
         last = all(self._finished)
         out = self.rows[i].response(entry)
-        if out is not None:
+        if out is not None and (out or last):  # no output the client named: nothing to send yet
             send(self.sender, out, final=last)
         if last:
             self._done = True

@@ -14,12 +14,14 @@ OpenAI requests through Triton (serve/openai/triton.py).
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from trtprompt.engine_dir import read_engine_dir
-from trtprompt.error_codes import ErrorCode, code_of, tagged
 from trtprompt.client import text_arrays
+from trtprompt.engine_dir import read_engine_dir
+from trtprompt.error_codes import describe, tagged
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.edge import PromptEdge
 from trtprompt.serve import inputs, protocol as P
@@ -30,6 +32,8 @@ from trtprompt.serve.openai.triton import Piece
 from trtprompt.serve.relay import EngineClient
 from trtprompt.tokenizer import Tokenizer
 
+log = logging.getLogger("trtprompt.openai")
+
 
 @dataclass(frozen=True)
 class EngineRequest:
@@ -37,14 +41,12 @@ class EngineRequest:
 
     prompt_ids: list[int]
     params: dict[str, Any]
-    cache_salt: str | None
+    cache_salt: str | None  # the engine checks them all, as for the fused ensemble's submits
 
 
 def api_error_of(exc: BaseException) -> APIError:
     """The API error the Triton path answers the same failure with (its code, as a tag)."""
-    code = code_of(exc, None)
-    message = str(exc) if code is not None else f"internal error: {type(exc).__name__}: {exc}"
-    return from_triton(tagged(code or ErrorCode.INTERNAL, message))
+    return from_triton(tagged(*describe(exc)))
 
 
 class EnginePath:
@@ -54,12 +56,9 @@ class EnginePath:
         engine = read_engine_dir(engine_dir, tokenizer_dir)
         self.socket = socket_path
         self.tokenizer = Tokenizer.from_dir(engine.tokenizer_dir)
-        self.edge = PromptEdge(PromptPolicy.from_mapping(engine.prompt), self.tokenizer, True, self._limits)
+        self.edge = PromptEdge(PromptPolicy.from_mapping(engine.prompt), self.tokenizer, inputs.ADD_SPECIAL_TOKENS,
+                               functools.partial(P.engine_limits, socket_path))
         self.client = EngineClient(socket_path)
-
-    def _limits(self) -> tuple[int, int]:
-        info = P.call(self.socket, {"op": "info"})
-        return int(info["max_input_len"]), int(info["max_seq_len"])
 
     async def close(self) -> None:
         self.client.close()
@@ -67,7 +66,7 @@ class EnginePath:
     async def ready(self) -> bool:
         try:
             await asyncio.to_thread(P.call, self.socket, {"op": "info"}, 2.0)
-        except (OSError, P.EngineUnavailableError):
+        except (OSError, P.EngineError, ValueError):  # not up, restarting, or a bad reply
             return False
         return True
 
@@ -95,7 +94,7 @@ class EnginePath:
                                      lambda entry: loop.call_soon_threadsafe(entries.put_nowait, entry))
         except Exception as exc:  # noqa: BLE001 - engine unavailable or a refused submit
             raise api_error_of(exc) from None
-        detok = self.tokenizer.stream(req.prompt_ids, skip_special_tokens=True)
+        detok = self.tokenizer.stream(req.prompt_ids, skip_special_tokens=inputs.SKIP_SPECIAL_TOKENS)
         finished = False
         try:
             while not finished:
@@ -105,6 +104,8 @@ class EnginePath:
                     finished = True
                     raise api_error_of(error)
                 finished = entry["finished"]
+                if finished and entry.get("warning"):
+                    log.warning("%s", entry["warning"])  # as the fused ensemble logs it
                 piece = _piece(entry, detok.step(entry["new_token_ids"]) + (detok.flush() if finished else ""))
                 if piece.text or finished:
                     yield piece
