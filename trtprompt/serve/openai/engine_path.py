@@ -42,6 +42,7 @@ class EngineRequest:
     prompt_ids: list[int]
     params: dict[str, Any]
     cache_salt: str | None  # the engine checks them all, as for the fused ensemble's submits
+    stream: bool
 
 
 def api_error_of(exc: BaseException) -> APIError:
@@ -84,7 +85,7 @@ class EnginePath:
         except Exception as exc:  # noqa: BLE001 - answered to the client, counted as the ensemble counts it
             report_refused(refusal_reason(exc), self.socket)
             raise api_error_of(exc) from None
-        return EngineRequest(prompt.ids, params, item.cache_salt)
+        return EngineRequest(prompt.ids, params, item.cache_salt, item.stream)
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[Piece]:
         """Pieces until the final one; APIError on an error. Leaving early aborts the engine request."""
@@ -95,7 +96,7 @@ class EnginePath:
         except Exception as exc:  # noqa: BLE001 - engine unavailable or a refused submit
             raise api_error_of(exc) from None
         detok = self.tokenizer.stream(req.prompt_ids, skip_special_tokens=inputs.SKIP_SPECIAL_TOKENS)
-        finished = False
+        finished, pending = False, list[int]()
         try:
             while not finished:
                 entry = await entries.get()
@@ -106,9 +107,12 @@ class EnginePath:
                 finished = entry["finished"]
                 if finished and entry.get("warning"):
                     log.warning("%s", entry["warning"])  # as the fused ensemble logs it
-                piece = _piece(entry, detok.step(entry["new_token_ids"]) + (detok.flush() if finished else ""))
-                if piece.text or finished:
-                    yield piece
+                pending += entry["new_token_ids"]
+                if req.stream or finished:  # a whole answer is decoded at once, as the fused ensemble does
+                    piece = _piece(entry, detok.step(pending) + (detok.flush() if finished else ""))
+                    pending = []
+                    if piece.text or finished:
+                        yield piece
         finally:
             if not finished:
                 self.client.abort([rid])  # the HTTP client went away: free the KV blocks now
