@@ -93,14 +93,15 @@ def test_unsupported_lora_and_prompt_table_inputs(served: Served) -> None:
     served.assert_healthy()
 
 
-def _burst(served: Served, n: int, max_tokens: int) -> list[StreamResult]:
+def _burst(served: Served, n: int, max_tokens: int, **optional: Any) -> list[StreamResult]:
     results: list[Any] = [None] * n
     barrier = threading.Barrier(n)
 
     def worker(i: int) -> None:
         with LLMClient(served.url) as client:
             barrier.wait()
-            results[i] = client.infer("ensemble", text_inputs(f"request {i} of the burst", max_tokens), 120)
+            results[i] = client.infer("ensemble", text_inputs(f"request {i} of the burst", max_tokens, **optional),
+                                      120)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
     for t in threads:
@@ -118,9 +119,10 @@ def test_sixty_four_concurrent_streams(served: Served) -> None:
 
 
 def test_more_requests_than_max_queue_size(served: Served) -> None:
-    # 16 run (max_batch_size) and 64 wait (max_queue_size); long enough that
-    # none finishes while the burst arrives, so about 16 must be turned away.
-    results = _burst(served, 96, 200)
+    # 16 run (max_batch_size) and 64 wait (max_queue_size); long enough (no early end token:
+    # min_tokens) that none finishes while the burst arrives, so about 16 must be turned away.
+    # At 200 tokens the first 16 could end before the last of the 96 arrived (seen once in 10+ runs).
+    results = _burst(served, 96, 600, min_tokens=600)
     rejected = [r for r in results if r.error]
     accepted = [r for r in results if not r.error]
     assert len(rejected) >= 8
