@@ -23,6 +23,32 @@ NP_TO_TRITON = {np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64", np.dty
                 np.dtype(np.uint32): "UINT32"}
 # The return_perf_metrics output names, as the model configs declare them.
 PERF_OUTPUTS = tuple(name for name, *_ in tensors.PERF_OUTPUTS)
+MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's 4 MiB default would refuse long prompts and whole outputs
+
+
+def aio_channel(url: str) -> Any:
+    """A grpc.aio channel to tritonserver and its inference stub; create both inside the event
+    loop that uses them (a grpc.aio channel belongs to the loop it was made in)."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    channel = grpc.aio.insecure_channel(url, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+    return channel, service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+def stream_request(model: str, inputs: Sequence[Any], request_id: str, outputs: Sequence[str] | None) -> Any:
+    """One ModelStreamInfer request (outputs: the names to return; None: all). The empty final response
+    is enabled: the final flag may come after the last data response."""
+    from tritonclient.grpc import InferRequestedOutput
+    from tritonclient.grpc._utils import _get_inference_request  # the request builder tritonclient itself uses
+
+    request = _get_inference_request(
+        model_name=model, inputs=list(inputs), model_version="", request_id=request_id,
+        outputs=[InferRequestedOutput(name) for name in outputs] if outputs else None, sequence_id=0,
+        sequence_start=False, sequence_end=False, priority=0, timeout=None, parameters=None)
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    return request
 
 
 @dataclass
@@ -150,11 +176,12 @@ class LLMClient:
 
     def input_names(self, model: str) -> set[str]:
         """Inputs the model declares (layouts differ: upstream has no return_num_* inputs)."""
-        return {inp.name for inp in self._client.get_model_metadata(model).inputs}
+        return self.declared_names(model)[0]
 
-    def output_names(self, model: str) -> set[str]:
-        """Outputs the model declares."""
-        return {out.name for out in self._client.get_model_metadata(model).outputs}
+    def declared_names(self, model: str) -> tuple[set[str], set[str]]:
+        """The model's input and output names, from one metadata call."""
+        meta = self._client.get_model_metadata(model)
+        return {t.name for t in meta.inputs}, {t.name for t in meta.outputs}
 
     def __enter__(self) -> "LLMClient":
         return self

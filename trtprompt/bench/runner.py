@@ -262,7 +262,7 @@ def _declared(url: str, model: str) -> tuple[set[str], set[str]]:
     """The Triton model's input and output names (empty when the server cannot be asked)."""
     try:
         with LLMClient(url) as client:
-            return client.input_names(model), client.output_names(model)
+            return client.declared_names(model)
     except Exception:  # noqa: BLE001 - an unreachable server fails the requests themselves, with reasons
         return set(), set()
 

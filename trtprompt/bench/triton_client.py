@@ -17,14 +17,11 @@ import threading
 import time
 from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
 
-import grpc
-from tritonclient.grpc import InferRequestedOutput, InferResult, service_pb2_grpc
-from tritonclient.grpc._utils import _get_inference_request  # the request builder tritonclient itself uses
+from tritonclient.grpc import InferResult
 
-from trtprompt.client import StreamResult
+from trtprompt.client import StreamResult, aio_channel, stream_request
 
 T = TypeVar("T")
-MAX_MESSAGE_BYTES = 2**31 - 1
 
 
 class SharedTritonChannel:
@@ -34,19 +31,14 @@ class SharedTritonChannel:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="bench-grpc", daemon=True)
         self._thread.start()
-        self._channel: grpc.aio.Channel | None = None
-        self._stub = self._run(self._open(url))
+        self._channel, self._stub = self._run(self._open(url))
 
-    async def _open(self, url: str) -> service_pb2_grpc.GRPCInferenceServiceStub:
-        # Created inside the loop: a grpc.aio channel belongs to the loop it was made in.
-        self._channel = grpc.aio.insecure_channel(url, options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-        return service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+    @staticmethod
+    async def _open(url: str) -> Any:
+        return aio_channel(url)  # inside the loop: the channel belongs to it
 
     async def _shutdown(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
+        await self._channel.close()
         # A call returns at its final response, before gRPC has read its status: let those
         # bookkeeping tasks end here rather than be destroyed pending with the loop.
         pending = asyncio.all_tasks() - {asyncio.current_task()}
@@ -65,12 +57,7 @@ class SharedTritonChannel:
     def infer(self, model: str, inputs: Sequence[Any], timeout_s: float, request_id: str,
               outputs: Sequence[str] | None = None) -> StreamResult:
         """One streamed request, as LLMClient.infer answers it: responses until the final one."""
-        request = _get_inference_request(
-            model_name=model, inputs=list(inputs), model_version="", request_id=request_id,
-            outputs=[InferRequestedOutput(name) for name in outputs] if outputs else None, sequence_id=0,
-            sequence_start=False, sequence_end=False, priority=0, timeout=None, parameters=None)
-        # The final flag may come on an empty response after the last data one.
-        request.parameters["triton_enable_empty_final_response"].bool_param = True
+        request = stream_request(model, inputs, request_id, outputs)
         return self._run(self._bounded(request, model, timeout_s))
 
     async def _bounded(self, request: Any, model: str, timeout_s: float) -> StreamResult:

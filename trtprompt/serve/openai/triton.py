@@ -18,14 +18,12 @@ from typing import Any, AsyncIterator, Sequence
 
 import grpc
 import numpy as np
-from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult, service_pb2, service_pb2_grpc
-from tritonclient.grpc._utils import _get_inference_request  # the request builder tritonclient itself uses
+from tritonclient.grpc import InferInput, InferResult, service_pb2
 
-from trtprompt.client import text_inputs
+from trtprompt.client import aio_channel, stream_request, text_inputs
 from trtprompt.serve.openai.errors import APIError, from_triton, unavailable
 from trtprompt.serve.openai.params import Generation
 
-MAX_MESSAGE_BYTES = 2**31 - 1
 # Always asked for when the ensemble declares them: usage and cached tokens come from these, and
 # usage needs the perf outputs once, so they come on the final response only where the ensemble
 # can (perf_metrics_final_only; TensorRT-LLM attaches them to every response; docs/openai.md).
@@ -71,12 +69,9 @@ class TritonEnsemble:
 
     def __init__(self, url: str, model: str = "ensemble") -> None:
         self.model = model
-        self._channel = grpc.aio.insecure_channel(url, options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self._channel, self._stub = aio_channel(url)
         self._inputs: frozenset[str] | None = None
-        self._outputs: list[InferRequestedOutput] = []
+        self._outputs: tuple[str, ...] = ()
 
     async def close(self) -> None:
         await self._channel.close()
@@ -98,7 +93,7 @@ class TritonEnsemble:
                 raise _rpc_error(exc) from None
             self._inputs = frozenset(t.name for t in meta.inputs)
             declared = {t.name for t in meta.outputs}
-            self._outputs = [InferRequestedOutput(name) for name in READ_OUTPUTS if name in declared]
+            self._outputs = tuple(name for name in READ_OUTPUTS if name in declared)
         return self._inputs
 
     async def inputs_for(self, gen: Generation) -> list[InferInput]:
@@ -113,24 +108,16 @@ class TritonEnsemble:
         optional: dict[str, Any] = dict(gen.sampling)
         optional.update(exclude_input_in_output=True, messages=gen.messages_json, cache_salt=gen.cache_salt)
         optional.update({name: True for name in REPORTING_INPUTS})
-        inputs = text_inputs(gen.prompt or "", gen.max_tokens, gen.stream,
-                             **{k: v for k, v in optional.items() if k in declared})
-        if gen.stop:
-            words = InferInput("stop_words", [1, len(gen.stop)], "BYTES")
-            words.set_data_from_numpy(np.array([[w.encode("utf-8") for w in gen.stop]], dtype=object))
-            inputs.append(words)
-        return inputs
+        # stop_words unfiltered: a server without the input must refuse it, not ignore the stops
+        return text_inputs(gen.prompt or "", gen.max_tokens, gen.stream, stop_words=list(gen.stop) or None,
+                           **{k: v for k, v in optional.items() if k in declared})
 
     async def generate(self, inputs: Sequence[InferInput]) -> AsyncIterator[Piece]:
         """Data responses of one request until its final one; APIError on an error.
 
         Closing the iterator early (the HTTP client went away) cancels the call.
         """
-        request = _get_inference_request(model_name=self.model, inputs=list(inputs), model_version="",
-                                         request_id=uuid.uuid4().hex, outputs=self._outputs or None, sequence_id=0,
-                                         sequence_start=False, sequence_end=False, priority=0, timeout=None,
-                                         parameters=None)
-        request.parameters["triton_enable_empty_final_response"].bool_param = True
+        request = stream_request(self.model, inputs, uuid.uuid4().hex, self._outputs)
         finished = asyncio.Event()
 
         async def requests() -> AsyncIterator[Any]:
