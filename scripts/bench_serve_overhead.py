@@ -87,8 +87,8 @@ class ThroughTriton:
     """`trtprompt serve` (real tritonserver), the `ensemble` model over gRPC streaming."""
 
     def __init__(self, engine_dir: Path, max_tokens: int) -> None:
-        from trtprompt.serve.launcher import Ports, Server
-        from trtprompt.serve.options import EngineInfo, resolve_options
+        from trtprompt.serve.launch.launcher import Ports, Server
+        from trtprompt.serve.launch.options import EngineInfo, resolve_options
 
         engine = EngineInfo.read(engine_dir)
         self.max_tokens = max_tokens

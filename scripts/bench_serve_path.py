@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from trtprompt.bench.runner import LoadSpec, run_load  # noqa: E402
 from trtprompt.bench.workloads import Workload, WorkloadSpec, make_workload  # noqa: E402
 from trtprompt.serve.ports import free_ports  # noqa: E402
-from trtprompt.serve.process_group import descendants  # noqa: E402
+from trtprompt.serve.launch.process_group import descendants  # noqa: E402
 from trtprompt.tokenizer import Tokenizer  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -112,7 +112,7 @@ def served(code: Path, engine_dir: Path, work: Workload, warm: Workload, concurr
 
 
 def _info(run_dir: Path) -> dict[str, Any]:
-    from trtprompt.serve import protocol as P
+    from trtprompt.serve.wire import protocol as P
     return P.call(str(run_dir / "engine.sock"), {"op": "info"})
 
 

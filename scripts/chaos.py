@@ -39,10 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trtprompt.client import LLMClient, make_input, text_inputs  # noqa: E402
-from trtprompt.serve import protocol as P  # noqa: E402
+from trtprompt.serve.wire import protocol as P  # noqa: E402
 from trtprompt.serve.bad_inputs import CASES, ask, limits_of  # noqa: E402
 from trtprompt.serve.ports import free_ports  # noqa: E402
-from trtprompt.serve.process_group import group_members  # noqa: E402
+from trtprompt.serve.launch.process_group import group_members  # noqa: E402
 from trtprompt.tokenizer import Tokenizer  # noqa: E402
 
 PARTS = ("bad-inputs", "poison", "big-ids", "hol", "shutdown", "soak")
@@ -101,7 +101,7 @@ def start(engine_dir: Path, work: Path, timeout_s: float = 180.0) -> Server:
 def stop(server: Server, report: Report) -> None:
     """SIGINT as Ctrl-C; check exit code, the process tree (every group it led) and /dev/shm."""
     groups = {int(line.split()[3]) for line in _stats_of_tree(server.proc.pid)} - {os.getpgrp()}
-    # This server's python-backend regions (trtprompt.serve.launcher names them by its run dir).
+    # This server's python-backend regions (trtprompt.serve.launch.launcher names them by its run dir).
     mine = f"trtprompt_*_{server.run_dir.name.replace('-', '_')}_*"
     shm_before = {p.name for p in Path("/dev/shm").glob(mine)}
     server.proc.send_signal(signal.SIGINT)

@@ -21,9 +21,9 @@ from typing import Any, Iterator, Sequence
 import pytest
 
 from trtprompt.client import LLMClient, StreamResult, text_inputs, token_inputs
-from trtprompt.serve import protocol as P
+from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.ports import free_ports
-from trtprompt.serve.process_group import descendants
+from trtprompt.serve.launch.process_group import descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 120.0

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from trtprompt.build import BuildRequest, run_build
 from trtprompt.checkpoint import is_layer_linear
 from trtprompt.cli import main
-from trtprompt.engine_dir import PARTIAL_MARKER, read_engine_dir
+from trtprompt.engine.engine_dir import PARTIAL_MARKER, read_engine_dir
 from trtprompt.errors import EngineDirError
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from trtprompt.engine.config import KvCacheConfig, ModelConfig, SchedulerConfig
 from trtprompt.engine.request import SamplingParams
+from trtprompt.error_codes import FieldError
 
 
 def test_kv_pool_from_tokens_from_fraction_of_budget_and_the_smaller_of_both():
@@ -57,7 +58,7 @@ def test_model_config_refuses_unknown_architecture_and_bad_gqa():
     ({"stop_token_ids": ((),)}, "empty sequence"),
 ])
 def test_sampling_params_errors(kwargs, msg):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(FieldError, match=msg):
         SamplingParams(**kwargs)
 
 

@@ -79,7 +79,7 @@ def test_engine_without_paged_context_fmha_refuses_chunking_and_reuse(tiny_engin
 
 def test_unfinished_or_foreign_engine_dirs_are_refused(tiny_engine_dir, tmp_path):
     import shutil
-    from trtprompt.engine_dir import PARTIAL_MARKER
+    from trtprompt.engine.engine_dir import PARTIAL_MARKER
     from trtprompt.errors import EngineDirError
     partial = tmp_path / "partial"
     shutil.copytree(tiny_engine_dir, partial)

@@ -13,6 +13,7 @@ from trtprompt.engine import sampler
 from trtprompt.engine.engine import LLMEngine
 from trtprompt.engine.loop import EngineLoop
 from trtprompt.engine.request import FLOAT_BOUNDS, FinishReason, SamplingParams
+from trtprompt.error_codes import FieldError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 PROMPTS = {"a": [5, 9, 14, 3, 77, 12], "b": [40, 41, 42, 43], "c": [200, 3, 3, 17, 99, 100, 101]}
@@ -27,7 +28,7 @@ def llama(tmp_path_factory):
                                    "frequency_penalty"])
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_non_finite_float_params_are_refused_naming_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"^{field} must be a finite number in [\[(]"):
+    with pytest.raises(FieldError, match=rf"^{field} must be a finite number in [\[(]"):
         SamplingParams(**{field: value})
 
 
@@ -36,7 +37,7 @@ def test_non_finite_float_params_are_refused_naming_the_field(field, value):
                                           ("frequency_penalty", -1e9)])
 def test_out_of_range_float_params_are_refused_with_the_range(field, value):
     bound = FLOAT_BOUNDS[field].describe()
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(FieldError) as err:
         SamplingParams(**{field: value})
     assert str(err.value) == f"{field} must be a finite number in {bound}, got {value!r}"
 

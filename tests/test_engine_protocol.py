@@ -19,12 +19,19 @@ import pytest
 
 from engine_helpers import hf_greedy, make_engine, make_hf_model
 from trtprompt.engine.loop import EngineLoop
-from trtprompt.serve import protocol as P
-from trtprompt.serve.engine_server import EngineService, _Server
-from trtprompt.serve.relay import CancelWatcher, EngineClient
+from trtprompt.engine.request import SamplingParams
+from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.engine_process.server import EngineService, _Server
+from trtprompt.serve.triton_models.cancel_watch import CancelWatcher
+from trtprompt.serve.wire.engine_client import EngineClient
+from trtprompt.serve.wire.requests import TokenRequest
 
 DEADLINE_S = 60.0
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _req(ids: list[int], max_tokens: int) -> TokenRequest:
+    return TokenRequest(tuple(ids), SamplingParams(max_tokens=max_tokens), stream=True)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +94,7 @@ def test_one_connection_multiplexes_concurrent_requests(engine: Engine, llama: P
     client = EngineClient(engine.path)
     prompts = [list(range(3 + i, 17 + 2 * i)) for i in range(6)]
     handlers = [Collector() for _ in prompts]
-    threads = [threading.Thread(target=client.submit, args=(p, {"max_tokens": 7}, None, False, h))
+    threads = [threading.Thread(target=client.submit, args=(_req(p, 7), h))
                for p, h in zip(prompts, handlers)]
     for t in threads:
         t.start()
@@ -138,15 +145,15 @@ def test_one_frame_per_step_carries_every_request(llama: Path, tmp_path: Path) -
 def test_rejected_submit_fails_only_that_request(engine: Engine) -> None:
     client = EngineClient(engine.path)
     good, bad = Collector(), Collector()
-    client.submit([5, 6, 7], {"max_tokens": 4}, None, False, good)
-    client.submit([5, 10**6], {"max_tokens": 4}, None, False, bad)
+    client.submit(_req([5, 6, 7], 4), good)
+    client.submit(_req([5, 10**6], 4), bad)
     assert bad.wait()["code"] == P.INVALID_ARG
     assert "outside the vocabulary" in bad.wait()["error"]
     assert good.wait()["finish_reason"] == "length" and len(good.tokens()) == 4
     with pytest.raises(P.EngineError, match="over the engine protocol's limit"):
-        client.submit([5] * (P.MAX_FRAME // 2), {"max_tokens": 4}, None, False, Collector())
+        client.submit(_req([5] * (P.MAX_FRAME // 2), 4), Collector())
     again = Collector()
-    client.submit([5, 6], {"max_tokens": 2}, None, False, again)  # the connection survived both
+    client.submit(_req([5, 6], 2), again)  # the connection survived both
     assert again.wait()["finish_reason"] == "length"
     client.close()
 
@@ -154,7 +161,7 @@ def test_rejected_submit_fails_only_that_request(engine: Engine) -> None:
 def test_abort_and_disconnect_free_the_engine(engine: Engine) -> None:
     client = EngineClient(engine.path)
     handler = Collector()
-    rid = client.submit([5, 6, 7], {"max_tokens": 200}, None, False, handler)
+    rid = client.submit(_req([5, 6, 7], 200), handler)
     while not handler.entries:
         time.sleep(0.01)
     client.abort([rid])
@@ -163,7 +170,7 @@ def test_abort_and_disconnect_free_the_engine(engine: Engine) -> None:
     # A stub that goes away: everything it had in flight is aborted.
     lost = [Collector() for _ in range(3)]
     for h in lost:
-        client.submit([5, 6, 7], {"max_tokens": 200}, None, False, h)
+        client.submit(_req([5, 6, 7], 200), h)
     while not all(h.entries for h in lost):
         time.sleep(0.01)
     client.close()
@@ -173,13 +180,13 @@ def test_abort_and_disconnect_free_the_engine(engine: Engine) -> None:
 
 
 def _engine_process(engine_dir: Path, tmp_path: Path, path: str) -> subprocess.Popen:
-    """The real engine process (python -m trtprompt.serve.engine_server), as the launcher starts it."""
+    """The real engine process (python -m trtprompt.serve.engine_process), as the launcher starts it."""
     repo = tmp_path / "repository"
     (repo / "tensorrt_llm").mkdir(parents=True, exist_ok=True)
     (repo / "tensorrt_llm" / "config.pbtxt").write_text(
         'name: "tensorrt_llm"\nbackend: "python"\n'
         f'parameters {{ key: "gpt_model_path" value {{ string_value: "{engine_dir}" }} }}\n')
-    proc = subprocess.Popen([sys.executable, "-m", "trtprompt.serve.engine_server", "--repository", str(repo),
+    proc = subprocess.Popen([sys.executable, "-m", "trtprompt.serve.engine_process", "--repository", str(repo),
                              "--socket", path], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + DEADLINE_S
     while True:
@@ -197,7 +204,7 @@ def test_killed_engine_ends_every_request_then_reconnects(tiny_engine_dir: Path,
     client = EngineClient(path)
     handlers = [Collector() for _ in range(3)]
     for h in handlers:
-        client.submit([5, 6, 7], {"max_tokens": 1000}, None, False, h)
+        client.submit(_req([5, 6, 7], 1000), h)
     try:
         while not all(h.entries for h in handlers):
             time.sleep(0.01)
@@ -206,10 +213,10 @@ def test_killed_engine_ends_every_request_then_reconnects(tiny_engine_dir: Path,
         assert [h.wait()["code"] for h in handlers] == [P.UNAVAILABLE] * 3
         first.wait()
         with pytest.raises(P.EngineUnavailableError, match="engine process unavailable"):
-            client.submit([5, 6], {"max_tokens": 3}, None, False, Collector())
+            client.submit(_req([5, 6], 3), Collector())
         second = _engine_process(tiny_engine_dir, tmp_path, path)  # the launcher's restart
         after = Collector()
-        client.submit([5, 6], {"max_tokens": 3}, None, False, after)  # a new connection
+        client.submit(_req([5, 6], 3), after)  # a new connection
         assert after.wait()["finish_reason"] == "length" and len(after.tokens()) == 3
     finally:
         client.close()
@@ -222,7 +229,7 @@ def test_killed_engine_ends_every_request_then_reconnects(tiny_engine_dir: Path,
 def test_no_engine_is_unavailable_at_submit(tmp_path: Path) -> None:
     client = EngineClient(str(tmp_path / "nobody.sock"))
     with pytest.raises(P.EngineUnavailableError, match="engine process unavailable"):
-        client.submit([5], {"max_tokens": 1}, None, False, Collector())
+        client.submit(_req([5], 1), Collector())
 
 
 class _Flag:

@@ -10,11 +10,10 @@ import pytest
 from trtprompt.engine.errors import (DuplicateRequestError, EngineRequestError, EngineStoppingError,
                                      InputTooLongError, QueueFullError)
 from trtprompt.engine.request import SamplingParams
-from trtprompt.error_codes import (STATUSES, ErrorCode, FieldError, classify, code_of, parse_code, split_tag,
-                                   tagged)
+from trtprompt.error_codes import (STATUSES, BadRequestError, CancelledRequestError, CapacityError, ErrorCode,
+                                   FieldError, OverBoundError, classify, code_of, parse_code, split_tag, tagged)
 from trtprompt.prompt.budget import PromptError, PromptTooLongError
-from trtprompt.serve import protocol as P
-from trtprompt.serve.inputs import InputError
+from trtprompt.serve.wire import protocol as P
 
 # code -> (Triton status, HTTP status of the OpenAI front end, OpenAI code, Retry-After)
 EXPECTED = {
@@ -54,8 +53,12 @@ def test_untagged_messages_and_unknown_codes() -> None:
     (EngineStoppingError("engine is shutting down"), ErrorCode.UNAVAILABLE),
     (PromptError("input 'overflow' must be one of ..."), ErrorCode.INVALID_ARGUMENT),
     (PromptTooLongError(3000, 2000, 2047, 47), ErrorCode.TOO_LONG),
-    (InputError("input 'input_ids' is empty"), ErrorCode.INVALID_ARGUMENT),
-    (InputError("input 'input_ids': Prompt length (9) exceeds ...", ErrorCode.TOO_LONG), ErrorCode.TOO_LONG),
+    (BadRequestError("input 'input_ids' is empty", "input_ids"), ErrorCode.INVALID_ARGUMENT),
+    (OverBoundError("input 'input_ids': Prompt length (9) exceeds ..."), ErrorCode.TOO_LONG),
+    (CapacityError("full"), ErrorCode.QUEUE_FULL),
+    (CancelledRequestError("request cancelled by the client"), ErrorCode.CANCELLED),
+    (ValueError("a bug that raised ValueError"), ErrorCode.INTERNAL),
+    (KeyError("a bug that raised KeyError"), ErrorCode.INTERNAL),
     (P.EngineUnavailableError("engine process unavailable"), ErrorCode.UNAVAILABLE),
     (P.EngineError(ErrorCode.QUEUE_FULL, "queue full: ..."), ErrorCode.QUEUE_FULL),
     (RuntimeError("a bug"), ErrorCode.INTERNAL),
@@ -76,5 +79,5 @@ def test_sampling_params_name_the_refused_field() -> None:
 
 def test_the_protocol_reads_codes_off_the_wire() -> None:
     error = P.entry_error({"id": "1", "finished": True, "error": "queue full: ...", "code": "queue_full"})
-    assert error == P.EngineError(ErrorCode.QUEUE_FULL, "queue full: ...")
+    assert isinstance(error, P.EngineError) and (error.code, str(error)) == (ErrorCode.QUEUE_FULL, "queue full: ...")
     assert P.entry_error({"id": "1", "finished": True, "new_token_ids": [3]}) is None

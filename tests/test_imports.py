@@ -103,7 +103,7 @@ def test_the_engine_needs_neither_triton_nor_click_nor_the_build_side() -> None:
         for dep in edges[todo.pop()] - reached:
             reached.add(dep)
             todo.append(dep)
-    assert "trtprompt.engine.engine" in reached and "trtprompt.engine_dir" in reached
+    assert "trtprompt.engine.engine" in reached and "trtprompt.engine.engine_dir" in reached
     build = sorted(m for m in reached if any(m == b or m.startswith(b + ".") for b in BUILD_SIDE))
     assert build == []
     external = sorted({name for m in reached for name in imported_names(m, module_level_only=False)

@@ -1,5 +1,5 @@
 """The serving edge refuses what cannot work before any engine work (issue 11): pure parsing
-(trtprompt.serve.inputs) and the prompt edge's byte bound (trtprompt.prompt.edge)."""
+(trtprompt.serve.triton_models.inputs) and the prompt edge's byte bound (trtprompt.prompt.edge)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trtprompt.error_codes import RequestError
 from trtprompt.prompt.budget import PromptError, PromptPolicy
 from trtprompt.prompt.edge import PromptEdge
-from trtprompt.serve import inputs
+from trtprompt.serve.triton_models import inputs
 from trtprompt.tokenizer import Tokenizer
 
 
@@ -44,28 +45,28 @@ def _tokens(ids: list[int], length: int, **extra: object) -> dict[str, np.ndarra
     ("min_tokens", -1, "input 'min_tokens': min_tokens must be >= 0, got -1"),
 ])
 def test_text_sampling_values_are_refused_naming_the_input(name, value, message):
-    with pytest.raises(inputs.InputError) as err:
+    with pytest.raises(RequestError) as err:
         inputs.parse_text_item(_text(**{name: value}), 0, False)
     assert str(err.value) == message
 
 
 def test_token_inputs_use_the_clients_names():
-    with pytest.raises(inputs.InputError, match=r"^input 'runtime_top_p' must be a finite number in \[0, 1\], got nan$"):
+    with pytest.raises(RequestError, match=r"^input 'runtime_top_p' must be a finite number in \[0, 1\], got nan$"):
         inputs.parse_token_item(_tokens([1, 2], 2, runtime_top_p=math.nan), 0, False, 100)
-    with pytest.raises(inputs.InputError, match=r"^input 'len_penalty' must be a finite"):
+    with pytest.raises(RequestError, match=r"^input 'len_penalty' must be a finite"):
         inputs.parse_token_item(_tokens([1, 2], 2, len_penalty=math.inf), 0, False, 100)
 
 
 def test_missing_empty_and_too_many_input_ids():
-    with pytest.raises(inputs.InputError, match="^input 'text_input' is required$"):
+    with pytest.raises(RequestError, match="^input 'text_input' is required$"):
         inputs.batch_size({"max_tokens": np.array([[4]])}, "text_input", "messages")
-    with pytest.raises(inputs.InputError, match="^input 'input_ids' is empty: at least one token id is required$"):
+    with pytest.raises(RequestError, match="^input 'input_ids' is empty: at least one token id is required$"):
         inputs.parse_token_item(_tokens([], 0), 0, False, 100)
-    with pytest.raises(inputs.InputError) as err:
+    with pytest.raises(RequestError) as err:
         inputs.parse_token_item(_tokens(list(range(101)), 101), 0, False, 100)
     assert str(err.value) == ("input 'input_ids': Prompt length (101) exceeds maximum input length "
                               "(100, the engine's max_input_len)")
-    assert inputs.parse_token_item(_tokens(list(range(100)), 100), 0, False, 100).prompt_token_ids == list(range(100))
+    assert inputs.parse_token_item(_tokens(list(range(100)), 100), 0, False, 100).prompt_token_ids == tuple(range(100))
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from trtprompt.engine.loader import LOWERABLE_BOUNDS, RUNTIME_KEYS
 from trtprompt.knobs import KNOBS
 from trtprompt.knobs_doc import DOC_PATH, reference
 from trtprompt.profile import Profile
-from trtprompt.serve.engine_server import engine_overrides
-from trtprompt.serve.options import ServeOptions
-from trtprompt.serve.trtllm_model_config import MODEL_KNOBS, TrtllmModelParams
+from trtprompt.serve.engine_process.server import engine_overrides
+from trtprompt.serve.launch.options import ServeOptions
+from trtprompt.serve.launch.trtllm_model_config import MODEL_KNOBS, TrtllmModelParams
 
 
 def _options(command: click.Command, path: str) -> Iterator[tuple[str, click.Option]]:

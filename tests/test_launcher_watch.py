@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from trtprompt.serve.launcher import stop_on_signals, watch_children
+from trtprompt.serve.launch.launcher import stop_on_signals, watch_children
 
 
 def test_a_child_that_exits_ends_the_watch_with_its_log(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.request import FinishReason, Request, RequestOutput, RequestStats, SamplingParams
 from trtprompt.error_codes import ErrorCode
 from trtprompt.serve import metrics_catalog as C
-from trtprompt.serve.metrics_engine import RequestCounters, finish_label, timing_entry
+from trtprompt.serve.engine_process.counters import RequestCounters, finish_label, timing_entry
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "monitoring"
 
@@ -151,8 +151,8 @@ def test_perf_outputs_are_declared_once_and_read_from_the_request_stats() -> Non
     from dataclasses import fields
 
     from trtprompt.client import PERF_OUTPUTS
-    from trtprompt.serve.inputs import perf_values
-    from trtprompt.serve.tensors import PERF_OUTPUTS as DECLARED
+    from trtprompt.serve.triton_models.inputs import perf_values
+    from trtprompt.interface import PERF_OUTPUTS as DECLARED
 
     assert PERF_OUTPUTS == tuple(name for name, *_ in DECLARED)
     assert set(PERF_OUTPUTS) <= {f.name for f in fields(RequestStats)}

@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from serve_fixtures import Oracle, Served
-from trtprompt.serve.options import EngineInfo
+from trtprompt.serve.launch.options import EngineInfo
 
 pytestmark = pytest.mark.server
 

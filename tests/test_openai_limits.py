@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from serve_fixtures import Served, _alive, check_stopped_cleanly, start_server
-from trtprompt.serve.process_group import descendants
+from trtprompt.serve.launch.process_group import descendants
 
 pytestmark = pytest.mark.server
 KEY = "sk-test-0123456789"
@@ -90,7 +90,7 @@ def test_queue_full_is_429_with_retry_after(strict: Served) -> None:
 
 def test_engine_restart_is_503_then_service_resumes(strict: Served) -> None:
     engines = [p for p in descendants(strict.proc.pid)
-               if b"trtprompt.serve.engine_server" in Path(f"/proc/{p}/cmdline").read_bytes()]
+               if b"trtprompt.serve.engine_process" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(engines) == 1
     os.kill(engines[0], signal.SIGKILL)
     wait_for(lambda: not _alive(engines[0]), "the engine process gone")

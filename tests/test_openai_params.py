@@ -10,6 +10,7 @@ import pytest
 from trtprompt.error_codes import ErrorCode, tagged
 from trtprompt.serve.openai.errors import APIError, from_triton
 from trtprompt.serve.openai.params import ModelLimits, parse_request
+from trtprompt.serve.openai.to_triton import ensemble_sampling
 
 LIMITS = ModelLimits("tiny", 2048)
 
@@ -30,21 +31,21 @@ def refused(kind: str, body: dict[str, Any]) -> APIError:
 
 def test_greedy_and_openai_default_sampling() -> None:
     greedy = parse_request("completion", completion(temperature=0, max_tokens=5), LIMITS)
-    assert dict(greedy.sampling) == {"temperature": 0.0}
+    assert ensemble_sampling(greedy.sampling) == {"temperature": 0.0}
     assert (greedy.prompt, greedy.max_tokens, greedy.stream) == ("Hello", 5, False)
     # OpenAI's default temperature 1 samples from the whole distribution: top_p=1 says so to the engine.
     default = parse_request("completion", completion(), LIMITS)
-    assert dict(default.sampling) == {"temperature": 1.0, "top_p": 1.0}
+    assert ensemble_sampling(default.sampling) == {"temperature": 1.0, "top_p": 1.0}
     assert default.max_tokens == 16
     top_k = parse_request("completion", completion(temperature=0.7, top_k=5, seed=3), LIMITS)
-    assert dict(top_k.sampling) == {"temperature": 0.7, "top_k": 5, "seed": 3}
+    assert ensemble_sampling(top_k.sampling) == {"temperature": 0.7, "top_k": 5, "seed": 3}
 
 
 def test_extensions_and_ignore_eos() -> None:
     gen = parse_request("completion", completion(max_tokens=12, ignore_eos=True, repetition_penalty=1.2,
                                                  presence_penalty=0.5, stop=["\n", "END"], cache_salt="t1"),
                         LIMITS)
-    sampling = dict(gen.sampling)
+    sampling = ensemble_sampling(gen.sampling)
     assert sampling["min_tokens"] == 12 and sampling["repetition_penalty"] == 1.2
     assert sampling["presence_penalty"] == 0.5
     assert gen.stop == ("\n", "END") and gen.cache_salt == "t1"

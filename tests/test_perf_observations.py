@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trtprompt.serve import metrics_catalog as C
-from trtprompt.serve.perf_observations import COUNTERS, TIMING_KEYS, FirstSeen, Observation, observation
+from trtprompt.serve.triton_models.perf_observations import COUNTERS, TIMING_KEYS, FirstSeen, Observation, observation
 
 PERF = {"kv_cache_alloc_new_blocks": 3, "kv_cache_reused_blocks": 2, "kv_cache_alloc_total_blocks": 5,
         "arrival_time_ns": 10_000_000_000, "first_scheduled_time_ns": 10_003_000_000,

@@ -190,7 +190,7 @@ def test_plan_inspect_and_engine_size_the_same_kv_pool(tiny_checkpoint_factory: 
     128 tokens can use 2 x 4 blocks, and plan, `inspect` and the running engine all say 8."""
     from trtprompt.build import BuildRequest, run_build
     from trtprompt.engine.engine import LLMEngine
-    from trtprompt.engine_dir import read_engine_dir
+    from trtprompt.engine.engine_dir import read_engine_dir
     from trtprompt.report import inspect_data
 
     req = BuildRequest(tiny_checkpoint_factory("llama"), tmp_path / "engine", "cpu-dev",

@@ -1,4 +1,4 @@
-"""stop_group / remove_shm (trtprompt.serve.process_group): a child that outlives its group's
+"""stop_group / remove_shm (trtprompt.serve.launch.process_group): a child that outlives its group's
 leader is killed and reported, as Triton's python stub outliving tritonserver was (issue 11)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from trtprompt.serve.process_group import SHM_DIR, group_members, remove_shm, stop_group
+from trtprompt.serve.launch.process_group import SHM_DIR, group_members, remove_shm, stop_group
 
 # A leader that exits on SIGTERM, with a child that ignores it (like a stub busy elsewhere).
 LEADER = """

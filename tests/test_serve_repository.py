@@ -14,9 +14,13 @@ import numpy as np
 import pytest
 
 from serve_fixtures import ROOT, _alive
-from trtprompt.serve import inputs, protocol as P
-from trtprompt.serve.options import EngineInfo, resolve_options
-from trtprompt.serve.repository import (ENSEMBLE_INPUTS, RepoContext, check_config_text, read_parameters,
+from trtprompt.engine.request import SamplingParams
+from trtprompt.error_codes import RequestError
+from trtprompt.serve.triton_models import inputs
+from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.launch.options import EngineInfo, resolve_options
+from trtprompt.serve.wire.model_config import check_config_text, read_parameters
+from trtprompt.serve.launch.repository import (ENSEMBLE_INPUTS, RepoContext,
                                         write_repository)
 
 
@@ -172,7 +176,7 @@ def test_check_config_text_rejects_placeholders_and_bad_fields() -> None:
 def test_words_list_and_token_item_parsing() -> None:
     words = np.array([[5, 6, 7, 0], [2, 3, -1, -1]], dtype=np.int32)
     assert inputs.words_list(words, "stop_words_list") == [[5, 6], [7]]
-    with pytest.raises(inputs.InputError, match=r"shape \[2, L\]"):
+    with pytest.raises(RequestError, match=r"shape \[2, L\]"):
         inputs.words_list(np.zeros((3, 2), dtype=np.int32), "stop_words_list")
     tensors = {"input_ids": np.array([[4, 5, 6, 0]], dtype=np.int32),
                "input_lengths": np.array([[3]], dtype=np.int32),
@@ -180,9 +184,9 @@ def test_words_list_and_token_item_parsing() -> None:
                "runtime_top_k": np.array([[2]], dtype=np.int32),
                "stop_words_list": words[None], "streaming": np.array([[True]])}
     item = inputs.parse_token_item(tensors, 0, exclude_default=False)
-    assert item.prompt_token_ids == [4, 5, 6] and item.stream
-    assert item.params == {"max_tokens": 7, "top_k": 2, "stop_token_ids": [[5, 6], [7]]}
-    with pytest.raises(inputs.InputError, match="one value per request"):
+    assert item.prompt_token_ids == (4, 5, 6) and item.stream
+    assert item.sampling == SamplingParams(max_tokens=7, top_k=2, stop_token_ids=((5, 6), (7,)))
+    with pytest.raises(RequestError, match="one value per request"):
         inputs.scalar({"x": np.array([[1, 2]])}, "x", 0, int)
 
 

@@ -11,7 +11,7 @@ from typing import Iterator
 import pytest
 
 from serve_fixtures import Oracle, Served, _alive, check_stopped_cleanly, start_server
-from trtprompt.serve.process_group import descendants
+from trtprompt.serve.launch.process_group import descendants
 
 pytestmark = pytest.mark.server
 

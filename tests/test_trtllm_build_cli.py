@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from trtllm_fixtures import calls, fake_trtllm  # noqa: F401  (fixture)
 
 from trtprompt.cli import main
-from trtprompt.serve.trtllm_model_config import parse_config_text
+from trtprompt.serve.launch.trtllm_model_config import parse_config_text
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="TensorRT-LLM is installed here")

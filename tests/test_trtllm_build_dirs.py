@@ -19,7 +19,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from trtllm_fixtures import make_engine_dir
 
 from trtprompt.cli import main
-from trtprompt.engine_dir import read_engine_dir
+from trtprompt.engine.engine_dir import read_engine_dir
 from trtprompt.errors import EngineDirError
 
 

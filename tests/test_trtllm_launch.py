@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from trtllm_fixtures import make_engine_dir
 
 from trtprompt.cli import main
-from trtprompt.serve.trtllm_launch import TrtllmLaunchSpec, launch_command, rank_args
+from trtprompt.serve.launch.trtllm_launch import TrtllmLaunchSpec, launch_command, rank_args
 
 COMMON = ["--http-address=127.0.0.1", "--http-port=8000", "--grpc-address=127.0.0.1", "--grpc-port=8001",
           "--metrics-address=127.0.0.1", "--metrics-port=8002", "--allow-metrics=true",

@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from trtllm_fixtures import make_engine_dir
 
 from trtprompt.cli import main
-from trtprompt.serve.trtllm_model_config import TrtllmModelParams, config_text, parse_config_text
+from trtprompt.serve.launch.trtllm_model_config import TrtllmModelParams, config_text, parse_config_text
 
 MODELS = ["ensemble", "postprocessing", "preprocessing", "tensorrt_llm"]
 
@@ -153,7 +153,7 @@ def test_trtllm_ensemble_always_asks_for_perf_outputs_and_feeds_them_to_postproc
     """Issue 13: the C++ backend exports no hit rate or latency histograms, so postprocessing publishes
     them from the core's perf outputs; preprocessing forces return_perf_metrics (the client's goes there,
     since Triton refuses an ensemble input no step consumes)."""
-    from trtprompt.serve.tensors import PERF_OUTPUTS
+    from trtprompt.interface import PERF_OUTPUTS
 
     ensemble = _parse(good_repo / "ensemble" / "config.pbtxt")
     steps = {s.model_name: s for s in ensemble.ensemble_scheduling.step}

@@ -27,7 +27,7 @@ STUB = "class TritonPythonModel:\n    def execute(self, requests):\n        retu
 
 def _triton(repo: Path, run: Path, port: int, wait_ready: bool, metrics_port: int | None = None,
             grpc_port: int | None = None) -> tuple[subprocess.Popen, Path]:
-    from trtprompt.serve.launcher import TritonInstall, child_env, make_backend_dir
+    from trtprompt.serve.launch.launcher import TritonInstall, child_env, make_backend_dir
 
     install = TritonInstall.find()
     metrics = ["--allow-metrics=true", f"--metrics-port={metrics_port}", "--metrics-address=127.0.0.1"] \
@@ -117,7 +117,7 @@ def _core_response(tokens: list[int], perf: dict[str, int], last_token_ns: int) 
     import numpy as np
     import tritonclient.http as http
 
-    from trtprompt.serve.tensors import PERF_OUTPUTS
+    from trtprompt.interface import PERF_OUTPUTS
 
     values = {**perf, "last_token_time_ns": last_token_ns}
     arrays = {"TOKENS_BATCH": np.array([[tokens]], dtype=np.int32),

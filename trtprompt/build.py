@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from trtprompt import __version__
 from trtprompt.checkpoint import Checkpoint, checkpoint_sha256, read_checkpoint
-from trtprompt.engine_dir import ENGINE_FORMAT, atomic_engine_dir, check_output_dir, write_json
+from trtprompt.engine.engine_dir import ENGINE_FORMAT, atomic_engine_dir, check_output_dir, write_json
 from trtprompt.plan import BuildPlan, make_plan
 from trtprompt.profile import Profile, load_profile
 

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from trtprompt import checkpoint_maker as demo  # standard library only at import time
+from trtprompt import interface as I
 from trtprompt.cli_knobs import BUILD_OPTIONS, SERVE_OPTIONS, knob_options
 from trtprompt.errors import UserError
 from trtprompt.knobs import KNOBS
@@ -102,7 +103,7 @@ def demo_checkpoint(out: Path, arch: str, size: str, seed: int, tie: bool | None
               help="Tokenizer dir (default: the engine's tokenizer/, or files beside a trtllm-build engine).")
 def inspect(engine_dir: Path, as_json: bool, tokenizer_dir: Path | None) -> None:
     """Show an engine's bounds, runtime policy, memory plan and provenance."""
-    from trtprompt.engine_dir import read_engine_dir
+    from trtprompt.engine.engine_dir import read_engine_dir
     from trtprompt.report import inspect_data, inspect_text
 
     try:
@@ -129,8 +130,9 @@ def inspect(engine_dir: Path, as_json: bool, tokenizer_dir: Path | None) -> None
 def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int | None, stream: bool, as_json: bool) -> None:
     """Generate offline with the embedded engine of ENGINE_DIR (no server)."""
-    from trtprompt.generate import generate as run, load, sampling_params
-    from trtprompt.engine.errors import EngineRequestError
+    from trtprompt.error_codes import RequestError
+    from trtprompt.generate import generate as run
+    from trtprompt.generate import load, sampling_params
 
     try:
         params = sampling_params(max_tokens, temperature, top_k, top_p, seed)
@@ -140,7 +142,7 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
             tag = len(prompts) > 1
             on_text = lambda i, piece: click.echo(f"[{i}] {piece}" if tag else piece, nl=tag)  # noqa: E731
         gens = run(engine, tokenizer, prompts, params, on_text)
-    except (UserError, ValueError, EngineRequestError) as exc:
+    except (UserError, ValueError, RequestError) as exc:
         raise _fail(exc) from exc
     for g in gens:
         if as_json:
@@ -156,11 +158,11 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
 
 @main.command()
 @click.argument("engine_dir", type=click.Path(path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0: all).")
-@click.option("--grpc-port", default=8001, show_default=True, help="Triton gRPC port.")
-@click.option("--http-port", default=8000, show_default=True, help="Triton HTTP/REST port.")
-@click.option("--metrics-port", default=8002, show_default=True, help="Triton Prometheus /metrics port.")
-@click.option("--openai-port", default=8003, show_default=True, help="OpenAI-compatible API (/v1/...) port.")
+@click.option("--host", default=I.DEFAULT_HOST, show_default=True, help="Address to bind (0.0.0.0: all).")
+@click.option("--grpc-port", default=I.GRPC_PORT, show_default=True, help="Triton gRPC port.")
+@click.option("--http-port", default=I.HTTP_PORT, show_default=True, help="Triton HTTP/REST port.")
+@click.option("--metrics-port", default=I.METRICS_PORT, show_default=True, help="Triton Prometheus /metrics port.")
+@click.option("--openai-port", default=I.OPENAI_PORT, show_default=True, help="OpenAI-compatible API (/v1/...) port.")
 @click.option("--no-openai", is_flag=True, help="Do not start the OpenAI-compatible API.")
 @click.option("--api-key", envvar="TRTPROMPT_API_KEY", show_envvar=True,
               help="Bearer key the OpenAI-compatible API requires (default: none required).")
@@ -176,9 +178,9 @@ def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_p
           run_dir: Path | None,
           ready_timeout: float, no_restart: bool, **overrides: Any) -> None:
     """Serve ENGINE_DIR behind a real tritonserver (TensorRT-LLM ensemble interface) and an OpenAI-compatible API."""
-    from trtprompt.serve.command import run_serve
-    from trtprompt.serve.launcher import Ports
-    from trtprompt.serve.options import OpenAIOptions
+    from trtprompt.serve.launch.command import run_serve
+    from trtprompt.serve.launch.launcher import Ports
+    from trtprompt.serve.launch.options import OpenAIOptions
 
     try:
         openai = None if no_openai else OpenAIOptions(openai_port, api_key or None)
@@ -193,7 +195,7 @@ def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_p
 
 @main.command()
 @click.argument("prompt")
-@click.option("--url", default="127.0.0.1:8001", show_default=True, help="Triton gRPC address.")
+@click.option("--url", default=I.DEFAULT_GRPC_URL, show_default=True, help="Triton gRPC address.")
 @click.option("--model", default="ensemble", show_default=True, help="Triton model to call.")
 @click.option("--max-tokens", default=64, show_default=True, help="Most tokens to generate.")
 @click.option("--stream/--no-stream", default=True, show_default=True,
@@ -203,7 +205,7 @@ def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_p
 def infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool, temperature: float | None,
           as_json: bool) -> None:
     """Send PROMPT to a running server over gRPC and print the answer as it streams."""
-    from trtprompt.serve.command import run_infer
+    from trtprompt.serve.launch.command import run_infer
 
     raise SystemExit(run_infer(prompt, url, model, max_tokens, stream, temperature, as_json))
 
@@ -266,7 +268,7 @@ def lint(file: Path, engine_dir: Path | None, tokenizer_dir: Path | None, tokens
                             "OpenAI-compatible http(s)://host:port/v1 (trtprompt's or any other, e.g. vLLM).")
 @click.option("--api", type=click.Choice(["triton", "openai"]),
               help="Client: Triton gRPC streaming or OpenAI /v1/completions streaming (default: from --url, else triton).")
-@click.option("--metrics-url", help="Its /metrics (default: the --url host, port 8002).")
+@click.option("--metrics-url", help=f"Its /metrics (default: the --url host, port {I.METRICS_PORT}).")
 @click.option("--baseline", type=click.Choice(["none", "transformers"]), default="none", show_default=True,
               help="Also run the workload in-process with transformers generate and generate_batch.")
 @click.option("--hf-checkpoint", type=click.Path(path_type=Path),

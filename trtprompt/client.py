@@ -16,13 +16,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from trtprompt.serve import tensors
+from trtprompt import interface
 
 NP_TO_TRITON = {np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64", np.dtype(np.uint64): "UINT64",
                 np.dtype(np.float32): "FP32", np.dtype(np.float16): "FP16", np.dtype(np.bool_): "BOOL",
                 np.dtype(np.uint32): "UINT32"}
 # The return_perf_metrics output names, as the model configs declare them.
-PERF_OUTPUTS = tuple(name for name, *_ in tensors.PERF_OUTPUTS)
+PERF_OUTPUTS = tuple(name for name, *_ in interface.PERF_OUTPUTS)
 MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's 4 MiB default would refuse long prompts and whole outputs
 
 
@@ -162,7 +162,7 @@ def token_inputs(input_ids: Sequence[int], max_tokens: int, streaming: bool = Tr
 class LLMClient:
     """One gRPC connection and one stream; not thread-safe (make one per thread)."""
 
-    def __init__(self, url: str = "127.0.0.1:8001") -> None:
+    def __init__(self, url: str = interface.DEFAULT_GRPC_URL) -> None:
         import tritonclient.grpc as grpcclient
 
         self.url = url

@@ -68,8 +68,11 @@ FOREIGN_MESSAGES: tuple[tuple[str, ErrorCode], ...] = (
 _TAG = re.compile(r"\[(" + "|".join(c.value for c in ErrorCode) + r")\] ")
 
 
-class CodedError(ValueError):
-    """A refusal raised with its code; the message is meant for the client."""
+class RequestError(Exception):
+    """A request answered with an error that is not the server's fault; the message is meant for
+    the client. Deliberately not a ValueError: a bug that raises ValueError (or TypeError,
+    KeyError) inside the server is an internal error, logged with its traceback, and never
+    answered as if the client had sent something wrong."""
 
     code: ErrorCode = ErrorCode.INVALID_ARGUMENT
 
@@ -79,7 +82,17 @@ class CodedError(ValueError):
             self.code = code
 
 
-class FieldError(CodedError):
+class BadRequestError(RequestError):
+    """The request itself is wrong; `field` names the input when one is to blame."""
+
+    code = ErrorCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class FieldError(BadRequestError):
     """A request field outside its bound: "<field> <rule>".
 
     `field` and `rule` apart, so an edge can name its client's input
@@ -87,14 +100,37 @@ class FieldError(CodedError):
     """
 
     def __init__(self, field: str, rule: str) -> None:
-        super().__init__(f"{field} {rule}")
-        self.field, self.rule = field, rule
+        super().__init__(f"{field} {rule}", field)
+        self.rule = rule
+
+
+class OverBoundError(RequestError):
+    """The prompt is longer than an engine bound allows (max_input_len, max_seq_len)."""
+
+    code = ErrorCode.TOO_LONG
+
+
+class CapacityError(RequestError):
+    """The server is full (max_queue_size requests already wait): retry later."""
+
+    code = ErrorCode.QUEUE_FULL
+
+
+class UnavailableError(RequestError):
+    """The engine is starting, restarting or stopping: retry."""
+
+    code = ErrorCode.UNAVAILABLE
+
+
+class CancelledRequestError(RequestError):
+    """The client cancelled the request or went away."""
+
+    code = ErrorCode.CANCELLED
 
 
 def code_of(exc: BaseException, default: ErrorCode | None = ErrorCode.INTERNAL) -> ErrorCode | None:
-    """The code an exception carries (its `code` attribute), else default."""
-    code = getattr(exc, "code", None)
-    return code if isinstance(code, ErrorCode) else default
+    """The code a RequestError carries; anything else (a fault of the server) gets default."""
+    return exc.code if isinstance(exc, RequestError) else default
 
 
 def parse_code(value: object) -> ErrorCode:

@@ -3,9 +3,9 @@
 Each knob has its name (TensorRT-LLM's spelling where TensorRT-LLM has
 one), type, default (None: unset), bounds, one-line help, its TensorRT-LLM
 name and the stage it belongs to. Profiles (profile.py), serve options
-(serve/options.py), the tensorrt_llm model's parameters
-(serve/trtllm_model_config.py), the engine's configuration (engine/config.py,
-engine/loader.py), the engine process (serve/engine_server.py), the CLI
+(serve/launch/options.py), the tensorrt_llm model's parameters
+(serve/launch/trtllm_model_config.py), the engine's configuration (engine/config.py,
+engine/loader.py), the engine process (serve/engine_process/server.py), the CLI
 options (cli.py) and docs/profiles.md are all derived from this table.
 
 Standard library only: the engine core, the serve layer and the CLI all

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 from trtprompt.checkpoint import Checkpoint
-from trtprompt.engine_dir import EngineDir
+from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.plan import BuildPlan
 from trtprompt.profile import Profile
 

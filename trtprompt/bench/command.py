@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping
 from trtprompt.bench.compare import BenchOutcome, BenchPlan, parse_compare, run_bench
 from trtprompt.bench.runner import LoadSpec
 from trtprompt.bench.workloads import WorkloadSpec
+from trtprompt.interface import METRICS_PORT
 
 WORKLOAD_OPTIONS = ("num_requests", "seed", "output_len", "input_len", "input_spread", "num_prefixes",
                     "prefix_len", "suffix_len", "turns", "user_len", "answer_len", "long_len", "long_fraction",
@@ -57,7 +58,7 @@ def make_plan(engine_dir: Path, workload: str, options: Mapping[str, Any]) -> Be
     metrics_url = options.get("metrics_url")
     if url is not None and metrics_url is None:
         host = urllib.parse.urlsplit(url).hostname if api == "openai" else url.rsplit(":", 1)[0]
-        metrics_url = f"http://{host}:8002/metrics"
+        metrics_url = f"http://{host}:{METRICS_PORT}/metrics"
     out = options.get("out") or Path("bench-results") / workload
     return BenchPlan(Path(engine_dir), spec, loads, parse_compare(options.get("compare")), Path(out), url,
                      metrics_url, options.get("baseline") == "transformers", options.get("hf_checkpoint"),

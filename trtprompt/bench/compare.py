@@ -88,8 +88,8 @@ def served(engine_dir: Path, overrides: Mapping[str, Any], log: Callable[[str], 
            ready_timeout_s: float = 180.0, api: str = "triton") -> Iterator[tuple[str, str]]:
     """A fresh server for engine_dir on free local ports; yields (url, metrics url): the gRPC
     address, or with api="openai" the OpenAI front end's base URL."""
-    from trtprompt.serve.launcher import Ports, Server
-    from trtprompt.serve.options import EngineInfo, OpenAIOptions, resolve_options
+    from trtprompt.serve.launch.launcher import Ports, Server
+    from trtprompt.serve.launch.options import EngineInfo, OpenAIOptions, resolve_options
 
     engine = EngineInfo.read(engine_dir)
     options = resolve_options(engine, overrides)
@@ -108,7 +108,7 @@ def served(engine_dir: Path, overrides: Mapping[str, Any], log: Callable[[str], 
 def engine_for_profile(engine_dir: Path, profile: str, work_dir: Path) -> Path:
     """Build the engine's source checkpoint with another profile (torch target)."""
     from trtprompt.build import BuildRequest, run_build
-    from trtprompt.engine_dir import read_engine_dir
+    from trtprompt.engine.engine_dir import read_engine_dir
 
     source = read_engine_dir(engine_dir).meta.get("source", {}).get("path")
     if not source or not Path(source).is_dir():
@@ -168,7 +168,7 @@ def max_input_len(build: Mapping[str, Any], chunked: bool, max_num_tokens: int |
 
 def _engine_limits(plan: BenchPlan) -> tuple[Any, int | None, int | None]:
     """Tokenizer, the tightest maximum input length over the variants, tokens per block."""
-    from trtprompt.serve.options import EngineInfo
+    from trtprompt.serve.launch.options import EngineInfo
     from trtprompt.tokenizer import Tokenizer
 
     info = EngineInfo.read(plan.engine_dir)
@@ -229,7 +229,7 @@ def _run_variant(plan: BenchPlan, variant: Variant, workloads: Sequence[Workload
 def _run_baselines(plan: BenchPlan, tokenizer: Any, workloads: Sequence[Workload], outcome: BenchOutcome,
                    echo: Callable[[str], None]) -> None:
     from trtprompt.bench.baselines import run_baselines
-    from trtprompt.engine_dir import read_engine_dir
+    from trtprompt.engine.engine_dir import read_engine_dir
 
     checkpoint = plan.hf_checkpoint or read_engine_dir(plan.engine_dir).meta.get("source", {}).get("path")
     if not checkpoint or not Path(checkpoint).is_dir():

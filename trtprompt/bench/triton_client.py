@@ -6,7 +6,7 @@ object; at concurrency 32 those 32 channels cost the load generator more CPU
 per output token than tritonserver spends relaying it, on the cores the
 server shares (docs/design.md, "Serving path"). Here one grpc.aio channel on
 one event-loop thread carries every request as its own ModelStreamInfer call,
-as the OpenAI front end does (trtprompt.serve.openai.triton); the runner's
+as the OpenAI front end does (trtprompt.serve.openai.to_triton); the runner's
 worker threads wait on a future instead.
 """
 

@@ -15,7 +15,7 @@ from trtprompt.engine.config import EngineConfig
 from trtprompt.engine.errors import DuplicateRequestError, QueueFullError
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.loader import engine_config, read_engine_files
-from trtprompt.engine_dir import EngineDir
+from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.engine.model import DecoderModel, load_model_from_safetensors
 from trtprompt.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from trtprompt.engine.runner import ModelRunner

@@ -4,15 +4,14 @@ Messages follow TensorRT-LLM's wording so clients see the same text on
 either target; each error carries its code (trtprompt/error_codes.py).
 """
 
-from trtprompt.error_codes import CodedError, ErrorCode
+from trtprompt.error_codes import CapacityError, OverBoundError, RequestError, UnavailableError
 
 
-class EngineRequestError(CodedError):
+class EngineRequestError(RequestError):
     """A request the engine refuses; the message is meant for the client."""
 
 
-class InputTooLongError(EngineRequestError):
-    code = ErrorCode.TOO_LONG
+class InputTooLongError(EngineRequestError, OverBoundError):
 
     def __init__(self, prompt_len: int, max_input_len: int) -> None:
         super().__init__(
@@ -22,8 +21,7 @@ class InputTooLongError(EngineRequestError):
         self.max_input_len = max_input_len
 
 
-class QueueFullError(EngineRequestError):
-    code = ErrorCode.QUEUE_FULL
+class QueueFullError(EngineRequestError, CapacityError):
 
     def __init__(self, max_queue_size: int) -> None:
         super().__init__(
@@ -36,5 +34,5 @@ class DuplicateRequestError(EngineRequestError):
     pass
 
 
-class EngineStoppingError(EngineRequestError):
-    code = ErrorCode.UNAVAILABLE
+class EngineStoppingError(EngineRequestError, UnavailableError):
+    pass

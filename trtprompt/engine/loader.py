@@ -14,7 +14,7 @@ import torch
 
 from trtprompt import knobs, rules
 from trtprompt.engine.config import EngineConfig, KvCacheConfig, ModelConfig, SchedulerConfig
-from trtprompt.engine_dir import EngineDir, read_engine_dir
+from trtprompt.engine.engine_dir import EngineDir, read_engine_dir
 from trtprompt.errors import EngineDirError
 
 # Runtime policy the engine takes from the engine directory, then from overrides (the knob registry's).

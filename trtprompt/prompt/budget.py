@@ -26,14 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from trtprompt.error_codes import CodedError, ErrorCode
+from trtprompt.error_codes import ErrorCode, RequestError
 from trtprompt.knobs import OVERFLOW_POLICIES
 
 # Strictest first; a request may move left of the profile's policy, never right.
 STRICTNESS: tuple[str, ...] = ("reject", "truncate_middle", "truncate_left")
 
 
-class PromptError(CodedError):
+class PromptError(RequestError):
     """A prompt the edge refuses; the message is meant for the client (INVALID_ARG)."""
 
 

@@ -21,7 +21,7 @@ from trtprompt.prompt.chat import fit_chat, parse_messages
 from trtprompt.rules import max_input_len
 
 if TYPE_CHECKING:
-    from trtprompt.engine_dir import EngineDir
+    from trtprompt.engine.engine_dir import EngineDir
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def engine_dir_limits(engine: str | Path | EngineDir,
     with chunked context, else min(max_seq_len - 1, max_num_tokens). For models that cannot ask
     the engine (the GPU target's preprocessing). enable_chunked_context: what the server runs with
     (None: the engine's recorded runtime policy)."""
-    from trtprompt.engine_dir import EngineDir, read_engine_dir
+    from trtprompt.engine.engine_dir import EngineDir, read_engine_dir
 
     if not isinstance(engine, EngineDir):
         engine = read_engine_dir(engine)

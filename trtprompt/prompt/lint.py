@@ -224,7 +224,7 @@ def load_tokenizer_and_block(engine: Path | None, tokenizer_dir: Path | None,
     if engine is not None:
         if tokens_per_block is not None:
             raise UserError("--tokens-per-block comes from the engine; do not pass it with --engine")
-        from trtprompt.engine_dir import read_engine_dir
+        from trtprompt.engine.engine_dir import read_engine_dir
 
         eng = read_engine_dir(engine)
         return Tokenizer.from_dir(eng.tokenizer_dir), eng.tokens_per_block, _max_input_len(eng)

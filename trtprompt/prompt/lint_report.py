@@ -10,8 +10,8 @@ from typing import Any, Callable
 from trtprompt.prompt.lint import ASSUMPTIONS, LintReport, Span, lint_file, load_tokenizer_and_block, preview
 from trtprompt.prompt.lint_input import LintPrompt
 from trtprompt.prompt.prefix_tree import render_tree
-from trtprompt.prompt.segments import mask_volatile
 from trtprompt.prompt.reuse import ReuseEstimate
+from trtprompt.prompt.segments import mask_volatile
 
 
 def _totals(est: ReuseEstimate) -> dict[str, Any]:

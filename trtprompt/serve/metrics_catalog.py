@@ -1,6 +1,6 @@
 """Every series trtprompt puts on Triton's /metrics, declared once.
 
-The publisher (serve/metrics.py) exports these, `trtprompt bench` reads them
+The publisher (serve/triton_models/metrics_publisher.py) exports these, `trtprompt bench` reads them
 back (bench/report.py), and docs/monitoring/ documents and charts them. Names
 follow the TensorRT-LLM backend where it has the series (`nv_trt_llm_*`
 gauges, kept exactly as the backend labels them) and Prometheus conventions

@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from trtprompt.engine_dir import check_rank_engines, load_engine_config
+from trtprompt.engine.engine_dir import check_rank_engines, load_engine_config
 from trtprompt.errors import EngineDirError, TargetUnavailableError
 from trtprompt.knobs import KNOBS
 from trtprompt.rules import paged_kv_cache, raised_bounds

@@ -28,7 +28,7 @@ from trtprompt.serve.openai import responses as R
 from trtprompt.serve.openai.config import FrontendConfig
 from trtprompt.serve.openai.errors import APIError, bad_request, unauthorized
 from trtprompt.serve.openai.params import Generation, parse_request
-from trtprompt.serve.openai.triton import Piece, TritonEnsemble
+from trtprompt.serve.openai.to_triton import Piece, TritonEnsemble
 
 
 class Source(Protocol):
@@ -180,7 +180,7 @@ async def _internal_error(_request: Request, exc: Exception) -> Response:
 def _source(cfg: FrontendConfig) -> Source:
     if cfg.engine_socket is None:
         return TritonEnsemble(cfg.grpc_url, cfg.triton_model)
-    from trtprompt.serve.openai.engine_path import EnginePath  # loads the tokenizer
+    from trtprompt.serve.openai.to_engine import EnginePath  # loads the tokenizer
 
     return EnginePath(cfg.engine_socket, cfg.engine_dir, cfg.tokenizer_dir)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from trtprompt.engine.engine_dir import load_engine_config
 from trtprompt.serve.openai.params import ModelLimits
-from trtprompt.engine_dir import load_engine_config
 
 API_KEY_ENV = "TRTPROMPT_API_KEY"
 
@@ -18,7 +18,7 @@ class FrontendConfig:
     tokens_per_block: int | None  # cached_tokens = reused blocks x this
     api_key: str | None = None  # None: no authentication
     triton_model: str = "ensemble"
-    # Set: requests go straight to this engine process (serve/openai/engine_path.py), not through Triton.
+    # Set: requests go straight to this engine process (serve/openai/to_engine.py), not through Triton.
     engine_socket: str | None = None
     engine_dir: str = ""
     tokenizer_dir: str | None = None

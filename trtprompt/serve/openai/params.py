@@ -1,4 +1,5 @@
-"""Parse and check an OpenAI request body into what the `ensemble` model takes.
+"""Parse and check an OpenAI request body into a `Generation`: the sampling parameters built once
+(SamplingParams), the prompt or chat, and how to answer.
 
 Strict by design: a parameter this server cannot honour (n > 1, logprobs,
 tools, a response_format other than text, best_of, ...) is refused with a 400
@@ -13,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from trtprompt.engine.request import SamplingParams
+from trtprompt.error_codes import FieldError
 from trtprompt.serve.openai.errors import APIError, bad_request
 
 # Parameters with no effect on the output that clients commonly send.
@@ -44,17 +47,20 @@ class ModelLimits:
 
 @dataclass(frozen=True)
 class Generation:
-    """One checked request: the ensemble inputs plus how to answer."""
+    """One checked request and how to answer it."""
 
     kind: str  # "completion" | "chat"
     prompt: str | None
     messages_json: str | None
-    max_tokens: int
-    sampling: tuple[tuple[str, Any], ...]  # ensemble input name -> value, only those to send
+    sampling: SamplingParams
     stop: tuple[str, ...]
     cache_salt: str | None
     stream: bool
     include_usage: bool
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
 
 
 def parse_request(kind: str, body: Any, limits: ModelLimits) -> Generation:
@@ -70,7 +76,7 @@ def parse_request(kind: str, body: Any, limits: ModelLimits) -> Generation:
     options = body.get("stream_options")
     if options is not None and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    return Generation(kind, prompt, messages, max_tokens, _sampling(body, max_tokens), _stop(body),
+    return Generation(kind, prompt, messages, _sampling_params(body, max_tokens), _stop(body),
                       _salt(body), stream, _include_usage(options))
 
 
@@ -214,7 +220,14 @@ def _max_tokens(kind: str, body: Mapping[str, Any], limits: ModelLimits) -> int:
     return value
 
 
-def _sampling(body: Mapping[str, Any], max_tokens: int) -> tuple[tuple[str, Any], ...]:
+def _sampling_params(body: Mapping[str, Any], max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=max_tokens, **_sampling(body, max_tokens))
+    except FieldError as exc:  # the engine's bounds, where they are tighter than OpenAI's
+        raise bad_request(str(exc), exc.field) from None
+
+
+def _sampling(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
     """Ensemble sampling inputs, following OpenAI's semantics (see docs/openai.md):
     temperature defaults to 1 and samples from the whole distribution, so
     top_p=1 is sent unless top_k/top_p say otherwise; temperature 0 is greedy."""
@@ -237,7 +250,7 @@ def _sampling(body: Mapping[str, Any], max_tokens: int) -> tuple[tuple[str, Any]
         if (value := _float(body, name)) is not None:
             out[name] = value
     out.update(_extensions(body, max_tokens))
-    return tuple(out.items())
+    return out
 
 
 def _extensions(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trtprompt.serve.openai.params import Generation
-from trtprompt.serve.openai.triton import Piece
+from trtprompt.serve.openai.to_triton import Piece
 
 DONE = b"data: [DONE]\n\n"
 

@@ -3,7 +3,7 @@
 `trtprompt serve` starts it as its own process next to tritonserver (its
 event loop then shares no GIL with the launcher), on the fused layout with
 --engine-socket (requests go straight to the engine process,
-serve/openai/engine_path.py); it can also be run by hand in front of any
+serve/openai/to_engine.py); it can also be run by hand in front of any
 tritonserver serving the engine's `ensemble`. The
 API key comes from a file (`--api-key-file`, written 0600 by serve) or
 TRTPROMPT_API_KEY, never from the command line, which other users can read.
@@ -16,15 +16,15 @@ import os
 import sys
 from pathlib import Path
 
+from trtprompt.interface import DEFAULT_GRPC_URL
 from trtprompt.serve.openai.config import API_KEY_ENV, FrontendConfig
-
-SWITCH_INTERVAL_S = 0.0005
+from trtprompt.serve.wire.process import prefer_quick_thread_switches
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m trtprompt.serve.openai", description=__doc__.split("\n")[0])
     ap.add_argument("engine_dir", type=Path, help="engine directory (model name, max_model_len, block size)")
-    ap.add_argument("--grpc-url", default="127.0.0.1:8001", help="tritonserver gRPC address")
+    ap.add_argument("--grpc-url", default=DEFAULT_GRPC_URL, help="tritonserver gRPC address")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8003)
     ap.add_argument("--api-key-file", type=Path, help=f"file holding the API key (else ${API_KEY_ENV})")
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     # gRPC's aio poller is a thread of its own: with Python's default 5 ms switch interval every
     # streamed token could wait that long for the GIL (as in the python-backend stub; measured in
     # BENCHMARKS.md, "OpenAI front end").
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    prefer_quick_thread_switches()
     import uvicorn
 
     from trtprompt.serve.openai.app import create_app

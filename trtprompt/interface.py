@@ -1,0 +1,36 @@
+"""Tensor names of the Triton interface that clients and the serving models share.
+
+Declared once: the model-config writers of both targets (serve/launch/repository.py,
+serve/launch/trtllm_model_config.py), the serving models and the client (trtprompt/client.py)
+all read them here.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+# (name, Triton data type, dims, optional)
+Tensor = tuple[str, str, Sequence[int], bool]
+
+# The return_perf_metrics outputs, with TensorRT-LLM's names and types.
+PERF_OUTPUTS: tuple[Tensor, ...] = (
+    ("kv_cache_alloc_new_blocks", "INT32", [1], False),
+    ("kv_cache_reused_blocks", "INT32", [1], False),
+    ("kv_cache_alloc_total_blocks", "INT32", [1], False),
+    ("arrival_time_ns", "INT64", [1], False),
+    ("first_scheduled_time_ns", "INT64", [1], False),
+    ("first_token_time_ns", "INT64", [1], False),
+    ("last_token_time_ns", "INT64", [1], False),
+)
+
+# preprocessing's BOOL output the trtllm target's ensemble maps to the core's return_perf_metrics.
+PERF_FLAG = "RETURN_PERF_METRICS"
+
+# Where servers listen unless told otherwise and clients look first: loopback only (a safe
+# default), Triton's own port numbers, the OpenAI-compatible front end next to them.
+DEFAULT_HOST = "127.0.0.1"
+HTTP_PORT = 8000
+GRPC_PORT = 8001
+METRICS_PORT = 8002
+OPENAI_PORT = 8003
+DEFAULT_GRPC_URL = f"{DEFAULT_HOST}:{GRPC_PORT}"

@@ -1,0 +1,3 @@
+from trtprompt.serve.engine_process.server import main
+
+main()

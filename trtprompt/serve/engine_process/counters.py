@@ -1,0 +1,110 @@
+"""What the engine process counts for /metrics beyond the engine's own stats.
+
+Finished requests by reason and their timings (for the histograms of
+metrics_catalog), requests refused before they became engine requests, its
+own CPU and memory, and the configuration labels of trtprompt_engine_info.
+The serving models' publisher (serve/triton_models/metrics_publisher.py) reads it all through the
+`stats` and `info` ops; the names and reasons are in metrics_catalog.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from trtprompt.engine.request import FinishReason, RequestOutput
+from trtprompt.error_codes import ErrorCode
+from trtprompt.serve.metrics_catalog import FINISH_REASONS
+from trtprompt.serve.wire.refusals import error_reason
+
+# Finished-request timings kept for the publisher's histograms (it polls every
+# stats_check_period_ms, so only a burst larger than this between polls loses some).
+TIMINGS_KEPT = 8192
+def finish_label(out: RequestOutput, code: ErrorCode | None = None) -> str:
+    """The `reason` label of a final output (code: its error code, if it is an error)."""
+    if out.error is not None:
+        return error_reason(code)
+    if out.finish_reason is FinishReason.STOP:
+        return "end_id" if out.stopped_by_end_id else "stop"
+    return out.finish_reason.value if out.finish_reason else "error"
+
+
+def timing_entry(out: RequestOutput, tokens_per_block: int) -> dict[str, float] | None:
+    """One finished request's observations (seconds; cached prompt tokens); None if it never ran."""
+    s = out.stats
+    if s.first_scheduled_time_ns is None:
+        return None
+    entry = {"queue_s": (s.first_scheduled_time_ns - s.arrival_time_ns) / 1e9,
+             "cached_tokens": float(s.kv_cache_reused_blocks * tokens_per_block)}
+    if s.first_token_time_ns is not None:
+        last = s.last_token_time_ns or s.first_token_time_ns
+        entry["ttft_s"] = (s.first_token_time_ns - s.arrival_time_ns) / 1e9
+        entry["prefill_s"] = (s.first_token_time_ns - s.first_scheduled_time_ns) / 1e9
+        entry["e2e_s"] = (last - s.arrival_time_ns) / 1e9
+        if out.num_output_tokens >= 2:
+            entry["itl_s"] = (last - s.first_token_time_ns) / 1e9 / (out.num_output_tokens - 1)
+    return entry
+
+
+class RequestCounters:
+    """Finished/refused counts by reason and recent timings; thread-safe."""
+
+    def __init__(self, tokens_per_block: int) -> None:
+        self._tpb = tokens_per_block
+        self._lock = threading.Lock()
+        self._timings: deque[dict[str, float]] = deque(maxlen=TIMINGS_KEPT)
+        self._seq = 0
+        self._finished = dict.fromkeys(FINISH_REASONS, 0)
+        self._tokens = {"prompt_tokens": 0, "generation_tokens": 0}  # of finished requests
+
+    def record(self, out: RequestOutput, code: ErrorCode | None = None) -> None:
+        entry = timing_entry(out, self._tpb)
+        with self._lock:
+            self._finished[finish_label(out, code)] += 1
+            self._tokens["prompt_tokens"] += out.num_input_tokens
+            self._tokens["generation_tokens"] += out.num_output_tokens
+            if entry is not None:
+                self._seq += 1
+                self._timings.append({"seq": self._seq, **entry})
+
+    def refused(self, reason: str) -> None:
+        """A request refused before it reached the engine loop (reason: a FINISH_REASONS label)."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"reason must be one of {FINISH_REASONS}, got {reason!r}")
+        with self._lock:
+            self._finished[reason] += 1
+
+    def snapshot(self, since: int) -> dict[str, Any]:
+        """seq, the timings newer than `since`, the finished counts and their tokens."""
+        with self._lock:
+            return {"seq": self._seq, "timings": [t for t in self._timings if t["seq"] > since],
+                    "finished": dict(self._finished), **self._tokens}
+
+
+def process_usage() -> dict[str, float]:
+    """This process's CPU seconds (all threads, user + system) and resident bytes."""
+    with open("/proc/self/statm", encoding="ascii") as f:
+        resident_pages = int(f.read().split()[1])
+    return {"process_cpu_seconds": time.process_time(),
+            "process_resident_memory_bytes": float(resident_pages * os.sysconf("SC_PAGE_SIZE"))}
+
+
+def engine_id(engine_dir: str | Path) -> str:
+    """A short content id of the engine: its config.json (build configuration) hashed."""
+    data = (Path(engine_dir) / "config.json").read_bytes()
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
+def config_labels(engine: Any) -> dict[str, str]:  # engine: LLMEngine
+    """trtprompt_engine_info's labels for the running engine."""
+    sched = engine.scheduler_config
+    files = getattr(engine, "files", None)
+    profile = ((files.meta.get("profile") or {}).get("name") if files is not None else None) or "none"
+    return {"engine_id": engine_id(files.path) if files is not None else "none", "profile": str(profile),
+            "policy": sched.batch_scheduler_policy, "max_seq_len": str(sched.max_seq_len),
+            "max_num_tokens": str(sched.max_num_tokens), "tokens_per_block": str(engine.kv.tokens_per_block)}

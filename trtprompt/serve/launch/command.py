@@ -1,0 +1,80 @@
+"""What `trtprompt serve` and `trtprompt infer` do; cli.py only parses options."""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from trtprompt.serve.launch.launcher import Ports, Server, serve_forever
+from trtprompt.serve.launch.options import EngineInfo, OpenAIOptions, resolve_options
+from trtprompt.serve.launch.repository import RepoContext, write_repository
+
+
+def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
+              repo_only: Path | None = None, tokenizer: Path | None = None, run_dir: Path | None = None,
+              ready_timeout_s: float = 120.0, restart: bool = True,
+              echo: Callable[[str], None] = print, openai: OpenAIOptions | None = None) -> int:
+    """Serve ENGINE_DIR until SIGINT/SIGTERM; or, with repo_only, write the repository and return.
+
+    openai: also run the OpenAI-compatible front end (trtprompt.serve.openai) on its port.
+    tokenizer: where the tokenizer is (default: the engine's own; see read_engine_dir).
+
+    Raises ValueError for an engine or options that cannot be served.
+    """
+    engine = EngineInfo.read(engine_dir, tokenizer)
+    options = resolve_options(engine, overrides)
+    if openai is not None:
+        openai.check_ports({"gRPC": ports.grpc, "HTTP": ports.http, "metrics": ports.metrics})
+    if repo_only is not None:
+        root = Path(repo_only).resolve()
+        path = write_repository(root, RepoContext(engine, options, str(root / "engine.sock")))
+        models = sorted(p.parent.name for p in path.glob("*/config.pbtxt"))
+        echo(f"model repository written to {path} ({', '.join(models)}); every config.pbtxt "
+             "parsed with Triton's ModelConfig schema")
+        return 0
+    if engine.target == "trtllm":  # Triton's tensorrtllm backend, in the NGC container
+        from trtprompt.serve.launch.trtllm_launch import serve_trtllm
+
+        if openai is not None:
+            echo(f"trtprompt serve: the OpenAI front end is not started for the trtllm target; run it beside "
+                 f"tritonserver: python -m trtprompt.serve.openai {engine.path} --grpc-url "
+                 f"{ports.local_host}:{ports.grpc} --host {ports.host} --port {openai.port}")
+        return serve_trtllm(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s, echo=echo)
+    server = Server(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s,
+                    restart_engine=restart, log=echo, openai=openai)
+    return serve_forever(server)
+
+
+def run_infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool,
+              temperature: float | None, as_json: bool) -> int:
+    """Send one prompt; print text as it streams (or a JSON record). Returns the exit code."""
+    from trtprompt.client import PERF_OUTPUTS, LLMClient, text_inputs
+
+    def show(out: Mapping[str, Any]) -> None:
+        if not as_json:
+            value = out["text_output"].reshape(-1)[0]
+            sys.stdout.write(value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value))
+            sys.stdout.flush()
+
+    optional = dict(temperature=temperature, exclude_input_in_output=True, return_perf_metrics=as_json,
+                    return_num_input_tokens=as_json, return_num_output_tokens=as_json)
+    with LLMClient(url) as client:
+        declared = client.input_names(model)
+        inputs = text_inputs(prompt, max_tokens, stream,
+                             **{k: v for k, v in optional.items() if k in declared})
+        result = client.infer(model, inputs, on_response=show, request_id=uuid.uuid4().hex)
+    if result.error:
+        print(f"\nerror: {result.error}", file=sys.stderr)
+        return 1
+    if as_json:
+        record = {"text": result.text, "model": model, "responses": len(result.responses),
+                  "ttft_s": result.ttft_s, "total_s": result.times[-1] if result.times else None}
+        for name in (*PERF_OUTPUTS, "num_input_tokens", "num_output_tokens"):
+            record[name] = result.last(name)
+        print(json.dumps(record, ensure_ascii=False, indent=2))
+    else:
+        print()
+    return 0

@@ -1,0 +1,364 @@
+"""Start and watch the engine process and a real tritonserver.
+
+tritonserver comes from PATH (the NGC container) or, failing that, from the
+nvidia-pytriton wheel, set up as docs/design.md ("Triton facts", CPU from pip) says:
+a backend directory linking the wheel's Python backend and the stub for
+this Python, the venv's bin first on PATH, the interpreter's LIBDIR first
+on LD_LIBRARY_PATH.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from trtprompt import interface as I
+from trtprompt.serve.launch.options import EngineInfo, OpenAIOptions, ServeOptions
+from trtprompt.serve.launch.process_group import remove_shm, stop_group
+from trtprompt.serve.launch.repository import RepoContext, write_repository
+from trtprompt.serve.ports import http_ok
+from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.wire.process import SOCKET_ENV
+
+PACKAGE_PARENT = Path(__file__).resolve().parents[3]
+LOG_TAIL_LINES = 40
+
+
+class LaunchError(RuntimeError):
+    """The server could not be started; the message says why (with log tails)."""
+
+
+@dataclass(frozen=True)
+class Ports:
+    host: str = I.DEFAULT_HOST
+    grpc: int = I.GRPC_PORT
+    http: int = I.HTTP_PORT
+    metrics: int = I.METRICS_PORT
+
+    def __post_init__(self) -> None:
+        for name in ("grpc", "http", "metrics"):
+            port = getattr(self, name)
+            if not 0 < port < 65536:
+                raise ValueError(f"{name} port must be in [1, 65535], got {port}")
+        if len({self.grpc, self.http, self.metrics}) != 3:
+            raise ValueError(f"grpc, http and metrics ports must differ, got {self.grpc}, {self.http}, {self.metrics}")
+
+    @property
+    def local_host(self) -> str:
+        """Where this machine reaches the server (a wildcard bind is reached locally)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    bundled: bool  # True: the nvidia-pytriton wheel's binary, which needs the setup below
+
+    @classmethod
+    def find(cls) -> "TritonInstall":
+        on_path = shutil.which("tritonserver")
+        if on_path:
+            return cls(Path(on_path), bundled=False)
+        root = pytriton_root()
+        binary = root / "bin" / "tritonserver"
+        if not binary.is_file():
+            raise LaunchError("no tritonserver on PATH and none bundled in nvidia-pytriton "
+                              f"(looked for {binary}); install nvidia-pytriton==0.7.0")
+        return cls(binary, bundled=True)
+
+
+def pytriton_root() -> Path:
+    try:
+        import pytriton
+    except ImportError as exc:
+        raise LaunchError("nvidia-pytriton is not installed; it provides the CPU tritonserver") from exc
+    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+
+
+def make_backend_dir(run_dir: Path) -> Path:
+    """backends/python/ holding links to the wheel's python backend and this Python's stub."""
+    root = pytriton_root()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    sources = {
+        "libtriton_python.so": root / "backends" / "python" / "libtriton_python.so",
+        "triton_python_backend_utils.py": root / "backends" / "python" / "triton_python_backend_utils.py",
+        "triton_python_backend_stub": root / "python_backend_stubs" / version / "triton_python_backend_stub",
+    }
+    target = run_dir / "backends" / "python"
+    target.mkdir(parents=True, exist_ok=True)
+    for name, src in sources.items():
+        if not src.exists():
+            raise LaunchError(f"nvidia-pytriton lacks {src} (no Python {version} stub?)")
+        link = target / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(src)
+    return run_dir / "backends"
+
+
+def child_env(install: TritonInstall, socket_path: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(PACKAGE_PARENT), env.get("PYTHONPATH", "")] if p)
+    env[SOCKET_ENV] = socket_path
+    if install.bundled:
+        # Without it the stub loads the system libpython and every model fails.
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [libdir, env.get("LD_LIBRARY_PATH", "")] if p)
+    return env
+
+
+def triton_command(install: TritonInstall, repo: Path, ports: Ports, backend_dir: Path | None,
+                   shm_prefix: str | None = None) -> list[str]:
+    cmd = [str(install.binary), f"--model-repository={repo}",
+           f"--http-address={ports.host}", f"--http-port={ports.http}",
+           f"--grpc-address={ports.host}", f"--grpc-port={ports.grpc}",
+           f"--metrics-address={ports.host}", f"--metrics-port={ports.metrics}",
+           "--exit-timeout-secs=10", "--log-verbose=0"]
+    if shm_prefix:  # names the python backend's /dev/shm regions, so stop() can find leftovers
+        cmd.append(f"--backend-config=python,shm-region-prefix-name={shm_prefix}")
+    if install.bundled:
+        cmd += [f"--backend-directory={backend_dir}", "--disable-auto-complete-config",
+                "--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false"]
+    return cmd
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    if not path.is_file():
+        return f"({path} was not written)"
+    text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+# (process, what it is, its log): a child the watch loop ends the server for when it exits.
+Watched = tuple[subprocess.Popen | None, str, Path]
+
+
+def watch_children(stop: threading.Event, children: Callable[[], Sequence[Watched]], period_s: float,
+                   log: Callable[[str], None], tick: Callable[[], int | None] = lambda: None) -> int:
+    """The one watch loop of both targets: until stop is set (0) or a child exits (1, logged with its
+    log's tail); tick runs once per period and may end the loop with its own exit code."""
+    while not stop.wait(period_s):
+        for proc, what, log_path in children():
+            if proc is not None and proc.poll() is not None:
+                log(f"{what} exited with code {proc.returncode}:\n{log_tail(log_path)}")
+                return 1
+        code = tick()
+        if code is not None:
+            return code
+    return 0
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM call stop() inside the block; the previous handlers come back after it."""
+    previous = {sig: signal.signal(sig, lambda *_: stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the launcher dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: a killed launcher may leave its children running
+
+
+class Server:
+    """The engine process + tritonserver for one engine directory."""
+
+    def __init__(self, engine: EngineInfo, options: ServeOptions, ports: Ports,
+                 run_dir: Path | None = None, ready_timeout_s: float = 120.0,
+                 restart_engine: bool = True, log: Callable[[str], None] = print,
+                 openai: OpenAIOptions | None = None) -> None:
+        self.engine, self.options, self.ports = engine, options, ports
+        self.openai = openai  # the OpenAI front end (trtprompt.serve.openai), started after tritonserver
+        self.openai_proc: subprocess.Popen | None = None
+        self.ready_timeout_s, self.restart_engine, self.log = ready_timeout_s, restart_engine, log
+        self._own_run_dir = run_dir is None
+        self.run_dir = Path(tempfile.mkdtemp(prefix="trtprompt-serve-")) if run_dir is None else Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.run_dir, 0o700)  # the engine socket accepts any local process that can reach it
+        self.socket_path = str(self.run_dir / "engine.sock")
+        self.repo = self.run_dir / "repository"
+        self.install = TritonInstall.find()
+        self.engine_proc: subprocess.Popen | None = None
+        self.triton_proc: subprocess.Popen | None = None
+        # Unique per server: what stop() unlinks from /dev/shm is only ever this server's.
+        self.shm_prefix = f"trtprompt_{os.getpid()}_{self.run_dir.name.replace('-', '_')}_"
+        self.engine_restarts = 0
+        self._stop = threading.Event()
+
+    @property
+    def engine_log(self) -> Path:
+        return self.run_dir / "engine.log"
+
+    @property
+    def triton_log(self) -> Path:
+        return self.run_dir / "tritonserver.log"
+
+    def write_repository(self) -> Path:
+        return write_repository(self.repo, RepoContext(self.engine, self.options, self.socket_path))
+
+    def _spawn(self, cmd: Sequence[str], log_path: Path) -> subprocess.Popen:
+        with open(log_path, "ab") as log_file:
+            return subprocess.Popen(list(cmd), stdout=log_file, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=_die_with_parent, env=child_env(self.install, self.socket_path))
+
+    def start_engine(self) -> None:
+        # A restart is counted before it is started: the engine reports the count on /metrics.
+        cmd = [sys.executable, "-m", "trtprompt.serve.engine_process",
+               "--repository", str(self.repo), "--socket", self.socket_path,
+               "--restarts", str(self.engine_restarts)]
+        self.engine_proc = self._spawn(cmd, self.engine_log)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.engine_proc.poll() is not None:
+                raise LaunchError(f"the engine process exited with code {self.engine_proc.returncode}; "
+                                  f"{self.engine_log}:\n{log_tail(self.engine_log)}")
+            try:
+                P.call(self.socket_path, {"op": "info"}, timeout=1.0)
+                return
+            except (P.EngineUnavailableError, P.EngineError):
+                time.sleep(0.1)
+        raise LaunchError(f"the engine process was not ready within {self.ready_timeout_s:.0f}s; "
+                          f"{self.engine_log}:\n{log_tail(self.engine_log)}")
+
+    def start_triton(self) -> None:
+        backend_dir = make_backend_dir(self.run_dir) if self.install.bundled else None
+        cmd = triton_command(self.install, self.repo, self.ports, backend_dir, self.shm_prefix)
+        self.triton_proc = self._spawn(cmd, self.triton_log)
+        base = f"http://{self.ports.local_host}:{self.ports.http}/v2"
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.triton_proc.poll() is not None:
+                raise LaunchError(f"tritonserver exited with code {self.triton_proc.returncode}; "
+                                  f"{self.triton_log}:\n{log_tail(self.triton_log)}")
+            if http_ok(f"{base}/health/ready") and all(
+                    http_ok(f"{base}/models/{m}/ready") for m in self.model_names()):
+                return
+            time.sleep(0.2)
+        raise LaunchError(f"tritonserver's models were not ready within {self.ready_timeout_s:.0f}s; "
+                          f"{self.triton_log}:\n{log_tail(self.triton_log)}")
+
+    def start_openai(self) -> None:
+        if self.openai is None:
+            return
+        from trtprompt.serve.launch.frontend import DirectEngine, FrontendError, start_frontend
+
+        # Fused layout: OpenAI requests skip tritonserver and the stub (docs/design.md, "Serving path").
+        direct = DirectEngine(self.socket_path, self.engine.tokenizer_dir) if self.options.layout == "fused" else None
+        try:
+            self.openai_proc = start_frontend(self.openai, self.engine.path, self.ports.host, self.ports.local_host,
+                                              self.ports.grpc, self.run_dir, self._spawn, self.ready_timeout_s,
+                                              direct)
+        except FrontendError as exc:
+            raise LaunchError(str(exc)) from None
+
+    def model_names(self) -> list[str]:
+        return sorted(p.parent.name for p in self.repo.glob("*/config.pbtxt"))
+
+    def start(self) -> None:
+        """Repository, engine process, tritonserver; on failure everything is stopped."""
+        try:
+            self.write_repository()
+            self.start_engine()
+            self.start_triton()
+            self.start_openai()
+        except BaseException:
+            self.stop()
+            raise
+
+    def watch(self) -> int:
+        """Block until stop() or a fatal failure; restart a dead engine. Returns the exit code."""
+        return watch_children(self._stop, lambda: [
+            (self.triton_proc, "tritonserver", self.triton_log),
+            (self.openai_proc, "the OpenAI front end", self.run_dir / "openai.log")], 0.25, self.log,
+            self._restart_dead_engine)
+
+    def _restart_dead_engine(self) -> int | None:
+        """None while the engine process runs (or was restarted); 1 if it cannot be."""
+        if self.engine_proc is None or self.engine_proc.poll() is None:
+            return None
+        code = self.engine_proc.returncode
+        self.log(f"the engine process died (exit code {code}); requests get UNAVAILABLE meanwhile")
+        if not self.restart_engine:
+            self.log("--no-restart: stopping the server")
+            return 1
+        self.engine_restarts += 1
+        try:
+            self.start_engine()
+        except LaunchError as exc:
+            self.log(str(exc))
+            return 1
+        self.log(f"engine process restarted (pid {self.engine_proc.pid})")
+        return None
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Triton first (it drains the models), then the engine; no process of any child's group
+        and no /dev/shm region of Triton's python backend is left; what had to be killed or
+        removed is logged (trtprompt.serve.launch.process_group)."""
+        self._stop.set()
+        notes = stop_group(self.openai_proc, "the OpenAI front end", 10.0)
+        notes += stop_group(self.triton_proc, "tritonserver", 20.0)
+        notes += stop_group(self.engine_proc, "the engine process", 10.0)
+        notes += remove_shm(self.shm_prefix)
+        for note in notes:
+            self.log(f"trtprompt serve: stop: {note}")
+        self.openai_proc = self.triton_proc = self.engine_proc = None
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _cli_name() -> str:
+    """How this shell can run the trtprompt command (e.g. .venv/bin/trtprompt)."""
+    exe = Path(sys.executable).parent / "trtprompt"
+    if shutil.which("trtprompt") == str(exe) or not exe.is_file():
+        return "trtprompt"
+    rel = os.path.relpath(exe)
+    return rel if not rel.startswith("..") else str(exe)
+
+
+def serve_forever(server: Server) -> int:
+    """Run until SIGINT/SIGTERM (or a fatal failure); returns the exit code."""
+    from trtprompt.serve.launch.frontend import banner as openai_banner
+
+    with stop_on_signals(server.request_stop):
+        try:
+            server.start()
+            p = server.ports
+            server.log(
+                f"trtprompt serve: ready (engine {server.engine.path.name}, layout {server.options.layout})\n"
+                f"  gRPC    {p.host}:{p.grpc}\n  HTTP    {p.host}:{p.http}\n"
+                f"  metrics http://{p.local_host}:{p.metrics}/metrics\n"
+                f"  logs    {server.run_dir}\n"
+                f"  try:    {_cli_name()} infer \"Hello\" --url {p.local_host}:{p.grpc}"
+                + (f"\n{openai_banner(server.openai, p.local_host, server.engine.path.name)}"
+                   if server.openai else ""))
+            return server.watch()
+        except LaunchError as exc:
+            server.log(f"trtprompt serve: {exc}")
+            return 1
+        finally:
+            server.stop()

@@ -1,0 +1,90 @@
+"""What `trtprompt serve` runs with: the engine's recorded runtime policy,
+CLI overrides on top, checked against what the engine was built to allow.
+
+Names are the TensorRT-LLM backend's config.pbtxt parameter names, so the
+same values land in the model repository for either target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from trtprompt import knobs, rules
+from trtprompt.engine.engine_dir import EngineDir
+from trtprompt.interface import OPENAI_PORT
+
+LAYOUTS = knobs.LAYOUTS
+# "--disable-chunked-context", "--disable-kv-cache-reuse": the off half of each knob's flag.
+DISABLE_FLAGS = {k: str(knobs.KNOBS[k].flag).split("/")[1] for k in ("enable_chunked_context", "enable_kv_cache_reuse")}
+
+
+# The serve layer's name for an engine directory; read with EngineInfo.read(path, tokenizer=None),
+# which is trtprompt.engine.engine_dir.read_engine_dir (one reader for every consumer).
+EngineInfo = EngineDir
+
+
+@dataclass(frozen=True)
+@knobs.knob_fields(knobs.SERVE_KEYS, runtime=True)
+class ServeOptions:
+    """Runtime values for one server, one field per serve knob (trtprompt/knobs.py).
+
+    max_batch_size and max_num_tokens: None means "the engine's build value".
+    """
+
+    def __post_init__(self) -> None:
+        knobs.check_all(self, knobs.SERVE_KEYS, runtime=True)
+
+
+def resolve_options(engine: EngineInfo, overrides: Mapping[str, Any]) -> ServeOptions:
+    """Engine's recorded runtime policy, then CLI overrides (None = not given)."""
+    fields = ServeOptions.__dataclass_fields__
+    values = {k: v for k, v in engine.runtime.items() if k in fields and v is not None}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown serve option(s): {', '.join(unknown)}")
+    opts = ServeOptions(**values)
+    check_engine_allows(engine, opts)
+    return opts
+
+
+def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
+    """Refuse runtime flags the engine was not built for (TensorRT-LLM's rules)."""
+    build = engine.build_config
+    missing = rules.paged_context_missing(build)
+    for flag in ("enable_chunked_context", "enable_kv_cache_reuse"):
+        if getattr(opts, flag) and missing:
+            raise ValueError(
+                f"{flag} needs an engine built with plugin_config.{missing[0]}, and "
+                f"{engine.path / 'config.json'} has it off: rebuild the engine or serve with "
+                f"{DISABLE_FLAGS[flag]}")
+    if opts.enable_kv_cache_reuse and build.get("gather_context_logits"):
+        raise ValueError("enable_kv_cache_reuse cannot work with an engine built with "
+                         "gather_context_logits; rebuild without it or serve with --disable-kv-cache-reuse")
+    rules.check_not_raised({k: getattr(opts, k) for k in knobs.LOWERABLE_KEYS}, build)
+    if engine.target != "torch" and opts.engine_threads is not None:
+        raise ValueError("engine_threads sets the torch target's engine process threads; this engine is for "
+                         f"the {engine.target} target, which has no such process: leave it unset")
+    if engine.target == "torch" and opts.max_beam_width != 1:
+        raise ValueError("max_beam_width must be 1 for the torch target (no beam search)")
+
+
+@dataclass(frozen=True)
+class OpenAIOptions:
+    """The OpenAI-compatible front end `serve` runs beside tritonserver (trtprompt.serve.openai)."""
+
+    port: int = OPENAI_PORT
+    api_key: str | None = None  # None: no authentication
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"openai port must be in [1, 65535], got {self.port!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it unset for no authentication)")
+
+    def check_ports(self, others: Mapping[str, int]) -> None:
+        """Refuse a port that Triton already uses."""
+        for name, port in others.items():
+            if port == self.port:
+                raise ValueError(f"--openai-port {self.port} is already the {name} port; pick another")

@@ -1,0 +1,404 @@
+"""Write the Triton model repository.
+
+Every config.pbtxt is built as a tritonclient `ModelConfig` protobuf message,
+written with text_format and parsed back before anything starts, so no
+file can hold a placeholder or a field Triton would reject. One function per
+model config; a target adds its own variant (e.g. the tensorrtllm C++
+backend for `tensorrt_llm`) next to the Python one here.
+
+Layouts (docs/design.md, "Architecture"):
+  fused    : ensemble (python, decoupled, text) + tensorrt_llm (python, decoupled, tokens)
+  upstream : preprocessing -> tensorrt_llm -> postprocessing chained by a Triton
+             `ensemble`, as tensorrtllm_backend lays it out for the GPU target.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from trtprompt.interface import PERF_FLAG, PERF_OUTPUTS, Tensor
+from trtprompt.serve.launch.options import EngineInfo, ServeOptions
+from trtprompt.serve.wire import requests as inputs
+from trtprompt.serve.wire.model_config import check_config_text
+
+MODELS_DIR = Path(__file__).resolve().parents[1] / "triton_models" / "models"  # files tritonserver loads
+
+# (name, type, dims, optional); dims exclude the batch dimension.
+# Inputs a TensorRT-LLM client may send that the torch target cannot honour;
+# declared so the model can answer them with a clear INVALID_ARG.
+UNSUPPORTED_INPUTS: tuple[Tensor, ...] = (
+    ("num_return_sequences", "INT32", [1], True),
+    ("return_context_logits", "BOOL", [1], True),
+    ("return_generation_logits", "BOOL", [1], True),
+    ("prompt_embedding_table", "FP16", [-1, -1], True),
+    ("prompt_vocab_size", "INT32", [1], True),
+    ("embedding_bias_words", "STRING", [-1], True),
+    ("embedding_bias_weights", "FP32", [-1], True),
+    ("lora_task_id", "UINT64", [1], True),
+    ("lora_weights", "FP16", [-1, -1], True),
+    ("lora_config", "INT32", [-1, 3], True),
+)
+# Inputs and outputs the ensemble and the token model declare alike, in this order.
+REQUEST_FLAGS: tuple[Tensor, ...] = (
+    *((name, "BOOL", [1], True) for name in ("exclude_input_in_output", "return_log_probs", "return_perf_metrics",
+                                              "return_num_input_tokens", "return_num_output_tokens")),
+    ("cache_salt", "STRING", [1], True),
+)
+SEQUENCE_OUTPUTS: tuple[Tensor, ...] = (
+    ("cum_log_probs", "FP32", [-1], False),
+    ("output_log_probs", "FP32", [-1, -1], False),
+    ("batch_index", "INT32", [1], False),
+    ("sequence_index", "INT32", [1], False),
+    ("num_input_tokens", "INT32", [1], False),
+    ("num_output_tokens", "INT32", [1], False),
+    ("prompt_truncated_tokens", "INT32", [1], False),
+    ("dropped_turns", "INT32", [1], False),
+)
+ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
+    ("text_input", "STRING", [1], False),
+    ("max_tokens", "INT32", [1], False),
+    ("bad_words", "STRING", [-1], True),
+    ("stop_words", "STRING", [-1], True),
+    ("end_id", "INT32", [1], True),
+    ("pad_id", "INT32", [1], True),
+    ("top_k", "INT32", [1], True),
+    ("top_p", "FP32", [1], True),
+    ("temperature", "FP32", [1], True),
+    ("length_penalty", "FP32", [1], True),
+    ("repetition_penalty", "FP32", [1], True),
+    ("presence_penalty", "FP32", [1], True),
+    ("frequency_penalty", "FP32", [1], True),
+    ("min_tokens", "INT32", [1], True),
+    ("min_length", "INT32", [1], True),  # name before TensorRT-LLM 0.19; genai-perf sends it
+    ("seed", "UINT64", [1], True),
+    ("random_seed", "UINT64", [1], True),  # name before 0.19
+    ("beam_width", "INT32", [1], True),
+    ("stream", "BOOL", [1], True),
+    *REQUEST_FLAGS,
+    # trtprompt's: perf outputs on the final response only (TensorRT-LLM attaches them to every
+    # response); the OpenAI front end needs them once, for usage (docs/openai.md).
+    ("perf_metrics_final_only", "BOOL", [1], True),
+    ("overflow", "STRING", [1], True),  # a stricter overflow policy than the server's (issue 5)
+    ("messages", "STRING", [1], True),  # JSON chat, used instead of text_input (send it empty)
+) + UNSUPPORTED_INPUTS
+ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
+    ("text_output", "STRING", [-1], False),
+    *SEQUENCE_OUTPUTS,
+) + PERF_OUTPUTS
+TOKEN_INPUTS: tuple[Tensor, ...] = (
+    ("input_ids", "INT32", [-1], False),
+    ("input_lengths", "INT32", [1], False),
+    ("request_output_len", "INT32", [1], False),
+    ("end_id", "INT32", [1], True),
+    ("pad_id", "INT32", [1], True),
+    ("streaming", "BOOL", [1], True),
+    ("runtime_top_k", "INT32", [1], True),
+    ("runtime_top_p", "FP32", [1], True),
+    ("temperature", "FP32", [1], True),
+    ("len_penalty", "FP32", [1], True),
+    ("repetition_penalty", "FP32", [1], True),
+    ("presence_penalty", "FP32", [1], True),
+    ("frequency_penalty", "FP32", [1], True),
+    ("min_tokens", "INT32", [1], True),
+    ("min_length", "INT32", [1], True),
+    ("random_seed", "UINT64", [1], True),
+    ("seed", "UINT64", [1], True),
+    ("beam_width", "INT32", [1], True),
+    ("stop_words_list", "INT32", [2, -1], True),
+    ("bad_words_list", "INT32", [2, -1], True),
+    *REQUEST_FLAGS,
+    # Echoed back on every response (token_model.ECHOED) for the upstream layout's ensemble.
+    ("prompt_truncated_tokens", "INT32", [1], True),
+    ("dropped_turns", "INT32", [1], True),
+) + UNSUPPORTED_INPUTS
+TOKEN_OUTPUTS: tuple[Tensor, ...] = (
+    ("output_ids", "INT32", [-1, -1], False),
+    ("sequence_length", "INT32", [-1], False),
+    *SEQUENCE_OUTPUTS,
+) + PERF_OUTPUTS
+PRE_INPUTS: tuple[Tensor, ...] = (
+    ("QUERY", "STRING", [1], False),
+    ("REQUEST_OUTPUT_LEN", "INT32", [1], False),
+    ("BAD_WORDS_DICT", "STRING", [-1], True),
+    ("STOP_WORDS_DICT", "STRING", [-1], True),
+    ("END_ID", "INT32", [1], True),
+    ("PAD_ID", "INT32", [1], True),
+    # The same prompt inputs as the fused ensemble (one client interface on both layouts).
+    ("MESSAGES", "STRING", [1], True),
+    ("OVERFLOW", "STRING", [1], True),
+    ("CACHE_SALT", "STRING", [1], True),
+)
+PRE_OUTPUTS: tuple[Tensor, ...] = (
+    ("INPUT_ID", "INT32", [-1], False),
+    ("REQUEST_INPUT_LEN", "INT32", [1], False),
+    ("REQUEST_OUTPUT_LEN", "INT32", [1], False),
+    ("BAD_WORDS_IDS", "INT32", [2, -1], False),
+    ("STOP_WORDS_IDS", "INT32", [2, -1], False),
+    ("OUT_END_ID", "INT32", [1], False),
+    ("OUT_PAD_ID", "INT32", [1], False),
+    ("PROMPT_TRUNCATED_TOKENS", "INT32", [1], False),
+    ("DROPPED_TURNS", "INT32", [1], False),
+)
+# Only tensorrt_llm's outputs: Triton refuses a step after a decoupled model
+# that also takes tensors of other origins ("inputs originated from
+# different decoupled models"), so the stream is keyed by the request id.
+# The prompt edge's counts: preprocessing computes them and, since a Triton ensemble refuses to
+# mix its outputs with a decoupled model's ("inputs originated from different decoupled models"),
+# the torch core echoes them (token_model.ECHOED). The tensorrtllm C++ backend cannot, so the
+# trtllm target's ensemble does not declare them.
+PROMPT_OUTPUTS: tuple[str, ...] = ("prompt_truncated_tokens", "dropped_turns")
+# Token counts: both cores answer them (return_num_input_tokens / return_num_output_tokens).
+COUNT_OUTPUTS: tuple[str, ...] = ("num_input_tokens", "num_output_tokens")
+POST_INPUTS: tuple[Tensor, ...] = (
+    ("TOKENS_BATCH", "INT32", [-1, -1], False),
+    ("SEQUENCE_LENGTH", "INT32", [-1], False),
+)
+POST_OUTPUTS: tuple[Tensor, ...] = (("OUTPUT", "STRING", [-1], False),)
+# trtllm target only (docs/gpu.md, "Metrics"): the C++ core's perf outputs feed postprocessing's
+# request metrics, so preprocessing asks for them on every request. A Triton ensemble holds no
+# constants and refuses an input no step consumes, so the client's return_perf_metrics goes
+# through preprocessing, which answers true whatever the client sent.
+POST_PERF_INPUTS: tuple[Tensor, ...] = tuple((name.upper(), dtype, dims, True)
+                                             for name, dtype, dims, _ in PERF_OUTPUTS)
+
+
+@dataclass(frozen=True)
+class RepoContext:
+    """Everything a model config needs besides the runtime options."""
+
+    engine: EngineInfo
+    options: ServeOptions
+    engine_socket: str
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.options.max_batch_size or int(self.engine.build_config["max_batch_size"])
+
+
+def _add_tensors(field, tensors: Iterable[Tensor]) -> None:  # type: ignore[no-untyped-def]
+    for name, dtype, dims, optional in tensors:
+        t = field.add(name=name, data_type=mc.DataType.Value(f"TYPE_{dtype}"), dims=list(dims))
+        if optional:
+            t.optional = True
+
+
+def _base(name: str, max_batch_size: int, inputs: Iterable[Tensor], outputs: Iterable[Tensor],
+          params: Mapping[str, object], backend: str | None = "python",
+          decoupled: bool = False) -> mc.ModelConfig:
+    cfg = mc.ModelConfig(name=name, max_batch_size=max_batch_size)
+    if backend:
+        cfg.backend = backend
+    _add_tensors(cfg.input, inputs)
+    _add_tensors(cfg.output, outputs)
+    if decoupled:
+        cfg.model_transaction_policy.decoupled = True
+    if backend:
+        cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    for key, value in params.items():
+        if value is None:
+            continue  # unset: the backend's default applies (never a placeholder)
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        cfg.parameters[key].string_value = text
+    return cfg
+
+
+def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
+    """tensorrt_llm's parameters, named as the TensorRT-LLM backend names them."""
+    o = ctx.options
+    return {
+        "gpt_model_type": "inflight_fused_batching",
+        "gpt_model_path": str(ctx.engine.path),
+        "enable_kv_cache_reuse": o.enable_kv_cache_reuse,
+        "enable_chunked_context": o.enable_chunked_context,
+        "batch_scheduler_policy": o.batch_scheduler_policy,
+        "kv_cache_free_gpu_mem_fraction": o.kv_cache_free_gpu_mem_fraction,
+        "max_tokens_in_paged_kv_cache": o.max_tokens_in_paged_kv_cache,
+        "max_queue_size": o.max_queue_size,
+        "max_beam_width": o.max_beam_width,
+        "max_num_tokens": o.max_num_tokens,
+        "exclude_input_in_output": o.exclude_input_in_output,
+        "cancellation_check_period_ms": o.cancellation_check_period_ms,
+        "stats_check_period_ms": o.stats_check_period_ms,
+        "engine_threads": o.engine_threads,  # read by the engine process (serve/engine_process/server.py)
+    }
+
+
+def tensorrt_llm_python_config(ctx: RepoContext) -> mc.ModelConfig:
+    """Torch target: a thin decoupled model over the engine process."""
+    params = runtime_parameters(ctx) | {"engine_socket": ctx.engine_socket,
+                                        "triton_max_batch_size": ctx.max_batch_size}
+    cfg = _base("tensorrt_llm", ctx.max_batch_size, TOKEN_INPUTS, TOKEN_OUTPUTS, params,
+                decoupled=True)
+    cfg.input[0].allow_ragged_batch = True
+    return cfg
+
+
+def fused_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
+    """Torch target's `ensemble`: tokenize, submit, detokenize, cancel, in one model."""
+    params = {
+        "tokenizer_dir": str(ctx.engine.tokenizer_dir),
+        "engine_socket": ctx.engine_socket,
+        "gpt_model_path": str(ctx.engine.path),
+        "exclude_input_in_output": ctx.options.exclude_input_in_output,
+        "cancellation_check_period_ms": ctx.options.cancellation_check_period_ms,
+        "add_special_tokens": inputs.ADD_SPECIAL_TOKENS,
+        "skip_special_tokens": inputs.SKIP_SPECIAL_TOKENS,
+    }
+    return _base("ensemble", ctx.max_batch_size, ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, params,
+                 decoupled=True)
+
+
+def core_takes_salt(ctx: RepoContext) -> bool:
+    """The torch core takes `cache_salt`; Triton's tensorrtllm backend (TensorRT-LLM 1.2) reads no
+    salt input, although its executor Request has a cacheSaltID (docs/gpu.md)."""
+    if ctx.engine.target != "trtllm":
+        return True
+    if ctx.engine.prompt.get("require_cache_salt"):
+        raise ValueError(f"{ctx.engine.path}: require_cache_salt = true cannot be served on the trtllm target: "
+                         "Triton's tensorrtllm backend has no per-request cache salt input; rebuild with "
+                         "require_cache_salt = false or serve with the torch target")
+    return False
+
+
+def publishes_request_metrics(ctx: RepoContext) -> bool:
+    """The trtllm target's postprocessing publishes request metrics from the core's perf outputs;
+    the torch core's engine process publishes its own (the same families: do not count twice)."""
+    return ctx.engine.target == "trtllm"
+
+
+def preprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
+    perf = publishes_request_metrics(ctx)
+    params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "add_special_tokens": inputs.ADD_SPECIAL_TOKENS,
+              "gpt_model_path": str(ctx.engine.path),  # its prompt policy and bounds (issue 5)
+              "enable_chunked_context": ctx.options.enable_chunked_context,  # decides max_input_len
+              "salt_reaches_core": core_takes_salt(ctx),
+              "force_perf_metrics": True if perf else None}
+    flag_in, flag_out = ((PERF_FLAG, "BOOL", [1], True),), ((PERF_FLAG, "BOOL", [1], False),)
+    return _base("preprocessing", ctx.max_batch_size, PRE_INPUTS + (flag_in if perf else ()),
+                 PRE_OUTPUTS + (flag_out if perf else ()), params)
+
+
+def postprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
+    perf = publishes_request_metrics(ctx)
+    params = {"tokenizer_dir": str(ctx.engine.tokenizer_dir), "skip_special_tokens": inputs.SKIP_SPECIAL_TOKENS,
+              "max_open_streams": 4096, "stream_idle_timeout_s": 600,
+              "publish_request_metrics": True if perf else None,
+              "gpt_model_path": str(ctx.engine.path) if perf else None}  # its tokens_per_block
+    # ONE instance: the streaming detokenizer state lives in it, and two
+    # instances could reorder a stream's chunks (docs/design.md, "Triton facts").
+    return _base("postprocessing", ctx.max_batch_size, POST_INPUTS + (POST_PERF_INPUTS if perf else ()),
+                 POST_OUTPUTS, params)
+
+
+def _step(cfg: mc.ModelConfig, model: str, inputs: Mapping[str, str], outputs: Mapping[str, str]) -> None:
+    step = cfg.ensemble_scheduling.step.add(model_name=model, model_version=-1)
+    for key, value in inputs.items():
+        step.input_map[key] = value
+    for key, value in outputs.items():
+        step.output_map[key] = value
+
+
+def _preprocessing_step(cfg: mc.ModelConfig, ctx: RepoContext) -> None:
+    inputs = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
+              "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id",
+              "MESSAGES": "messages", "OVERFLOW": "overflow", "CACHE_SALT": "cache_salt"}
+    outputs = {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
+               "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "BAD_WORDS_IDS": "_BAD_WORDS_IDS",
+               "STOP_WORDS_IDS": "_STOP_WORDS_IDS", "OUT_END_ID": "_PREPROCESSOR_END_ID",
+               "OUT_PAD_ID": "_PREPROCESSOR_PAD_ID"}
+    if ctx.engine.target != "trtllm":  # the torch core echoes the prompt edge's counts
+        outputs |= {name.upper(): f"_{name}" for name in PROMPT_OUTPUTS}
+    if publishes_request_metrics(ctx):
+        inputs[PERF_FLAG] = "return_perf_metrics"
+        outputs[PERF_FLAG] = f"_{PERF_FLAG}"
+    _step(cfg, "preprocessing", inputs, outputs)
+
+
+def _core_step(cfg: mc.ModelConfig, ctx: RepoContext) -> None:
+    inputs = {
+        "input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN",
+        "request_output_len": "_REQUEST_OUTPUT_LEN", "end_id": "_PREPROCESSOR_END_ID",
+        "pad_id": "_PREPROCESSOR_PAD_ID", "stop_words_list": "_STOP_WORDS_IDS",
+        "bad_words_list": "_BAD_WORDS_IDS", "streaming": "stream", "runtime_top_k": "top_k",
+        "runtime_top_p": "top_p", "temperature": "temperature", "len_penalty": "length_penalty",
+        "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+        "frequency_penalty": "frequency_penalty", "min_tokens": "min_tokens", "seed": "seed",
+        "beam_width": "beam_width", "exclude_input_in_output": "exclude_input_in_output",
+        "return_log_probs": "return_log_probs", "return_perf_metrics": "return_perf_metrics",
+    } | {f"return_{name}": f"return_{name}" for name in COUNT_OUTPUTS}
+    if publishes_request_metrics(ctx):
+        inputs["return_perf_metrics"] = f"_{PERF_FLAG}"
+    if core_takes_salt(ctx):
+        inputs["cache_salt"] = "cache_salt"
+    outputs = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
+    outputs |= {name: name for name, *_ in PERF_OUTPUTS} | {name: name for name in COUNT_OUTPUTS}
+    if ctx.engine.target != "trtllm":  # preprocessing's counts, handed back by the core on every response
+        inputs |= {name: f"_{name}" for name in PROMPT_OUTPUTS}
+        outputs |= {name: name for name in PROMPT_OUTPUTS}
+    _step(cfg, "tensorrt_llm", inputs, outputs)
+
+
+def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
+    """tensorrtllm_backend's ensemble: preprocessing -> tensorrt_llm -> postprocessing.
+
+    Client cancellation does not cross a Triton ensemble (docs/design.md, "Triton facts"); this
+    layout exists for the GPU target, whose core is the C++ backend.
+    """
+    supported = [t for t in ENSEMBLE_INPUTS if t not in UNSUPPORTED_INPUTS and t[0] not in
+                 ("min_length", "random_seed", "perf_metrics_final_only")]
+    torch_core = ctx.engine.target != "trtllm"  # the C++ backend cannot hand the counts back
+    outputs = [t for t in ENSEMBLE_OUTPUTS if t[0] in ("text_output", *COUNT_OUTPUTS)
+               or (torch_core and t[0] in PROMPT_OUTPUTS)] + list(PERF_OUTPUTS)
+    cfg = _base("ensemble", ctx.max_batch_size, supported, outputs, {}, backend=None)
+    cfg.platform = "ensemble"
+    _preprocessing_step(cfg, ctx)
+    _core_step(cfg, ctx)
+    post_inputs = {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"}
+    if publishes_request_metrics(ctx):  # the core's own outputs: allowed after a decoupled step
+        post_inputs |= {name.upper(): name for name, *_ in PERF_OUTPUTS}
+    _step(cfg, "postprocessing", post_inputs, {"OUTPUT": "text_output"})
+    return cfg
+
+
+def _write_model(root: Path, cfg: mc.ModelConfig, source: str | None) -> None:
+    model_dir = root / cfg.name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    text = text_format.MessageToString(cfg)
+    if check_config_text(text) != cfg:
+        raise RuntimeError(f"{cfg.name}/config.pbtxt does not round-trip through the schema")
+    (model_dir / "config.pbtxt").write_text(text, encoding="utf-8")
+    if source is not None:
+        shutil.copyfile(MODELS_DIR / source, model_dir / "1" / "model.py")
+
+
+def model_configs(ctx: RepoContext) -> list[tuple[mc.ModelConfig, str | None]]:
+    """(config, python model file or None) for every model of the layout."""
+    if ctx.engine.target == "trtllm":  # upstream layout around the tensorrtllm C++ backend
+        from trtprompt.serve.launch.trtllm_model_config import params_for, tensorrt_llm_model_config
+
+        return [(preprocessing_config(ctx), "preprocessing.py"), (tensorrt_llm_model_config(params_for(ctx)), None),
+                (postprocessing_config(ctx), "postprocessing.py"), (upstream_ensemble_config(ctx), None)]
+    core = (tensorrt_llm_python_config(ctx), "tensorrt_llm.py")
+    if ctx.options.layout == "fused":
+        return [core, (fused_ensemble_config(ctx), "ensemble.py")]
+    return [(preprocessing_config(ctx), "preprocessing.py"), core,
+            (postprocessing_config(ctx), "postprocessing.py"), (upstream_ensemble_config(ctx), None)]
+
+
+def write_repository(root: str | Path, ctx: RepoContext) -> Path:
+    """Write (replace) the model repository at root; returns root."""
+    root = Path(root)
+    if root.exists():
+        for child in root.iterdir():
+            if (child / "config.pbtxt").is_file():
+                shutil.rmtree(child)
+    root.mkdir(parents=True, exist_ok=True)
+    for cfg, source in model_configs(ctx):
+        _write_model(root, cfg, source)
+    return root

@@ -1,0 +1,200 @@
+"""config.pbtxt of the `tensorrt_llm` model for a TensorRT-LLM engine (Triton's tensorrtllm C++ backend).
+
+The file is built as a tritonclient `ModelConfig` protobuf and printed with
+text_format, so every value is written explicitly and nothing like an
+unfilled `${...}` can remain. Tensor names and parameter names are those of
+tensorrtllm_backend's inflight_batcher_llm/tensorrt_llm model (TensorRT-LLM
+1.2.x): clients and ensembles written for it work unchanged.
+
+One parameter is left out when unset on purpose: `max_tokens_in_paged_kv_cache`
+("no cap" has no value; the pool is then sized by kv_cache_free_gpu_mem_fraction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from trtprompt import knobs
+from trtprompt.interface import PERF_OUTPUTS, Tensor
+
+MODEL_NAME = "tensorrt_llm"
+BACKEND = "tensorrtllm"
+EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
+TRITON_DTYPES: dict[str, str] = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
+
+# (name, type, dims, optional); scalar [1] inputs are reshaped to [] as the backend expects.
+SCALAR_INPUTS: tuple[tuple[str, str], ...] = (
+    ("end_id", "INT32"), ("pad_id", "INT32"), ("beam_width", "INT32"), ("temperature", "FP32"),
+    ("runtime_top_k", "INT32"), ("runtime_top_p", "FP32"), ("runtime_top_p_min", "FP32"),
+    ("runtime_top_p_decay", "FP32"), ("runtime_top_p_reset_ids", "INT32"), ("len_penalty", "FP32"),
+    ("early_stopping", "BOOL"), ("repetition_penalty", "FP32"), ("min_tokens", "INT32"),
+    ("beam_search_diversity_rate", "FP32"), ("presence_penalty", "FP32"), ("frequency_penalty", "FP32"),
+    ("seed", "UINT64"), ("return_log_probs", "BOOL"), ("return_context_logits", "BOOL"),
+    ("return_generation_logits", "BOOL"), ("return_perf_metrics", "BOOL"),
+    ("return_num_input_tokens", "BOOL"), ("return_num_output_tokens", "BOOL"),
+    ("exclude_input_in_output", "BOOL"), ("stop", "BOOL"), ("streaming", "BOOL"),
+    ("num_return_sequences", "INT32"), ("prompt_vocab_size", "INT32"), ("lora_task_id", "UINT64"),
+)
+RAGGED_INPUTS: tuple[Tensor, ...] = (
+    ("stop_words_list", "INT32", [2, -1], True),
+    ("bad_words_list", "INT32", [2, -1], True),
+    ("embedding_bias", "FP32", [-1], True),
+    ("lora_weights", "FP16", [-1, -1], True),
+    ("lora_config", "INT32", [-1, 3], True),
+)
+OUTPUTS: tuple[Tensor, ...] = (
+    ("output_ids", "INT32", [-1, -1], False),
+    ("sequence_length", "INT32", [-1], False),
+    ("cum_log_probs", "FP32", [-1], False),
+    ("output_log_probs", "FP32", [-1, -1], False),
+    ("context_logits", "FP32", [-1, -1], False),
+    ("generation_logits", "FP32", [-1, -1, -1], False),
+    ("batch_index", "INT32", [1], False),
+    ("sequence_index", "INT32", [1], False),
+    *PERF_OUTPUTS,
+    ("acceptance_rate", "FP32", [1], False),
+    ("total_accepted_draft_tokens", "INT32", [1], False),
+    ("total_draft_tokens", "INT32", [1], False),
+    ("num_input_tokens", "INT32", [1], False),
+    ("num_output_tokens", "INT32", [1], False),
+)
+
+
+# The knobs this model's config.pbtxt carries (typed, defaulted and checked by trtprompt/knobs.py).
+MODEL_KNOBS: tuple[str, ...] = (
+    "enable_kv_cache_reuse", "enable_chunked_context", "batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction",
+    "max_tokens_in_paged_kv_cache", "max_beam_width", "max_queue_size", "max_queue_delay_microseconds",
+    "exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms")
+# Triton's own queue settings (dynamic_batching), not backend parameters.
+QUEUE_KNOBS: tuple[str, ...] = ("max_queue_size", "max_queue_delay_microseconds")
+
+
+@dataclass(frozen=True)
+@knobs.knob_fields(MODEL_KNOBS)
+class TrtllmModelParams:
+    """Every value the `tensorrt_llm` model's config.pbtxt carries."""
+
+    engine_dir: Path
+    dtype: str  # engine dtype: the prompt-embedding table's type
+    max_attention_window_size: int  # the engine's max_seq_len: full attention, never a silent window
+    triton_max_batch_size: int
+    iter_stats_max_iterations: int = 1000
+    request_stats_max_iterations: int = 0
+    normalize_log_probs: bool = True
+    decoupled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in TRITON_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(TRITON_DTYPES)}, got {self.dtype!r}")
+        knobs.check_all(self, MODEL_KNOBS)
+        for name in ("max_attention_window_size", "triton_max_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("iter_stats_max_iterations", "request_stats_max_iterations"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @classmethod
+    def from_engine(cls, engine_dir: Path, pretrained_config: Mapping[str, Any], build_config: Mapping[str, Any],
+                    runtime: Mapping[str, Any]) -> "TrtllmModelParams":
+        """Engine bounds plus runtime values named as config.pbtxt names them (None: default)."""
+        fields = cls.__dataclass_fields__
+        given = {k: v for k, v in runtime.items() if k in fields and v is not None}
+        given.setdefault("triton_max_batch_size", int(runtime.get("max_batch_size") or build_config["max_batch_size"]))
+        return cls(engine_dir=Path(engine_dir), dtype=str(pretrained_config["dtype"]),
+                   max_attention_window_size=int(build_config["max_seq_len"]), **given)
+
+    def parameters(self) -> dict[str, str]:
+        """The backend's parameters, as the strings config.pbtxt holds."""
+        params: dict[str, Any] = {
+            "gpt_model_type": "inflight_fused_batching",
+            "gpt_model_path": str(self.engine_dir),
+            "max_attention_window_size": self.max_attention_window_size,
+            **{str(knobs.KNOBS[k].trtllm): getattr(self, k) for k in MODEL_KNOBS if k not in QUEUE_KNOBS},
+            "kv_cache_onboard_blocks": True,
+            "kv_cache_host_memory_bytes": 0,
+            "iter_stats_max_iterations": self.iter_stats_max_iterations,
+            "request_stats_max_iterations": self.request_stats_max_iterations,
+            "normalize_log_probs": self.normalize_log_probs,
+            "decoding_mode": "top_k_top_p" if self.max_beam_width == 1 else "beam_search",
+            "multi_block_mode": True,
+            "enable_context_fmha_fp32_acc": False,
+            "cuda_graph_mode": False,
+            "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+            "executor_worker_path": EXECUTOR_WORKER,
+        }
+        return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in params.items() if v is not None}
+
+
+def _add(field: Any, name: str, dtype: str, dims: Sequence[int], optional: bool,
+         reshape: bool = False, ragged: bool = False) -> None:
+    t = field.add(name=name, data_type=mc.DataType.Value(f"TYPE_{dtype}"), dims=list(dims))
+    if optional:
+        t.optional = True
+    if reshape:
+        t.reshape.SetInParent()  # shape [] : a scalar per request
+    if ragged:
+        t.allow_ragged_batch = True
+
+
+def _inputs(cfg: mc.ModelConfig, dtype: str) -> None:
+    _add(cfg.input, "input_ids", "INT32", [-1], False, ragged=True)
+    _add(cfg.input, "input_lengths", "INT32", [1], False, reshape=True)
+    _add(cfg.input, "request_output_len", "INT32", [1], False, reshape=True)
+    for name, kind in SCALAR_INPUTS:
+        _add(cfg.input, name, kind, [1], True, reshape=True)
+    for name, kind, dims, optional in RAGGED_INPUTS:
+        _add(cfg.input, name, kind, dims, optional, ragged=True)
+    _add(cfg.input, "prompt_embedding_table", TRITON_DTYPES[dtype], [-1, -1], True, ragged=True)
+
+
+def tensorrt_llm_model_config(p: TrtllmModelParams) -> mc.ModelConfig:
+    cfg = mc.ModelConfig(name=MODEL_NAME, backend=BACKEND, max_batch_size=p.triton_max_batch_size)
+    cfg.model_transaction_policy.decoupled = p.decoupled
+    batching = cfg.dynamic_batching
+    batching.preferred_batch_size.append(p.triton_max_batch_size)
+    batching.max_queue_delay_microseconds = p.max_queue_delay_microseconds
+    batching.default_queue_policy.max_queue_size = p.max_queue_size or 0  # Triton: 0 means no limit
+    _inputs(cfg, p.dtype)
+    for name, kind, dims, optional in OUTPUTS:
+        _add(cfg.output, name, kind, dims, optional)
+    cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    for key, value in p.parameters().items():
+        cfg.parameters[key].string_value = value
+    return cfg
+
+
+def parse_config_text(text: str) -> mc.ModelConfig:
+    """Parse config.pbtxt text with Triton's ModelConfig schema; refuses any placeholder."""
+    if "${" in text:
+        raise ValueError("config.pbtxt holds an unfilled ${...} placeholder")
+    return text_format.Parse(text, mc.ModelConfig())
+
+
+def config_text(p: TrtllmModelParams) -> str:
+    """The complete config.pbtxt, checked to parse back to the same message."""
+    cfg = tensorrt_llm_model_config(p)
+    text = text_format.MessageToString(cfg)
+    if parse_config_text(text) != cfg:
+        raise RuntimeError("tensorrt_llm/config.pbtxt does not round-trip through Triton's schema")
+    return text
+
+
+def write_model(repo: str | Path, p: TrtllmModelParams) -> Path:
+    """Write <repo>/tensorrt_llm/config.pbtxt (and the empty version folder the backend expects)."""
+    model_dir = Path(repo) / MODEL_NAME
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    path = model_dir / "config.pbtxt"
+    path.write_text(config_text(p), encoding="utf-8")
+    return path
+
+
+def params_for(ctx: Any) -> TrtllmModelParams:
+    """Params from a serve RepoContext (engine info + resolved ServeOptions)."""
+    return TrtllmModelParams.from_engine(ctx.engine.path, ctx.engine.pretrained_config, ctx.engine.build_config,
+                                         asdict(ctx.options))

@@ -1,0 +1,113 @@
+"""The OpenAI front end's path straight to the torch target's engine process.
+
+Through Triton every streamed token costs a Python-backend IPC send, a gRPC
+message out of tritonserver and one into this front end, on the cores the
+engine uses (docs/design.md, "Serving path"). On the torch target's fused
+layout the front end therefore does what the fused `ensemble` model does,
+with the same code: the request built once as a `TextRequest` (serve/wire/requests.py, no
+Triton tensors on the way), the same prompt edge (budget, chat window, salt rule), one
+multiplexed engine connection (serve/wire/engine_client.py), the same streaming detokenizer,
+the same error codes. Triton
+keeps serving Triton clients; the trtllm target and the upstream layout answer
+OpenAI requests through Triton (serve/openai/to_triton.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any, AsyncIterator
+
+from trtprompt.engine.engine_dir import read_engine_dir
+from trtprompt.error_codes import RequestError, describe, tagged
+from trtprompt.prompt.budget import PromptPolicy
+from trtprompt.prompt.edge import PromptEdge
+from trtprompt.serve.openai.errors import APIError, from_triton
+from trtprompt.serve.openai.params import Generation
+from trtprompt.serve.openai.to_triton import Piece
+from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.wire.engine_client import EngineClient
+from trtprompt.serve.wire.refusals import refusal_reason, report_refused
+from trtprompt.serve.wire.requests import ADD_SPECIAL_TOKENS, SKIP_SPECIAL_TOKENS, TextRequest, TokenRequest, prepare
+from trtprompt.tokenizer import Tokenizer
+
+log = logging.getLogger("trtprompt.openai")
+
+
+def api_error_of(exc: BaseException) -> APIError:
+    """The API error the Triton path answers the same failure with (its code, as a tag)."""
+    return from_triton(tagged(*describe(exc)))
+
+
+class EnginePath:
+    """Create inside the running event loop; the engine connection's reader thread feeds it."""
+
+    def __init__(self, socket_path: str, engine_dir: str, tokenizer_dir: str | None = None) -> None:
+        engine = read_engine_dir(engine_dir, tokenizer_dir)
+        self.socket = socket_path
+        self.tokenizer = Tokenizer.from_dir(engine.tokenizer_dir)
+        self.edge = PromptEdge(PromptPolicy.from_mapping(engine.prompt), self.tokenizer, ADD_SPECIAL_TOKENS,
+                               functools.partial(P.engine_limits, socket_path))
+        self.client = EngineClient(socket_path)
+
+    async def close(self) -> None:
+        self.client.close()
+
+    async def ready(self) -> bool:
+        try:
+            await asyncio.to_thread(P.call, self.socket, {"op": "info"}, 2.0)
+        except (OSError, P.EngineError, ValueError):  # not up, restarting, or a bad reply
+            return False
+        return True
+
+    async def inputs_for(self, gen: Generation) -> TokenRequest:
+        """Parse and fit the request off the event loop (tokenizing a long prompt takes a while)."""
+        return await asyncio.to_thread(self._prepare, gen)
+
+    def _prepare(self, gen: Generation) -> TokenRequest:
+        try:
+            req = TextRequest(text=gen.prompt or "", sampling=gen.sampling, stream=gen.stream,
+                              messages=gen.messages_json, cache_salt=gen.cache_salt, stop_words=gen.stop)
+            return prepare(req, self.edge, self.tokenizer).request
+        except Exception as exc:  # noqa: BLE001 - answered to the client, counted as the ensemble counts it
+            if not isinstance(exc, RequestError):
+                log.exception("preparing a request failed")
+            report_refused(refusal_reason(exc), self.socket)
+            raise api_error_of(exc) from None
+
+    async def generate(self, req: TokenRequest) -> AsyncIterator[Piece]:
+        """Pieces until the final one; APIError on an error. Leaving early aborts the engine request."""
+        loop, entries = asyncio.get_running_loop(), asyncio.Queue()
+        try:
+            rid = self.client.submit(req, lambda entry: loop.call_soon_threadsafe(entries.put_nowait, entry))
+        except Exception as exc:  # noqa: BLE001 - engine unavailable or a refused submit
+            raise api_error_of(exc) from None
+        detok = self.tokenizer.stream(list(req.prompt_token_ids), skip_special_tokens=SKIP_SPECIAL_TOKENS)
+        finished, pending = False, list[int]()
+        try:
+            while not finished:
+                entry = await entries.get()
+                error = P.entry_error(entry)
+                if error is not None:
+                    finished = True
+                    raise api_error_of(error)
+                finished = entry["finished"]
+                if finished and entry.get("warning"):
+                    log.warning("%s", entry["warning"])  # as the fused ensemble logs it
+                pending += entry["new_token_ids"]
+                if req.stream or finished:  # a whole answer is decoded at once, as the fused ensemble does
+                    piece = _piece(entry, detok.step(pending) + (detok.flush() if finished else ""))
+                    pending = []
+                    if piece.text or finished:
+                        yield piece
+        finally:
+            if not finished:
+                self.client.abort([rid])  # the HTTP client went away: free the KV blocks now
+
+
+def _piece(entry: dict[str, Any], text: str) -> Piece:
+    stats = entry.get("stats") or {}  # the final entry carries the request's stats
+    reused = stats.get("kv_cache_reused_blocks")
+    return Piece(text, entry.get("num_input_tokens"), entry.get("num_output_tokens"),
+                 None if reused is None else int(reused))

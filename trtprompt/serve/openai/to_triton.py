@@ -1,0 +1,167 @@
+"""Talk to Triton's `ensemble` model with Triton's own gRPC API, asynchronously.
+
+One gRPC channel per front end; each request is its own bidirectional
+`ModelStreamInfer` call (decoupled models answer only through streaming,
+docs/openai.md), sent with `triton_enable_empty_final_response` so the end of
+every request is seen whether the final flag rides on the last data response
+or on an empty one. Cancelling the call (a client that went away) cancels the
+request in Triton, and the fused ensemble then aborts the engine request and
+frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+import grpc
+import numpy as np
+from tritonclient.grpc import InferInput, InferResult, service_pb2
+
+from trtprompt.client import aio_channel, stream_request, text_inputs
+from trtprompt.engine.request import SamplingParams
+from trtprompt.serve.openai.errors import APIError, from_triton, unavailable
+from trtprompt.serve.openai.params import Generation
+
+# Always asked for when the ensemble declares them: usage and cached tokens come from these, and
+# usage needs the perf outputs once, so they come on the final response only where the ensemble
+# can (perf_metrics_final_only; TensorRT-LLM attaches them to every response; docs/openai.md).
+REPORTING_INPUTS = ("return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens",
+                    "perf_metrics_final_only")
+# What a Piece reads: asking for these only keeps every streamed response small (docs/openai.md).
+READ_OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "kv_cache_reused_blocks")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One data response of the ensemble."""
+
+    text: str
+    num_input_tokens: int | None
+    num_output_tokens: int | None
+    reused_blocks: int | None
+
+
+# Sent whatever their value; every other sampling field only where it differs from its default.
+ALWAYS_SENT = ("temperature",)
+_SAMPLING_DEFAULTS = SamplingParams()
+
+
+def ensemble_sampling(params: SamplingParams) -> dict[str, Any]:
+    """The ensemble's sampling inputs for params: its text inputs are named as SamplingParams' fields
+    (max_tokens and stop words travel as inputs of their own)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(SamplingParams):
+        value = getattr(params, f.name)
+        if f.name in ("max_tokens", "stop_token_ids"):
+            continue
+        if value is not None and (f.name in ALWAYS_SENT or value != getattr(_SAMPLING_DEFAULTS, f.name)):
+            out[f.name] = value
+    return out
+
+
+def _scalar(result: InferResult, name: str) -> int | None:
+    arr = result.as_numpy(name)
+    return None if arr is None else int(np.asarray(arr).reshape(-1)[0])
+
+
+def _piece(result: InferResult) -> Piece | None:
+    arr = result.as_numpy("text_output")
+    if arr is None:
+        return None  # the empty final response
+    value = np.asarray(arr).reshape(-1)[0]
+    text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    return Piece(text, _scalar(result, "num_input_tokens"), _scalar(result, "num_output_tokens"),
+                 _scalar(result, "kv_cache_reused_blocks"))
+
+
+def _rpc_error(exc: grpc.aio.AioRpcError) -> APIError:
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return unavailable(f"tritonserver is unavailable: {exc.details()}")
+    return from_triton(exc.details() or str(exc.code()))
+
+
+class TritonEnsemble:
+    """The `ensemble` model of one tritonserver; create inside the running event loop."""
+
+    def __init__(self, url: str, model: str = "ensemble") -> None:
+        self.model = model
+        self._channel, self._stub = aio_channel(url)
+        self._inputs: frozenset[str] | None = None
+        self._outputs: tuple[str, ...] = ()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def ready(self) -> bool:
+        try:
+            reply = await self._stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(reply.ready)
+
+    async def declared_inputs(self) -> frozenset[str]:
+        """The ensemble's input names, read once (layouts differ: upstream lacks `messages`)."""
+        if self._inputs is None:
+            try:
+                meta = await self._stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=self.model),
+                                                      timeout=10.0)
+            except grpc.aio.AioRpcError as exc:
+                raise _rpc_error(exc) from None
+            self._inputs = frozenset(t.name for t in meta.inputs)
+            declared = {t.name for t in meta.outputs}
+            self._outputs = tuple(name for name in READ_OUTPUTS if name in declared)
+        return self._inputs
+
+    async def inputs_for(self, gen: Generation) -> list[InferInput]:
+        declared = await self.declared_inputs()
+        if gen.messages_json is not None and "messages" not in declared:
+            raise APIError(400, f"this server's {self.model!r} model has no 'messages' input (the upstream "
+                           "layout or the trtllm target): use /v1/completions", "invalid_request_error",
+                           "messages", "unsupported_parameter")
+        if gen.cache_salt is not None and "cache_salt" not in declared:
+            raise APIError(400, f"this server's {self.model!r} model has no 'cache_salt' input",
+                           "invalid_request_error", "cache_salt", "unsupported_parameter")
+        optional: dict[str, Any] = ensemble_sampling(gen.sampling)
+        optional.update(exclude_input_in_output=True, messages=gen.messages_json, cache_salt=gen.cache_salt)
+        optional.update({name: True for name in REPORTING_INPUTS})
+        # stop_words unfiltered: a server without the input must refuse it, not ignore the stops
+        return text_inputs(gen.prompt or "", gen.max_tokens, gen.stream, stop_words=list(gen.stop) or None,
+                           **{k: v for k, v in optional.items() if k in declared})
+
+    async def generate(self, inputs: Sequence[InferInput]) -> AsyncIterator[Piece]:
+        """Data responses of one request until its final one; APIError on an error.
+
+        Closing the iterator early (the HTTP client went away) cancels the call.
+        """
+        request = stream_request(self.model, inputs, uuid.uuid4().hex, self._outputs)
+        finished = asyncio.Event()
+
+        async def requests() -> AsyncIterator[Any]:
+            yield request
+            await finished.wait()  # keep our side open until the last response arrived
+
+        call = self._stub.ModelStreamInfer(requests())
+        ended = False
+        try:
+            async for response in call:
+                if response.error_message:
+                    ended = True  # an error response is the request's last
+                    raise from_triton(response.error_message)
+                piece = _piece(InferResult(response.infer_response))
+                final = response.infer_response.parameters["triton_final_response"].bool_param
+                ended = final
+                if piece is not None:
+                    yield piece
+                if final:
+                    return
+            raise unavailable("tritonserver closed the stream before the final response")
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc) from None
+        finally:
+            finished.set()  # ends our side of the stream: a finished call closes cleanly
+            if not ended:
+                call.cancel()  # left early (client gone): Triton cancels the request

@@ -1,0 +1,83 @@
+"""One thread per stub that checks every request in flight for client cancellation.
+
+Runs inside Triton's Python stub; stdlib only, so it is tested outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Protocol
+
+log = logging.getLogger("trtprompt.relay")
+# The watcher sweeps at least this often even when no step frame came.
+IDLE_SWEEP_S = 0.5
+
+
+class Watched(Protocol):
+    def is_cancelled(self) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+
+class CancelWatcher:
+    """One thread that checks every request in flight for cancellation, once per engine step.
+
+    Replaces a polling loop per request. A check is an IPC round trip to
+    tritonserver (both processes pay for it), and the engine can act on an
+    abort only between steps, so checking a request more than once per step
+    buys nothing: a sweep runs when `period_s` has passed AND the engine has
+    sent a step frame since the last sweep (`steps()` counts them), or when
+    `idle_s` has passed without one (requests still queued, a long prefill).
+    Under load that is one check per request per step instead of one per
+    period; the thread sleeps while nothing is in flight.
+    """
+
+    def __init__(self, period_s: float, steps: Callable[[], int], idle_s: float = IDLE_SWEEP_S) -> None:
+        self.period_s, self.idle_s = period_s, max(period_s, idle_s)
+        self._steps = steps
+        self._lock = threading.Lock()
+        self._items: set[Watched] = set()
+        self._busy = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trtprompt-cancel-watch", daemon=True)
+        self._thread.start()
+
+    def add(self, item: Watched) -> None:
+        with self._lock:
+            self._items.add(item)
+        self._busy.set()
+
+    def discard(self, item: Watched) -> None:
+        with self._lock:
+            self._items.discard(item)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._busy.set()
+        self._thread.join(2.0)
+
+    def _run(self) -> None:
+        seen, last = self._steps(), time.monotonic()
+        while not self._stop.is_set():
+            self._busy.wait()
+            if self._stop.wait(self.period_s):
+                return
+            now, steps = time.monotonic(), self._steps()
+            if steps == seen and now - last < self.idle_s:
+                continue
+            seen, last = steps, now
+            with self._lock:
+                items = list(self._items)
+                if not items:
+                    self._busy.clear()
+            for item in items:
+                self._check(item)
+
+    def _check(self, item: Watched) -> None:
+        try:
+            if item.is_cancelled():
+                item.cancel()
+        except Exception:  # noqa: BLE001 - the watcher serves every request
+            log.exception("cancellation check failed")

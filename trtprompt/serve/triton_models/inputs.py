@@ -1,0 +1,248 @@
+"""Turn a Triton request's input tensors into the serving edge's request types.
+
+Pure numpy: the Python-backend models hand in {name: array} (each array
+with the batch dimension first) and get one `TextRequest` or `TokenRequest`
+(serve/wire/requests.py) per batch row, or a RequestError whose message names
+the input and goes to the client.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from trtprompt.engine.request import FLOAT_BOUNDS, SamplingParams, check_bound
+from trtprompt.error_codes import BadRequestError, FieldError, OverBoundError
+from trtprompt.interface import PERF_OUTPUTS
+from trtprompt.serve.wire.requests import Outputs, TextRequest, TokenRequest
+
+Tensors = Mapping[str, np.ndarray]
+
+
+def batch_size(tensors: Tensors, required: str, *alternatives: str) -> int:
+    """Rows of the request, from its required input (or the first alternative present)."""
+    for name in (required, *alternatives):
+        if name in tensors:
+            return int(tensors[name].shape[0])
+    raise BadRequestError(f"input '{required}' is required")
+
+
+def _row(tensors: Tensors, name: str, i: int) -> np.ndarray | None:
+    arr = tensors.get(name)
+    if arr is None:
+        return None
+    return arr[i] if arr.shape and arr.shape[0] > i else arr
+
+
+def scalar(tensors: Tensors, name: str, i: int, cast: Callable[[Any], Any]) -> Any:
+    """Value of a [B, 1] input for row i, or None when absent."""
+    row = _row(tensors, name, i)
+    if row is None:
+        return None
+    flat = np.asarray(row).reshape(-1)
+    if flat.size != 1:
+        raise BadRequestError(f"input '{name}' must hold one value per request, got shape {tuple(row.shape)}")
+    return cast(flat[0].item() if hasattr(flat[0], "item") else flat[0])
+
+
+def flag(tensors: Tensors, name: str, i: int, default: bool = False) -> bool:
+    value = scalar(tensors, name, i, bool)
+    return default if value is None else value
+
+
+def check_unsupported(tensors: Tensors, i: int) -> None:
+    """Inputs the torch target cannot honour: refuse rather than ignore."""
+    beam = scalar(tensors, "beam_width", i, int)
+    if beam is not None and beam != 1:
+        raise BadRequestError(f"beam_width={beam} is not supported: the torch target has no beam search "
+                              "(max_beam_width is 1)")
+    n = scalar(tensors, "num_return_sequences", i, int)
+    if n is not None and n != 1:
+        raise BadRequestError(f"num_return_sequences={n} is not supported by the torch target (only 1)")
+    for name in ("return_log_probs", "return_context_logits", "return_generation_logits"):
+        if flag(tensors, name, i):
+            raise BadRequestError(f"{name}=true is not supported by the torch target (no logits outputs)")
+    for name in ("prompt_embedding_table", "prompt_vocab_size"):
+        if name in tensors:
+            raise BadRequestError(f"'{name}' is not supported by the torch target (no prompt tables)")
+    for name in ("lora_task_id", "lora_weights", "lora_config"):
+        if name in tensors:
+            raise BadRequestError(f"'{name}' is not supported by the torch target (no LoRA)")
+    for name in ("embedding_bias_words", "embedding_bias_weights"):
+        if name in tensors and np.asarray(tensors[name]).size:
+            raise BadRequestError(f"'{name}' is not supported by the torch target")
+
+
+def utf8(value: Any, name: str) -> str:
+    raw = value if isinstance(value, bytes) else str(value).encode("utf-8")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(f"input '{name}' is not valid UTF-8: byte 0x{raw[exc.start]:02x} "
+                              f"at position {exc.start}") from None
+
+
+def text_scalar(tensors: Tensors, name: str, i: int, label: str | None = None) -> str | None:
+    """A [B, 1] string input of row i as text, or None when absent; errors name it `label` (the
+    ensemble's name when a composing model's own name differs, e.g. preprocessing's MESSAGES)."""
+    value = scalar(tensors, name, i, lambda v: v)
+    return None if value is None else utf8(value, label or name)
+
+
+def words(tensors: Tensors, name: str, i: int) -> list[str]:
+    row = _row(tensors, name, i)
+    if row is None:
+        return []
+    return [w for w in (utf8(v, name) for v in np.asarray(row).reshape(-1)) if w]
+
+
+def _sampling(tensors: Tensors, i: int, names: Mapping[str, tuple[str, ...]],
+              stop_token_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+    """The row's SamplingParams, built once here; names maps each field to the input names that set it."""
+    casts = {"max_tokens": int, "top_k": int, "min_tokens": int, "seed": int, "end_id": int,
+             "temperature": float, "top_p": float, "repetition_penalty": float,
+             "presence_penalty": float, "frequency_penalty": float}
+    params: dict[str, Any] = {}
+    used: dict[str, str] = {}  # field -> the input that set it, for error messages
+    for key, sources in names.items():
+        for source in sources:
+            value = scalar(tensors, source, i, casts[key])
+            if value is not None:
+                params[key], used[key] = value, source
+                break
+    max_tokens = params.get("max_tokens")
+    if max_tokens is None:
+        raise BadRequestError(f"input '{names['max_tokens'][0]}' is required")
+    if max_tokens <= 0:
+        raise BadRequestError(f"{names['max_tokens'][0]} must be a positive integer, got {max_tokens}")
+    for name in IGNORED_FLOATS:  # beam-search only: no effect here, but never a NaN either
+        value = scalar(tensors, name, i, float)
+        if value is not None:
+            _float_bound(name, "length_penalty", value)
+    return _checked_sampling(params, used, stop_token_ids)
+
+
+# Declared for TensorRT-LLM clients; they only act with beam search, which this target lacks.
+IGNORED_FLOATS = ("length_penalty", "len_penalty")
+
+
+def _float_bound(source: str, key: str, value: float) -> None:
+    try:
+        check_bound(key, value)
+    except FieldError as exc:
+        raise _named(exc, source) from None
+
+
+def _named(exc: FieldError, source: str) -> BadRequestError:
+    """The refusal of one field, naming the client's input that set it."""
+    if exc.field in FLOAT_BOUNDS:
+        return BadRequestError(f"input '{source}' {exc.rule}", source)
+    return BadRequestError(f"input '{source}': {exc}", source)
+
+
+def _checked_sampling(params: Mapping[str, Any], sources: Mapping[str, str],
+                      stop_token_ids: tuple[tuple[int, ...], ...]) -> SamplingParams:
+    """SamplingParams, its refusal naming the client's input."""
+    try:
+        return SamplingParams(**params, stop_token_ids=stop_token_ids)
+    except FieldError as exc:
+        raise _named(exc, sources.get(exc.field, exc.field)) from None
+
+
+TEXT_SAMPLING = {
+    "max_tokens": ("max_tokens",), "temperature": ("temperature",), "top_k": ("top_k",),
+    "top_p": ("top_p",), "repetition_penalty": ("repetition_penalty",),
+    "presence_penalty": ("presence_penalty",), "frequency_penalty": ("frequency_penalty",),
+    "min_tokens": ("min_tokens", "min_length"), "seed": ("seed", "random_seed"), "end_id": ("end_id",),
+}
+TOKEN_SAMPLING = {
+    "max_tokens": ("request_output_len",), "temperature": ("temperature",), "top_k": ("runtime_top_k",),
+    "top_p": ("runtime_top_p",), "repetition_penalty": ("repetition_penalty",),
+    "presence_penalty": ("presence_penalty",), "frequency_penalty": ("frequency_penalty",),
+    "min_tokens": ("min_tokens", "min_length"), "seed": ("random_seed", "seed"), "end_id": ("end_id",),
+}
+
+
+def check_text_or_messages(text: str, messages: str | None) -> None:
+    """text_input may be empty only when `messages` carries the prompt."""
+    if not text and messages is None:
+        raise BadRequestError("input 'text_input' is empty: at least one character is required")
+
+
+def outputs(tensors: Tensors, i: int, exclude_default: bool) -> Outputs:
+    """What the row asks to get back (the ensemble's and the core model's flags share names)."""
+    return Outputs(
+        exclude_input_in_output=flag(tensors, "exclude_input_in_output", i, exclude_default),
+        return_perf_metrics=flag(tensors, "return_perf_metrics", i),
+        return_num_input_tokens=flag(tensors, "return_num_input_tokens", i),
+        return_num_output_tokens=flag(tensors, "return_num_output_tokens", i),
+        perf_final_only=flag(tensors, "perf_metrics_final_only", i))
+
+
+def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> TextRequest:
+    """One row of an `ensemble` request (text in, text out)."""
+    check_unsupported(tensors, i)
+    if words(tensors, "bad_words", i):
+        raise BadRequestError("'bad_words' is not supported by the torch target", "bad_words")
+    text = utf8(scalar(tensors, "text_input", i, lambda v: v), "text_input")
+    messages, overflow, salt = (text_scalar(tensors, name, i) for name in ("messages", "overflow", "cache_salt"))
+    check_text_or_messages(text, messages)
+    return TextRequest(text=text, sampling=_sampling(tensors, i, TEXT_SAMPLING), stream=flag(tensors, "stream", i),
+                       outputs=outputs(tensors, i, exclude_default), messages=messages, overflow=overflow,
+                       cache_salt=salt, stop_words=tuple(words(tensors, "stop_words", i)))
+
+
+def words_list(arr: np.ndarray | None, name: str) -> list[list[int]]:
+    """TensorRT-LLM's [2, L] words list: row 0 the ids, row 1 the end offsets (-1 padded)."""
+    if arr is None or arr.size == 0:
+        return []
+    if arr.ndim != 2 or arr.shape[0] != 2:
+        raise BadRequestError(f"input '{name}' must have shape [2, L] per request, got {tuple(arr.shape)}")
+    ids, offsets = arr[0].tolist(), [int(o) for o in arr[1] if o >= 0]
+    out, start = [], 0
+    for end in offsets:
+        if not start < end <= len(ids):
+            raise BadRequestError(f"input '{name}' has an offset {end} outside its {len(ids)} ids")
+        out.append([int(t) for t in ids[start:end]])
+        start = end
+    return out
+
+
+def prompt_ids(tensors: Tensors, i: int, max_input_len: int | None) -> np.ndarray:
+    """input_ids[:input_lengths] of row i, refused here (before anything reaches the engine) when
+    empty or longer than the engine's max_input_len."""
+    ids = _row(tensors, "input_ids", i)
+    if ids is None:
+        raise BadRequestError("input 'input_ids' is required")
+    ids = np.asarray(ids).reshape(-1)
+    if ids.size == 0:
+        raise BadRequestError("input 'input_ids' is empty: at least one token id is required")
+    length = scalar(tensors, "input_lengths", i, int)
+    if length is None:
+        raise BadRequestError("input 'input_lengths' is required")
+    if not 0 < length <= ids.size:
+        raise BadRequestError(f"input_lengths ({length}) must be in [1, {ids.size}] (the input_ids length)")
+    if max_input_len is not None and length > max_input_len:
+        raise OverBoundError(f"input 'input_ids': Prompt length ({length}) exceeds maximum input length "
+                             f"({max_input_len}, the engine's max_input_len)")
+    return ids[:length]
+
+
+def parse_token_item(tensors: Tensors, i: int, exclude_default: bool,
+                     max_input_len: int | None = None) -> TokenRequest:
+    """One row of a `tensorrt_llm` request (token ids in, token ids out)."""
+    check_unsupported(tensors, i)
+    if words_list(_row(tensors, "bad_words_list", i), "bad_words_list"):
+        raise BadRequestError("'bad_words_list' is not supported by the torch target", "bad_words_list")
+    ids = prompt_ids(tensors, i, max_input_len)
+    stops = tuple(tuple(s) for s in words_list(_row(tensors, "stop_words_list", i), "stop_words_list"))
+    return TokenRequest(prompt_token_ids=tuple(ids.astype(np.int64).tolist()),
+                        sampling=_sampling(tensors, i, TOKEN_SAMPLING, stops), stream=flag(tensors, "streaming", i),
+                        outputs=outputs(tensors, i, exclude_default), cache_salt=text_scalar(tensors, "cache_salt", i))
+
+
+def perf_values(stats: Mapping[str, Any]) -> dict[str, tuple[int, str]]:
+    """The return_perf_metrics outputs (name -> (value, numpy dtype)) from an output frame's
+    request stats, whose keys are the outputs' names; a time not reached yet is 0."""
+    return {name: (int(stats.get(name) or 0), dtype.lower()) for name, dtype, *_ in PERF_OUTPUTS}

@@ -1,0 +1,232 @@
+"""`preprocessing` and `postprocessing` of the upstream (tensorrtllm_backend) layout.
+
+Used by the GPU target's Triton ensemble and tested on CPU over the torch
+`tensorrt_llm` model. Unlike tensorrtllm_backend's postprocessing, which
+decodes every streamed chunk on its own (losing Metaspace spaces and
+splitting UTF-8 characters), this one keeps a streaming detokenizer per
+request id; it must run as ONE instance (two could reorder chunks). On the
+trtllm target postprocessing also publishes the request metrics the C++
+backend does not export (RequestMetrics; docs/gpu.md, "Metrics").
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from trtprompt.engine.engine_dir import read_engine_dir
+from trtprompt.error_codes import BadRequestError
+from trtprompt.interface import PERF_FLAG, PERF_OUTPUTS
+from trtprompt.prompt.budget import PromptPolicy
+from trtprompt.prompt.edge import PromptEdge, engine_dir_limits
+from trtprompt.serve import metrics_catalog as C
+from trtprompt.serve.triton_models import inputs
+from trtprompt.serve.triton_models import stub as io
+from trtprompt.serve.triton_models.perf_observations import COUNTERS, TIMING_KEYS, FirstSeen, observation
+from trtprompt.serve.wire.refusals import refusal_reason, report_refused
+from trtprompt.tokenizer import StreamDetokenizer, Tokenizer
+
+
+def words_tensor(words: list[list[int]]) -> np.ndarray:
+    """TensorRT-LLM's [2, L] words list (ids, end offsets), padded to L >= 1."""
+    ids = [t for w in words for t in w]
+    offsets = list(np.cumsum([len(w) for w in words])) if words else []
+    width = max(1, len(ids))
+    out = np.zeros((2, width), dtype=np.int32)
+    out[1, :] = -1
+    out[0, :len(ids)] = ids
+    out[1, :len(offsets)] = offsets
+    return out
+
+
+class PreprocessingModel:
+    """QUERY text -> INPUT_ID etc., one stream id per row."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        cfg, params = io.model_parameters(args)
+        self.input_names = [t["name"] for t in cfg["input"]]
+        self.tokenizer = Tokenizer.from_dir(params["tokenizer_dir"])
+        self.add_special_tokens = io.param_bool(params, "add_special_tokens", True)
+        engine = read_engine_dir(params["gpt_model_path"], params["tokenizer_dir"])
+        chunked = io.param_bool(params, "enable_chunked_context", bool(engine.runtime.get("enable_chunked_context")))
+        self.edge = PromptEdge(PromptPolicy.from_mapping(engine.prompt), self.tokenizer, self.add_special_tokens,
+                               lambda: engine_dir_limits(engine, chunked))
+        # The torch core takes a per-request salt; the tensorrtllm C++ backend declares no
+        # such input, so there a salt could not keep tenants apart and is refused.
+        self.salt_reaches_core = io.param_bool(params, "salt_reaches_core", True)
+        # The trtllm target's ensemble routes return_perf_metrics through here: its postprocessing
+        # needs the core's perf outputs on every request (docs/gpu.md, "Metrics").
+        self.perf_flag = PERF_FLAG in {t["name"] for t in cfg["output"]}
+        self.force_perf = io.param_bool(params, "force_perf_metrics", False)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = []
+        for request in requests:
+            try:
+                tensors = io.read_inputs(request, self.input_names)
+                responses.append(pb_utils.InferenceResponse(output_tensors=self._outputs(tensors)))
+            except Exception as exc:  # noqa: BLE001 - reported to the client
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=io.error_for(exc)))
+                report_refused(refusal_reason(exc))
+        return responses
+
+    def _row(self, tensors: dict[str, np.ndarray], i: int) -> dict[str, Any]:
+        tok = self.tokenizer
+        text = inputs.text_scalar(tensors, "QUERY", i, "text_input") or ""
+        messages, overflow, salt = (inputs.text_scalar(tensors, name.upper(), i, name)
+                                    for name in ("messages", "overflow", "cache_salt"))
+        inputs.check_text_or_messages(text, messages)
+        if salt and not self.salt_reaches_core:
+            raise BadRequestError("input 'cache_salt' cannot be honoured: Triton's tensorrtllm backend has no "
+                                  "per-request cache salt input, so KV blocks could not be kept apart", "cache_salt")
+        words = {name: [tok.encode(w, add_special_tokens=False) for w in inputs.words(tensors, name, i)]
+                 for name in ("STOP_WORDS_DICT", "BAD_WORDS_DICT")}
+        end_id = inputs.scalar(tensors, "END_ID", i, int)
+        pad_id = inputs.scalar(tensors, "PAD_ID", i, int)
+        eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+        out_len = inputs.scalar(tensors, "REQUEST_OUTPUT_LEN", i, int)
+        # budget, chat window, salt requirement: the fused ensemble's code (trtprompt.prompt.edge)
+        prompt = self.edge.prepare(text, messages, overflow, salt, out_len)
+        return {"ids": prompt.ids, "out_len": out_len, "truncated": prompt.prompt_truncated_tokens,
+                "dropped": prompt.dropped_turns,
+                "stop": words_tensor(words["STOP_WORDS_DICT"]), "bad": words_tensor(words["BAD_WORDS_DICT"]),
+                "end_id": eos if end_id is None else end_id,
+                "pad_id": (tok.pad_token_id if tok.pad_token_id is not None else eos) if pad_id is None else pad_id}
+
+    def _outputs(self, tensors: dict[str, np.ndarray]) -> list[Any]:
+        rows = [self._row(tensors, i) for i in range(inputs.batch_size(tensors, "QUERY"))]
+        width = max(len(r["ids"]) for r in rows)
+        ids = np.full((len(rows), width), rows[0]["pad_id"], dtype=np.int32)
+        for i, r in enumerate(rows):
+            ids[i, :len(r["ids"])] = r["ids"]
+
+        def stack(key: str) -> np.ndarray:
+            w = max(r[key].shape[1] for r in rows)
+            out = np.zeros((len(rows), 2, w), dtype=np.int32)
+            out[:, 1, :] = -1
+            for i, r in enumerate(rows):
+                out[i, :, :r[key].shape[1]] = r[key]
+            return out
+
+        col = lambda key, dtype: np.array([[r[key]] for r in rows], dtype=dtype)  # noqa: E731
+        return [pb_utils.Tensor("INPUT_ID", ids),
+                pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[len(r["ids"])] for r in rows], dtype=np.int32)),
+                pb_utils.Tensor("REQUEST_OUTPUT_LEN", col("out_len", np.int32)),
+                pb_utils.Tensor("STOP_WORDS_IDS", stack("stop")),
+                pb_utils.Tensor("BAD_WORDS_IDS", stack("bad")),
+                pb_utils.Tensor("OUT_END_ID", col("end_id", np.int32)),
+                pb_utils.Tensor("OUT_PAD_ID", col("pad_id", np.int32)),
+                pb_utils.Tensor("PROMPT_TRUNCATED_TOKENS", col("truncated", np.int32)),
+                pb_utils.Tensor("DROPPED_TURNS", col("dropped", np.int32))] + self._perf_flag(tensors, len(rows))
+
+    def _perf_flag(self, tensors: dict[str, np.ndarray], n: int) -> list[Any]:
+        """RETURN_PERF_METRICS for the core where declared: forced true, else the client's (default false)."""
+        if not self.perf_flag:
+            return []
+        rows = [[self.force_perf or inputs.flag(tensors, PERF_FLAG, i)] for i in range(n)]
+        return [pb_utils.Tensor(PERF_FLAG, np.array(rows, dtype=bool))]
+
+
+class PostprocessingModel:
+    """TOKENS_BATCH -> OUTPUT text, incrementally per request id.
+
+    The ensemble hands each composing model the client's request id; a
+    request without one is decoded chunk by chunk on its own (tensorrtllm_
+    backend's behaviour). Triton lets this step see only tensorrt_llm's
+    outputs, so the end of a stream is unknown: state is dropped least
+    recently used or after stream_idle_timeout_s, and a partial character
+    dangling at the very end of a stream is not flushed.
+    """
+
+    def initialize(self, args: dict[str, str]) -> None:
+        cfg, params = io.model_parameters(args)
+        self.input_names = [t["name"] for t in cfg["input"]]
+        self.tokenizer = Tokenizer.from_dir(params["tokenizer_dir"])
+        self.skip_special_tokens = io.param_bool(params, "skip_special_tokens", True)
+        self.max_open = int(params.get("max_open_streams") or 4096)
+        self.idle_timeout_s = float(params.get("stream_idle_timeout_s") or 600)
+        self.streams: OrderedDict[str, tuple[StreamDetokenizer, float]] = OrderedDict()
+        self.metrics: RequestMetrics | None = None
+        if io.param_bool(params, "publish_request_metrics", False):  # trtllm target (docs/gpu.md, "Metrics")
+            tokens_per_block = read_engine_dir(params["gpt_model_path"], params["tokenizer_dir"]).tokens_per_block
+            self.metrics = RequestMetrics(tokens_per_block, self.max_open)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = []
+        for request in requests:
+            try:
+                tensors = io.read_inputs(request, self.input_names)
+                n = inputs.batch_size(tensors, "TOKENS_BATCH")
+                key = request.request_id() if n == 1 else ""
+                texts = [self._text(tensors, i, key) for i in range(n)]
+                if self.metrics is not None:
+                    self.metrics.observe_batch(tensors, key, n)
+                out = np.array([[t.encode("utf-8")] for t in texts], dtype=object)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", out)]))
+            except Exception as exc:  # noqa: BLE001 - reported to the client
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=io.error_for(exc)))
+        return responses
+
+    def _text(self, tensors: dict[str, np.ndarray], i: int, key: str) -> str:
+        length = int(np.asarray(tensors["SEQUENCE_LENGTH"][i]).reshape(-1)[0])
+        tokens = [int(t) for t in np.asarray(tensors["TOKENS_BATCH"][i]).reshape(-1)[:length]]
+        if not key:
+            return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
+        return self._stream(key).step(tokens)
+
+    def _stream(self, key: str) -> StreamDetokenizer:
+        """This request's detokenizer; expire idle ones (execute runs on one thread)."""
+        now = time.monotonic()
+        entry = self.streams.pop(key, None)
+        detok = entry[0] if entry else self.tokenizer.stream(skip_special_tokens=self.skip_special_tokens)
+        self.streams[key] = (detok, now)
+        while len(self.streams) > self.max_open or now - next(iter(self.streams.values()))[1] > self.idle_timeout_s:
+            self.streams.popitem(last=False)
+        return detok
+
+
+class RequestMetrics:
+    """The trtllm target's request metrics, from the C++ core's perf outputs (perf_observations).
+
+    The same families as the torch target's engine process publishes (metrics_catalog), one
+    observation per request: every response repeats the perf outputs, so the first one that
+    carries the first-token time is observed and its (request id, arrival time) remembered.
+    """
+
+    def __init__(self, tokens_per_block: int, capacity: int) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.seen = FirstSeen(capacity)
+        self.families: list[Any] = []  # the families must outlive their metrics
+        self.histograms = {h.timing_key: self._metric(h.name, h.help, "HISTOGRAM", list(h.buckets))
+                           for h in C.HISTOGRAMS if h.timing_key in TIMING_KEYS}
+        self.counters = {s.name: self._metric(s.name, s.help, "COUNTER", None)
+                         for s in C.SERIES if s.name in COUNTERS}
+
+    def _metric(self, name: str, help_text: str, kind: str, buckets: list[float] | None) -> Any:
+        family = pb_utils.MetricFamily(name=name, description=help_text, kind=getattr(pb_utils.MetricFamily, kind))
+        self.families.append(family)
+        return family.Metric(labels={}, buckets=buckets) if buckets else family.Metric(labels={})
+
+    def observe_batch(self, tensors: dict[str, np.ndarray], request_id: str, n: int) -> None:
+        """Observe each row whose perf outputs came (never fails the response it rides on)."""
+        try:
+            for i in range(n):
+                perf = {name: inputs.scalar(tensors, name.upper(), i, int) for name, *_ in PERF_OUTPUTS}
+                if None not in perf.values():
+                    self.observe(request_id, perf)
+        except Exception as exc:  # noqa: BLE001 - metrics must never fail a response
+            pb_utils.Logger.log_warn(f"trtprompt request metrics: {type(exc).__name__}: {exc}")
+
+    def observe(self, request_id: str, perf: dict[str, int]) -> None:
+        obs = observation(perf, self.tokens_per_block)
+        if obs is None or not self.seen.first((request_id, perf["arrival_time_ns"])):
+            return
+        for key, value in obs.histograms.items():
+            self.histograms[key].observe(value)
+        for name, amount in obs.counters.items():
+            if amount > 0:
+                self.counters[name].increment(amount)

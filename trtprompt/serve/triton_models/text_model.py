@@ -1,0 +1,90 @@
+"""The torch target's `ensemble` model: text in, text out, streaming.
+
+Tokenizes, submits to the engine process, detokenizes incrementally, and
+aborts the engine request as soon as the client cancels (a Triton ensemble
+could not: cancellation does not cross it, docs/design.md, "Triton facts").
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from trtprompt.engine.engine_dir import read_engine_dir
+from trtprompt.prompt.budget import PromptPolicy
+from trtprompt.prompt.edge import PromptEdge
+from trtprompt.serve.triton_models import inputs
+from trtprompt.serve.triton_models import stub as io
+from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.wire.process import prefer_quick_thread_switches
+from trtprompt.serve.wire.requests import TextRequest, TokenRequest, prepare
+from trtprompt.tokenizer import Tokenizer
+
+
+class _TextRow:
+    """One batch row: its prompt ids, detokenizer and response building."""
+
+    def __init__(self, model: "TextModel", index: int, req: TextRequest, wanted: frozenset[str]) -> None:
+        tok = model.tokenizer
+        self.model, self.index, self.wanted = model, index, wanted
+        self.stream, self.outputs = req.stream, req.outputs
+        prepared = prepare(req, model.edge, tok)
+        self.request, self.prompt = prepared.request, prepared.prompt
+        self.prompt_ids = list(self.request.prompt_token_ids)
+        # Detokenized in the prompt's context, so the first word keeps its
+        # leading space (Metaspace), exactly as `trtprompt generate` prints it.
+        self.detok = tok.stream(self.prompt_ids, skip_special_tokens=model.skip_special_tokens)
+        self.output_ids: list[int] = []
+
+    def engine_request(self) -> TokenRequest:
+        return self.request
+
+    def response(self, frame: dict[str, Any]) -> list[Any] | None:
+        """Output tensors for this frame, or None when it adds nothing to send."""
+        new, finished = frame["new_token_ids"], frame["finished"]
+        self.output_ids.extend(new)
+        if self.stream:
+            text = self.detok.step(new) + (self.detok.flush() if finished else "")
+            if not text and not finished:
+                return None
+        elif not finished:
+            return None
+        elif self.outputs.exclude_input_in_output:
+            text = self.detok.step(self.output_ids) + self.detok.flush()
+        else:  # TensorRT-LLM returns prompt + output, decoded together
+            text = self.model.tokenizer.decode(self.prompt_ids + self.output_ids,
+                                               skip_special_tokens=self.model.skip_special_tokens)
+        return self._tensors(text, frame)
+
+    def _tensors(self, text: str, frame: dict[str, Any]) -> list[Any]:
+        out = [io.text_tensor("text_output", text)] if "text_output" in self.wanted else []
+        values = {"batch_index": (self.index, "int32"), "sequence_index": (0, "int32"),
+                  "prompt_truncated_tokens": (self.prompt.prompt_truncated_tokens, "int32"),
+                  "dropped_turns": (self.prompt.dropped_turns, "int32")}
+        if self.outputs.return_perf_metrics and (frame["finished"] or not self.outputs.perf_final_only):
+            values |= inputs.perf_values(frame["stats"])
+        values |= {k: (v, "int32") for k, v in self.outputs.counts(frame).items()}
+        return out + io.scalar_tensors(values, self.wanted)
+
+
+class TextModel(io.RowModel):
+    """TritonPythonModel for `ensemble` (decoupled)."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        prefer_quick_thread_switches()
+        cfg, params = io.model_parameters(args)
+        self.input_names = [t["name"] for t in cfg["input"]]
+        self.tokenizer = Tokenizer.from_dir(params["tokenizer_dir"])
+        self.socket = io.engine_socket(params)
+        self.exclude_default = io.param_bool(params, "exclude_input_in_output", False)
+        self.add_special_tokens = io.param_bool(params, "add_special_tokens", True)
+        self.skip_special_tokens = io.param_bool(params, "skip_special_tokens", True)
+        policy = PromptPolicy.from_mapping(read_engine_dir(params["gpt_model_path"], params["tokenizer_dir"]).prompt)
+        self.edge = PromptEdge(policy, self.tokenizer, self.add_special_tokens,
+                               functools.partial(P.engine_limits, self.socket))
+        self.start_relay(self.socket, params)
+
+    def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> list[_TextRow]:
+        n = inputs.batch_size(tensors, "text_input", "messages")
+        return [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default), wanted)
+                for i in range(n)]

@@ -1,0 +1,97 @@
+"""The torch target's `tensorrt_llm` model: token ids in, token ids out.
+
+Takes TensorRT-LLM's core inputs (input_ids / input_lengths /
+request_output_len, sampling inputs, streaming) and answers output_ids /
+sequence_length, relaying to the engine process. Cancellation aborts the
+engine request. It also publishes the engine's metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from trtprompt.knobs import KNOBS
+from trtprompt.serve.triton_models import inputs
+from trtprompt.serve.triton_models import stub as io
+from trtprompt.serve.triton_models.metrics_publisher import MetricsPublisher
+from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.wire.process import prefer_quick_thread_switches
+from trtprompt.serve.wire.requests import TokenRequest
+
+# Counts the upstream layout's preprocessing computed, handed back on every response: a Triton
+# ensemble cannot mix preprocessing's outputs with this decoupled model's (repository.py).
+ECHOED: tuple[str, ...] = ("prompt_truncated_tokens", "dropped_turns")
+
+
+class _TokenRow:
+    def __init__(self, model: "TokenModel", index: int, req: TokenRequest, echo: dict[str, int],
+                 wanted: frozenset[str]) -> None:
+        self.model, self.index, self.req, self.echo, self.wanted = model, index, req, echo, wanted
+        self.output_ids: list[int] = []
+
+    def engine_request(self) -> TokenRequest:
+        return self.req
+
+    def response(self, frame: dict[str, Any]) -> list[Any] | None:
+        new, finished = frame["new_token_ids"], frame["finished"]
+        if self.req.stream:
+            ids = new
+            if not ids and not finished:
+                return None
+        else:
+            self.output_ids.extend(new)
+            if not finished:
+                return None
+            ids = self.output_ids if self.req.outputs.exclude_input_in_output \
+                else list(self.req.prompt_token_ids) + self.output_ids
+        out = [pb_utils.Tensor("output_ids", _ids_array(ids))] if "output_ids" in self.wanted else []
+        values = {"sequence_length": (len(ids), "int32"), "batch_index": (self.index, "int32"),
+                  "sequence_index": (0, "int32")}
+        values |= {name: (value, "int32") for name, value in self.echo.items()}
+        if self.req.outputs.return_perf_metrics:
+            values |= inputs.perf_values(frame["stats"])
+        values |= {k: (v, "int32") for k, v in self.req.outputs.counts(frame).items()}
+        return out + io.scalar_tensors(values, self.wanted)
+
+
+def _echo(tensors: dict[str, Any], i: int) -> dict[str, int]:
+    values = {name: inputs.scalar(tensors, name, i, int) for name in ECHOED}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def _ids_array(ids: list[int]) -> np.ndarray:
+    # [batch=1, beam=1, tokens]; reshape keeps the shape right when empty.
+    return np.asarray(ids, dtype=np.int32).reshape(1, 1, len(ids))
+
+
+class TokenModel(io.RowModel):
+    """TritonPythonModel for `tensorrt_llm` (decoupled)."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        prefer_quick_thread_switches()
+        cfg, params = io.model_parameters(args)
+        self.input_names = [t["name"] for t in cfg["input"]]
+        self.socket = io.engine_socket(params)
+        self.exclude_default = io.param_bool(params, "exclude_input_in_output", False)
+        period_s = int(params.get("stats_check_period_ms") or KNOBS["stats_check_period_ms"].default) / 1000
+        self.metrics = MetricsPublisher(pb_utils, self.socket, period_s).start()
+        self.start_relay(self.socket, params)
+
+    def max_input_len(self) -> int:
+        """The engine's bound, asked once (a model may load before the engine is up)."""
+        if getattr(self, "_max_input_len", None) is None:
+            self._max_input_len = int(P.call(self.socket, {"op": "info"})["max_input_len"])
+        return self._max_input_len
+
+    def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> list[_TokenRow]:
+        n = inputs.batch_size(tensors, "input_ids")
+        limit = self.max_input_len()  # input_ids past it are refused before reaching the engine
+        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default, limit), _echo(tensors, i),
+                          wanted) for i in range(n)]
+
+    def finalize(self) -> None:
+        self.metrics.stop()
+        super().finalize()

@@ -1,0 +1,159 @@
+"""The client side of the engine protocol (Triton stubs and the OpenAI front end): one multiplexed connection, one reader.
+
+A Python-backend stub (one per model instance) holds ONE `EngineClient`: a
+connection to the engine process that every request of the stub shares.
+Submits and aborts go out on it; one reader thread takes the engine's
+per-step frames and calls each entry's handler. A lost connection ends every
+request in flight with an UNAVAILABLE error entry, and the next submit
+reconnects (the launcher restarts a dead engine process).
+docs/design.md, "Request path and engine process protocol".
+
+Stdlib only (no Triton), so it runs and is tested outside the stub.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from typing import Any, Callable, Iterable
+
+from trtprompt.error_codes import ErrorCode
+from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.wire.requests import TokenRequest
+
+log = logging.getLogger("trtprompt.relay")
+
+# Called on the reader thread with each output entry of its request; the
+# entry with "finished" true is the last call. Must not block for long:
+# every other request of the stub waits behind it.
+Handler = Callable[[dict[str, Any]], None]
+
+
+class _Session:
+    """One connection and the requests submitted on it."""
+
+    def __init__(self, path: str, on_step: Callable[[], None]) -> None:
+        self.sock = P.connect(path)
+        self._on_step = on_step
+        self._lock = threading.Lock()  # guards _handlers and dead
+        self._send_lock = threading.Lock()
+        self._handlers: dict[str, Handler] = {}
+        self.dead = False
+        self._reader = threading.Thread(target=self._read, name="trtprompt-engine-reader", daemon=True)
+        self._reader.start()
+
+    def register(self, rid: str, handler: Handler) -> None:
+        with self._lock:
+            if self.dead:
+                raise P.EngineUnavailableError(f"engine process unavailable: {P.LOST_MESSAGE}")
+            self._handlers[rid] = handler
+
+    def unregister(self, rid: str) -> bool:
+        """True if rid was still waiting (so nobody has told it anything)."""
+        with self._lock:
+            return self._handlers.pop(rid, None) is not None
+
+    def send(self, data: bytes) -> None:
+        with self._send_lock:
+            self.sock.sendall(data)
+
+    def kill(self, message: str) -> None:
+        """End every request waiting on this connection with an UNAVAILABLE entry."""
+        with self._lock:
+            self.dead = True
+            handlers, self._handlers = self._handlers, {}
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        for rid, handler in handlers.items():
+            _call(handler, {"id": rid, "finished": True, "error": message, "code": ErrorCode.UNAVAILABLE})
+
+    def _read(self) -> None:
+        reader = P.FrameReader()
+        try:
+            while not reader.closed:
+                for frame in reader.feed(self.sock):
+                    if frame.get("type") == "step":
+                        self._on_step()
+                        self._dispatch(frame["outputs"])
+        except (OSError, ValueError) as exc:
+            log.warning("engine connection lost: %s", exc)
+        self.kill(P.LOST_MESSAGE)
+        self.sock.close()
+
+    def _dispatch(self, entries: Iterable[dict[str, Any]]) -> None:
+        for entry in entries:
+            with self._lock:
+                rid = entry["id"]
+                handler = self._handlers.pop(rid, None) if entry.get("finished") else self._handlers.get(rid)
+            if handler is not None:
+                _call(handler, entry)
+
+
+def _call(handler: Handler, entry: dict[str, Any]) -> None:
+    try:
+        handler(entry)
+    except Exception:  # noqa: BLE001 - a failing handler must not stop the reader
+        log.exception("output handler failed for request %s", entry.get("id"))
+
+
+class EngineClient:
+    """The stub's one connection to the engine process (reconnects on demand)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._session: _Session | None = None
+        self._ids = itertools.count(1)
+        self._steps = 0
+
+    def _live_session(self) -> _Session:
+        with self._lock:
+            if self._session is None or self._session.dead:
+                self._session = _Session(self.path, self._count_step)  # raises EngineUnavailableError
+            return self._session
+
+    def submit(self, request: TokenRequest, handler: Handler) -> str:
+        """Send one request; returns its id. Raises EngineError / EngineUnavailableError.
+
+        After a successful return, handler gets every output entry of the
+        request, the last one finished (an error entry included); after a
+        raise, it gets nothing.
+        """
+        rid = str(next(self._ids))
+        frame = P.encode_frame(request.to_wire(rid))
+        session = self._live_session()
+        session.register(rid, handler)
+        try:
+            session.send(frame)
+        except OSError as exc:
+            if session.unregister(rid):
+                session.kill(P.LOST_MESSAGE)
+                raise P.EngineUnavailableError(f"engine process unavailable: {exc}") from exc
+        return rid
+
+    def steps(self) -> int:
+        """Step frames received so far, over every connection (paces the CancelWatcher)."""
+        return self._steps
+
+    def _count_step(self) -> None:
+        self._steps += 1  # only the live connection's reader thread counts
+
+    def abort(self, rids: list[str]) -> None:
+        """Best effort: a lost connection aborts its requests in the engine anyway."""
+        session = self._session
+        if not rids or session is None or session.dead:
+            return
+        try:
+            session.send(P.encode_frame({"op": "abort", "ids": rids}))
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            session, self._session = self._session, None
+        if session is not None:
+            session.kill("the model is being unloaded")

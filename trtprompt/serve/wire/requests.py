@@ -1,0 +1,123 @@
+"""The one request type of the serving edge, in its text and its token form.
+
+Each interface builds a `TextRequest` (the fused `ensemble`'s tensors, an OpenAI body) or a
+`TokenRequest` (the `tensorrt_llm` model's tensors) once, with its `SamplingParams` already
+checked against the engine's bounds; `prepare` turns a text request into the token request the
+engine process takes (the prompt edge: budget, chat window, salt rule; stop words as token ids).
+Nothing goes back through Triton tensors on the way. `to_wire` / `sampling_from_wire` are the
+submit frame's two ends (docs/design.md, "Request path and engine process protocol").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from trtprompt.engine.request import SamplingParams
+from trtprompt.error_codes import BadRequestError
+from trtprompt.prompt.edge import EdgePrompt, PromptEdge
+from trtprompt.tokenizer import Tokenizer
+
+# How the text paths tokenize prompts and detokenize outputs: the fused ensemble's parameters
+# (serve/launch/repository.py) and the OpenAI front end's engine path (serve/openai/to_engine.py).
+ADD_SPECIAL_TOKENS = True
+SKIP_SPECIAL_TOKENS = True
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """What the client asked to get back besides the generated text or ids."""
+
+    exclude_input_in_output: bool = True
+    return_perf_metrics: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    perf_final_only: bool = False  # perf outputs on the final response only (fused ensemble)
+
+    @property
+    def perf_every_step(self) -> bool:
+        """Final outputs carry the request's stats anyway: per-step stats only when every response needs them."""
+        return self.return_perf_metrics and not self.perf_final_only
+
+    def counts(self, frame: Mapping[str, Any]) -> dict[str, int]:
+        """The num_input_tokens / num_output_tokens outputs the request asked for."""
+        asked = {"num_input_tokens": self.return_num_input_tokens, "num_output_tokens": self.return_num_output_tokens}
+        return {name: int(frame[name]) for name, wanted in asked.items() if wanted}
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """A text prompt (or a chat in `messages`) to generate from, checked except for its length."""
+
+    text: str
+    sampling: SamplingParams
+    stream: bool
+    outputs: Outputs = Outputs()
+    messages: str | None = None  # JSON chat (trtprompt.prompt.chat), instead of text
+    overflow: str | None = None
+    cache_salt: str | None = None
+    stop_words: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.text and self.messages is None:
+            raise BadRequestError("input 'text_input' is empty: at least one character is required", "text_input")
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    """What the engine process's submit op takes: prompt ids that fit, checked sampling."""
+
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stream: bool
+    outputs: Outputs = Outputs()
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise BadRequestError("input 'input_ids' is empty: at least one token id is required", "input_ids")
+
+    def to_wire(self, request_id: str) -> dict[str, Any]:
+        """The submit frame (JSON)."""
+        return {"op": "submit", "id": request_id, "prompt_token_ids": list(self.prompt_token_ids),
+                "params": sampling_to_wire(self.sampling), "cache_salt": self.cache_salt,
+                "perf": self.outputs.perf_every_step}
+
+
+def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
+    values = dataclasses.asdict(params)
+    values["stop_token_ids"] = [list(s) for s in params.stop_token_ids]
+    return values
+
+
+def sampling_from_wire(raw: Mapping[str, Any]) -> SamplingParams:
+    """The submit frame's params back into SamplingParams (which checks them once more: a frame
+    is the engine process's untrusted input)."""
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise BadRequestError(f"submit params have unknown field(s): {', '.join(unknown)}", "params")
+    values = dict(raw)
+    values["stop_token_ids"] = tuple(tuple(int(t) for t in s) for s in values.get("stop_token_ids") or ())
+    return SamplingParams(**values)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A text request after the prompt edge: the token request and how its prompt was fitted."""
+
+    request: TokenRequest
+    prompt: EdgePrompt
+
+
+def prepare(req: TextRequest, edge: PromptEdge, tokenizer: Tokenizer) -> Prepared:
+    """Fit the prompt (budget, chat window, salt rule: trtprompt.prompt.edge.PromptEdge) and turn
+    stop words into token ids: what the fused ensemble and the OpenAI front end both submit."""
+    prompt = edge.prepare(req.text, req.messages, req.overflow, req.cache_salt, req.sampling.max_tokens)
+    sampling = req.sampling
+    if req.stop_words:
+        stops = tuple(tuple(tokenizer.encode(w, add_special_tokens=False)) for w in req.stop_words)
+        sampling = dataclasses.replace(sampling, stop_token_ids=stops)
+    token_req = TokenRequest(tuple(prompt.ids), sampling, req.stream, req.outputs, req.cache_salt)
+    return Prepared(token_req, prompt)
