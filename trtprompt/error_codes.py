@@ -99,6 +99,8 @@ class FieldError(BadRequestError):
     instead of the field without parsing the message.
     """
 
+    field: str
+
     def __init__(self, field: str, rule: str) -> None:
         super().__init__(f"{field} {rule}", field)
         self.rule = rule

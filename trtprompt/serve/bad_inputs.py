@@ -40,7 +40,8 @@ class Case:
     what: str
     status: str
     message: str
-    build: Callable[[Limits], Any]  # gRPC: list of inputs; HTTP: JSON-able dict or raw bytes
+    # gRPC: a function of the limits giving the inputs; HTTP: that, a JSON-able dict or raw bytes
+    build: Callable[[Limits], Any] | Mapping[str, Any] | bytes
 
     def expected(self, limits: Limits) -> str:
         return self.message.format(max_input_len=limits.max_input_len, max_seq_len=limits.max_seq_len,
@@ -87,7 +88,8 @@ FLOAT_RANGES = {"temperature": "[0, 100]", "top_p": "[0, 1]", "repetition_penalt
 
 
 def _float_case(endpoint: str, name: str, value: float) -> Case:
-    build = (_text if endpoint == "ensemble" else _tok)(**{name: (value, F32)})
+    extra: dict[str, Any] = {name: (value, F32)}
+    build = _text(**extra) if endpoint == "ensemble" else _tok(**extra)
     return Case(endpoint, f"`{name}` = {value}", GRPC_INVALID,
                 f"input '{name}' must be a finite number in {FLOAT_RANGES[name]}, got {value!r}", build)
 
@@ -206,12 +208,13 @@ class Answer:
 
 def ask(case: Case, limits: Limits, grpc_url: str, http_base: str, timeout_s: float = 60.0) -> Answer:
     """Send the case's request to a running server; the status and message it got."""
+    built: Any = case.build(limits) if callable(case.build) else case.build  # its endpoint's kind of request
     if case.endpoint == H:
-        return _ask_http(case.build(limits) if callable(case.build) else case.build, http_base, timeout_s)
+        return _ask_http(built, http_base, timeout_s)
     from trtprompt.client import LLMClient
 
     with LLMClient(grpc_url) as client:
-        res = client.infer(case.endpoint, case.build(limits), timeout_s)
+        res = client.infer(case.endpoint, built, timeout_s)
     if res.error is None:
         return Answer("OK", res.text)
     return Answer(f"error: {classify(res.error).value}", res.error)

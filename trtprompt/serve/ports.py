@@ -22,6 +22,6 @@ def http_ok(url: str, timeout_s: float = 1.0) -> bool:
     """True when url answers HTTP 200 now (a readiness or health probe)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return resp.status == 200
+            return bool(resp.status == 200)
     except (urllib.error.URLError, OSError):
         return False

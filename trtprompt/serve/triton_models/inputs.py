@@ -17,7 +17,8 @@ from trtprompt.error_codes import BadRequestError, FieldError, OverBoundError
 from trtprompt.interface import PERF_OUTPUTS
 from trtprompt.serve.wire.requests import Outputs, TextRequest, TokenRequest
 
-Tensors = Mapping[str, np.ndarray]
+Array = np.ndarray[Any, Any]  # a Triton input tensor of any dtype and shape
+Tensors = Mapping[str, Array]
 
 
 def batch_size(tensors: Tensors, required: str, *alternatives: str) -> int:
@@ -28,7 +29,7 @@ def batch_size(tensors: Tensors, required: str, *alternatives: str) -> int:
     raise BadRequestError(f"input '{required}' is required")
 
 
-def _row(tensors: Tensors, name: str, i: int) -> np.ndarray | None:
+def _row(tensors: Tensors, name: str, i: int) -> Array | None:
     arr = tensors.get(name)
     if arr is None:
         return None
@@ -193,7 +194,7 @@ def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> TextRequ
                        cache_salt=salt, stop_words=tuple(words(tensors, "stop_words", i)))
 
 
-def words_list(arr: np.ndarray | None, name: str) -> list[list[int]]:
+def words_list(arr: Array | None, name: str) -> list[list[int]]:
     """TensorRT-LLM's [2, L] words list: row 0 the ids, row 1 the end offsets (-1 padded)."""
     if arr is None or arr.size == 0:
         return []
@@ -209,7 +210,7 @@ def words_list(arr: np.ndarray | None, name: str) -> list[list[int]]:
     return out
 
 
-def prompt_ids(tensors: Tensors, i: int, max_input_len: int | None) -> np.ndarray:
+def prompt_ids(tensors: Tensors, i: int, max_input_len: int | None) -> Array:
     """input_ids[:input_lengths] of row i, refused here (before anything reaches the engine) when
     empty or longer than the engine's max_input_len."""
     ids = _row(tensors, "input_ids", i)
