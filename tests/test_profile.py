@@ -63,7 +63,7 @@ def test_load_by_path_and_sections(tmp_path: Path) -> None:
      "runtime.kv_cache_free_gpu_mem_fraction must be a number in (0, 1], got 1.5"),
     ("[runtime]\nenable_chunked_context = 1\n", "runtime.enable_chunked_context must be true or false"),
     ("[prompt]\noverflow = \"drop\"\n",
-     "prompt.overflow must be one of reject, truncate_left, truncate_middle, got 'drop'"),
+     "prompt.overflow must be one of reject, truncate_middle, truncate_left, got 'drop'"),
     ("[build\n", "not valid TOML"),
 ])
 def test_bad_profiles_name_file_key_and_range(tmp_path: Path, text: str, expected: str) -> None:

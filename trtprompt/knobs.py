@@ -22,7 +22,8 @@ STAGES: tuple[str, ...] = ("build", "runtime", "prompt", "serve")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "fp8", "int4_awq")
 CAPACITY_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
-OVERFLOW_POLICIES: tuple[str, ...] = ("reject", "truncate_left", "truncate_middle")
+# Strictest first (trtprompt/prompt/budget.py: a request may move left of its profile's policy, never right).
+OVERFLOW_POLICIES: tuple[str, ...] = ("reject", "truncate_middle", "truncate_left")
 LAYOUTS: tuple[str, ...] = ("fused", "upstream")
 # What the build plan puts in place of an unset max_input_len / max_num_tokens (TensorRT-LLM's BuildConfig).
 DEFAULT_MAX_INPUT_LEN = 1024
@@ -214,26 +215,39 @@ def check_all(obj: Any, names: Iterable[str], qualified: bool = False, runtime: 
 T = TypeVar("T")
 
 
-def knob_fields(names: Iterable[str], runtime: bool = False) -> Callable[[type[T]], type[T]]:
-    """Class decorator, applied under @dataclass: one field per knob, typed and defaulted here.
+def default(name: str) -> Any:
+    """A knob's default, for the field that holds it."""
+    return KNOBS[name].default
 
-    The class's own fields without a default stay first (positional), then
-    the knobs, then its own fields with a default. runtime: lowerable build
-    bounds default to None, "the engine's build value".
-    """
-    def add(cls: type[T]) -> type[T]:
-        own: dict[str, Any] = dict(cls.__dict__.get("__annotations__", {}))
-        required = {n: t for n, t in own.items() if n not in cls.__dict__}
-        defaulted = {n: t for n, t in own.items() if n in cls.__dict__}
-        added: dict[str, Any] = {}
+
+def runtime_default(name: str) -> Any:
+    """A knob's default at runtime: None for a lowerable build bound ("the engine's build value")."""
+    return KNOBS[name].runtime_default
+
+
+def annotation(name: str, runtime: bool = False) -> str:
+    """The type a field holding this knob is declared with (as `from __future__ import annotations` keeps it)."""
+    knob = KNOBS[name]
+    value = knob.runtime_default if runtime else knob.default
+    kind = knob.kind.__name__
+    return f"{kind} | None" if knob.nullable or value is None else kind
+
+
+def knob_fields(names: Iterable[str], runtime: bool = False) -> Callable[[type[T]], type[T]]:
+    """Class decorator, applied under @dataclass: checks (at import) that the class declares one
+    field per knob with the knob's type and default, so a plain dataclass that a type checker
+    reads can never drift from this table. runtime: defaults are runtime_default's."""
+    def check(cls: type[T]) -> type[T]:
+        fields = getattr(cls, "__dataclass_fields__")
         for name in names:
-            knob = KNOBS[name]
-            default = knob.runtime_default if runtime else knob.default
-            added[name] = knob.kind | None if knob.nullable or default is None else knob.kind
-            setattr(cls, name, default)
-        cls.__annotations__ = {**required, **added, **defaulted}
+            expected = runtime_default(name) if runtime else default(name)
+            field = fields.get(name)
+            if field is None or field.default != expected or field.type != annotation(name, runtime):
+                got = "missing" if field is None else f"{field.type} = {field.default!r}"
+                raise TypeError(f"{cls.__name__}.{name} must be declared `{annotation(name, runtime)} = "
+                                f"{expected!r}` (trtprompt/knobs.py), got {got}")
         return cls
-    return add
+    return check
 
 
 def from_parameters(params: Mapping[str, str], names: Iterable[str]) -> dict[str, Any]:

@@ -25,11 +25,34 @@ KEYS: dict[str, knobs.Knob] = {name: knobs.KNOBS[name] for name in knobs.PROFILE
 SECTIONS: tuple[str, ...] = knobs.PROFILE_SECTIONS
 
 
-@dataclass(frozen=True)
 @knobs.knob_fields(knobs.PROFILE_KEYS)
+@dataclass(frozen=True)
 class Profile:
-    """One field per profile knob (trtprompt/knobs.py): defaults are TensorRT-LLM 1.x's."""
+    """One field per profile knob (trtprompt/knobs.py, which knob_fields checks them against):
+    defaults are TensorRT-LLM 1.x's."""
 
+    max_batch_size: int = knobs.default("max_batch_size")
+    max_input_len: int | None = knobs.default("max_input_len")
+    max_seq_len: int | None = knobs.default("max_seq_len")
+    max_num_tokens: int | None = knobs.default("max_num_tokens")
+    opt_num_tokens: int | None = knobs.default("opt_num_tokens")
+    max_beam_width: int = knobs.default("max_beam_width")
+    tokens_per_block: int = knobs.default("tokens_per_block")
+    multiple_profiles: bool = knobs.default("multiple_profiles")
+    dtype: str | None = knobs.default("dtype")
+    quantization: str = knobs.default("quantization")
+    enable_chunked_context: bool = knobs.default("enable_chunked_context")
+    enable_kv_cache_reuse: bool = knobs.default("enable_kv_cache_reuse")
+    batch_scheduler_policy: str = knobs.default("batch_scheduler_policy")
+    kv_cache_free_gpu_mem_fraction: float = knobs.default("kv_cache_free_gpu_mem_fraction")
+    max_tokens_in_paged_kv_cache: int | None = knobs.default("max_tokens_in_paged_kv_cache")
+    max_queue_size: int | None = knobs.default("max_queue_size")
+    max_queue_delay_microseconds: int = knobs.default("max_queue_delay_microseconds")
+    overflow: str = knobs.default("overflow")
+    keep_turns: int | None = knobs.default("keep_turns")
+    truncate_separator: str = knobs.default("truncate_separator")
+    output_reserve: int | None = knobs.default("output_reserve")
+    require_cache_salt: bool = knobs.default("require_cache_salt")
     name: str = "default"
     description: str = ""
 

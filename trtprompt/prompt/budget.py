@@ -30,7 +30,7 @@ from trtprompt.error_codes import ErrorCode, RequestError
 from trtprompt.knobs import OVERFLOW_POLICIES
 
 # Strictest first; a request may move left of the profile's policy, never right.
-STRICTNESS: tuple[str, ...] = ("reject", "truncate_middle", "truncate_left")
+STRICTNESS: tuple[str, ...] = OVERFLOW_POLICIES
 
 
 class PromptError(RequestError):
