@@ -135,3 +135,16 @@ def test_paged_context_rule() -> None:
     assert rules.paged_context_missing({**full, "kv_cache_type": "CONTINUOUS"}) == ["paged_kv_cache"]
     assert rules.paged_context_missing({"plugin_config": {"paged_kv_cache": False}}) == [
         "use_paged_context_fmha", "paged_kv_cache"]
+
+
+def test_a_knob_field_that_drifts_from_the_registry_is_refused_at_import() -> None:
+    with pytest.raises(TypeError, match=r"Bad\.max_queue_size must be declared `int \| None = None`"):
+        @knobs.knob_fields(("max_queue_size",))
+        @dataclasses.dataclass(frozen=True)
+        class Bad:
+            max_queue_size: int | None = 7
+    with pytest.raises(TypeError, match=r"Missing\.max_queue_size must be declared .* got missing"):
+        @knobs.knob_fields(("max_queue_size",))
+        @dataclasses.dataclass(frozen=True)
+        class Missing:
+            other: int = 1
