@@ -194,3 +194,10 @@ def test_print_commands_offline_batch_awq() -> None:
     text = format_commands(args, Path("/ck"), Path("/e"))
     assert '"$TRTLLM_EXAMPLES/quantization/quantize.py"' in text
     assert "--qformat int4_awq" in text and "--awq_block_size 128" in text
+
+
+def test_every_engine_architecture_has_a_trtllm_class_and_converter() -> None:
+    from trtprompt.engine.config import SUPPORTED_ARCHITECTURES
+    from trtprompt.targets.trtllm_config import CONVERT_SCRIPTS, MODEL_CLASSES
+
+    assert set(MODEL_CLASSES) == set(CONVERT_SCRIPTS) == set(SUPPORTED_ARCHITECTURES)

@@ -12,14 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from trtprompt.engine.config import SUPPORTED_ARCHITECTURES
+from trtprompt.engine.config import MODEL_TYPES, SUPPORTED_ARCHITECTURES
 from trtprompt.engine.safetensors_header import safetensors_header
 from trtprompt.errors import CheckpointError
 
-MODEL_TYPES: dict[str, str] = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-}
 TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",

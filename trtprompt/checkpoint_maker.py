@@ -12,12 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+from trtprompt.engine.config import MODEL_TYPES
+
+ARCHITECTURES = MODEL_TYPES  # --arch takes the model_type
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=768),

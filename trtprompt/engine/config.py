@@ -8,17 +8,21 @@ when the object is made, so a bad value fails with the field's name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from trtprompt import rules
 from trtprompt.knobs import CAPACITY_POLICIES, KNOBS
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+# Every architecture the engine runs, with the Hugging Face `model_type` that names it in a config.json
+# without `architectures`: the one list (checkpoints, demo checkpoints and the trtllm target read it).
+MODEL_TYPES: Mapping[str, str] = MappingProxyType({
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+})
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(MODEL_TYPES.values())
 # "auto": the compiled in-place kernel where it builds, else pure torch (attention.py).
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "compiled", "torch", "reference")
 
