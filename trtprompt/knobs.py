@@ -265,3 +265,27 @@ def from_parameters(params: Mapping[str, str], names: Iterable[str]) -> dict[str
             if value is not None:
                 out[name] = value
     return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimePolicy:
+    """The runtime knobs a profile records and every server runs with (keyword-only, so classes
+    that add required fields can build on it). Subclasses are checked with knob_fields."""
+
+    enable_chunked_context: bool = default("enable_chunked_context")
+    enable_kv_cache_reuse: bool = default("enable_kv_cache_reuse")
+    batch_scheduler_policy: str = default("batch_scheduler_policy")
+    kv_cache_free_gpu_mem_fraction: float = default("kv_cache_free_gpu_mem_fraction")
+    max_tokens_in_paged_kv_cache: int | None = default("max_tokens_in_paged_kv_cache")
+    max_queue_size: int | None = default("max_queue_size")
+    max_queue_delay_microseconds: int = default("max_queue_delay_microseconds")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendParams(RuntimePolicy):
+    """RuntimePolicy plus what the `tensorrt_llm` model's parameters carry on either target."""
+
+    max_beam_width: int = default("max_beam_width")
+    exclude_input_in_output: bool = default("exclude_input_in_output")
+    cancellation_check_period_ms: int = default("cancellation_check_period_ms")
+    stats_check_period_ms: int = default("stats_check_period_ms")

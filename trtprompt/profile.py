@@ -27,7 +27,7 @@ SECTIONS: tuple[str, ...] = knobs.PROFILE_SECTIONS
 
 @knobs.knob_fields(knobs.PROFILE_KEYS)
 @dataclass(frozen=True)
-class Profile:
+class Profile(knobs.RuntimePolicy):
     """One field per profile knob (trtprompt/knobs.py, which knob_fields checks them against):
     defaults are TensorRT-LLM 1.x's."""
 
@@ -41,13 +41,6 @@ class Profile:
     multiple_profiles: bool = knobs.default("multiple_profiles")
     dtype: str | None = knobs.default("dtype")
     quantization: str = knobs.default("quantization")
-    enable_chunked_context: bool = knobs.default("enable_chunked_context")
-    enable_kv_cache_reuse: bool = knobs.default("enable_kv_cache_reuse")
-    batch_scheduler_policy: str = knobs.default("batch_scheduler_policy")
-    kv_cache_free_gpu_mem_fraction: float = knobs.default("kv_cache_free_gpu_mem_fraction")
-    max_tokens_in_paged_kv_cache: int | None = knobs.default("max_tokens_in_paged_kv_cache")
-    max_queue_size: int | None = knobs.default("max_queue_size")
-    max_queue_delay_microseconds: int = knobs.default("max_queue_delay_microseconds")
     overflow: str = knobs.default("overflow")
     keep_turns: int | None = knobs.default("keep_turns")
     truncate_separator: str = knobs.default("truncate_separator")

@@ -26,7 +26,7 @@ EngineInfo = EngineDir
 
 @knobs.knob_fields(knobs.SERVE_KEYS, runtime=True)
 @dataclass(frozen=True)
-class ServeOptions:
+class ServeOptions(knobs.BackendParams):
     """Runtime values for one server, one field per serve knob (trtprompt/knobs.py; knob_fields checks
     each field's type and default against it). max_batch_size and max_num_tokens: None means "the
     engine's build value".
@@ -34,17 +34,6 @@ class ServeOptions:
 
     max_batch_size: int | None = knobs.runtime_default("max_batch_size")
     max_num_tokens: int | None = knobs.runtime_default("max_num_tokens")
-    max_beam_width: int = knobs.runtime_default("max_beam_width")
-    enable_chunked_context: bool = knobs.runtime_default("enable_chunked_context")
-    enable_kv_cache_reuse: bool = knobs.runtime_default("enable_kv_cache_reuse")
-    batch_scheduler_policy: str = knobs.runtime_default("batch_scheduler_policy")
-    kv_cache_free_gpu_mem_fraction: float = knobs.runtime_default("kv_cache_free_gpu_mem_fraction")
-    max_tokens_in_paged_kv_cache: int | None = knobs.runtime_default("max_tokens_in_paged_kv_cache")
-    max_queue_size: int | None = knobs.runtime_default("max_queue_size")
-    max_queue_delay_microseconds: int = knobs.runtime_default("max_queue_delay_microseconds")
-    exclude_input_in_output: bool = knobs.runtime_default("exclude_input_in_output")
-    cancellation_check_period_ms: int = knobs.runtime_default("cancellation_check_period_ms")
-    stats_check_period_ms: int = knobs.runtime_default("stats_check_period_ms")
     engine_threads: int | None = knobs.runtime_default("engine_threads")
     layout: str = knobs.runtime_default("layout")
 

@@ -76,24 +76,13 @@ QUEUE_KNOBS: tuple[str, ...] = ("max_queue_size", "max_queue_delay_microseconds"
 
 @knobs.knob_fields(MODEL_KNOBS)
 @dataclass(frozen=True)
-class TrtllmModelParams:
+class TrtllmModelParams(knobs.BackendParams):
     """Every value the `tensorrt_llm` model's config.pbtxt carries."""
 
     engine_dir: Path
     dtype: str  # engine dtype: the prompt-embedding table's type
     max_attention_window_size: int  # the engine's max_seq_len: full attention, never a silent window
     triton_max_batch_size: int
-    enable_kv_cache_reuse: bool = knobs.default("enable_kv_cache_reuse")
-    enable_chunked_context: bool = knobs.default("enable_chunked_context")
-    batch_scheduler_policy: str = knobs.default("batch_scheduler_policy")
-    kv_cache_free_gpu_mem_fraction: float = knobs.default("kv_cache_free_gpu_mem_fraction")
-    max_tokens_in_paged_kv_cache: int | None = knobs.default("max_tokens_in_paged_kv_cache")
-    max_beam_width: int = knobs.default("max_beam_width")
-    max_queue_size: int | None = knobs.default("max_queue_size")
-    max_queue_delay_microseconds: int = knobs.default("max_queue_delay_microseconds")
-    exclude_input_in_output: bool = knobs.default("exclude_input_in_output")
-    cancellation_check_period_ms: int = knobs.default("cancellation_check_period_ms")
-    stats_check_period_ms: int = knobs.default("stats_check_period_ms")
     iter_stats_max_iterations: int = 1000
     request_stats_max_iterations: int = 0
     normalize_log_probs: bool = True
