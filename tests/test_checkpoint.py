@@ -122,5 +122,5 @@ def test_refusals(tiny_checkpoint_factory, tmp_path: Path) -> None:
         read_checkpoint(no_tok)
     broken = _copy(src, tmp_path / "broken")
     (broken / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="is not valid JSON"):
+    with pytest.raises(CheckpointError, match=r"is corrupt \(not valid JSON\)"):
         read_checkpoint(broken)

@@ -7,12 +7,12 @@ that asks for remote code is refused; nothing from the checkpoint is executed.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from trtprompt.engine.config import MODEL_TYPES, SUPPORTED_ARCHITECTURES
+from trtprompt.engine.engine_dir import read_json_object
 from trtprompt.engine.safetensors_header import safetensors_header
 from trtprompt.errors import CheckpointError
 
@@ -40,13 +40,7 @@ class Checkpoint:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    return data
+    return read_json_object(path, CheckpointError)
 
 
 def _check_dir(path: Path) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Mapping
 
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.safetensors_header import safetensors_header
-from trtprompt.errors import CheckpointError, EngineDirError
+from trtprompt.errors import CheckpointError, EngineDirError, UserError
 from trtprompt.rules import paged_context_missing
 
 ENGINE_FORMAT = 1
@@ -95,16 +95,21 @@ class EngineDir:
         return ModelConfig.from_pretrained_config(self.pretrained_config)
 
 
-def _load_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise EngineDirError(f"{path.parent} is not an engine directory: {path.name} is missing")
+def read_json_object(path: Path, error: type[UserError]) -> dict[str, Any]:
+    """A JSON file that must hold an object (checkpoint and engine files); anything else raises error."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EngineDirError(f"{path} is corrupt (not valid JSON): {exc}") from exc
+        raise error(f"{path} is corrupt (not valid JSON): {exc}") from exc
     if not isinstance(data, dict):
-        raise EngineDirError(f"{path} is corrupt: expected a JSON object")
+        raise error(f"{path} is corrupt: expected a JSON object")
     return data
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise EngineDirError(f"{path.parent} is not an engine directory: {path.name} is missing")
+    return read_json_object(path, EngineDirError)
 
 
 def _require(data: Mapping[str, Any], keys: tuple[str, ...], where: Path) -> None:
