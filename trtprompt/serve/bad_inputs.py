@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from trtprompt.engine.request import FLOAT_BOUNDS
 from trtprompt.error_codes import ErrorCode, classify
 
 # gRPC streaming carries no status code in-band: the stream's final response is an error whose
@@ -82,9 +83,10 @@ def _tok(ids: Any = (1, 2, 3), length: Any = None, out_len: int = 4, drop: tuple
 
 F32, I32, BOOL = np.float32, np.int32, np.bool_
 NAN, INF = math.nan, math.inf
-FLOAT_RANGES = {"temperature": "[0, 100]", "top_p": "[0, 1]", "repetition_penalty": "(0, 100]",
-                "presence_penalty": "[-100, 100]", "frequency_penalty": "[-100, 100]",
-                "length_penalty": "[-100, 100]", "runtime_top_p": "[0, 1]", "len_penalty": "[-100, 100]"}
+# The engine's float bounds (engine/request.py FLOAT_BOUNDS), under the inputs' names on both models.
+INPUT_FIELDS = {"runtime_top_p": "top_p", "len_penalty": "length_penalty"}
+FLOAT_RANGES = {name: FLOAT_BOUNDS[INPUT_FIELDS.get(name, name)].describe()
+                for name in (*FLOAT_BOUNDS, *INPUT_FIELDS)}
 
 
 def _float_case(endpoint: str, name: str, value: float) -> Case:
