@@ -15,7 +15,7 @@ import numpy as np
 from trtprompt.engine.request import FLOAT_BOUNDS, SamplingParams, check_bound
 from trtprompt.error_codes import BadRequestError, FieldError, OverBoundError
 from trtprompt.interface import PERF_OUTPUTS
-from trtprompt.serve.wire.requests import Outputs, TextRequest, TokenRequest
+from trtprompt.serve.wire.requests import Outputs, TextRequest, TokenRequest, check_text_or_messages
 
 Array = np.ndarray[Any, Any]  # a Triton input tensor of any dtype and shape
 Tensors = Mapping[str, Array]
@@ -163,12 +163,6 @@ TOKEN_SAMPLING = {
     "presence_penalty": ("presence_penalty",), "frequency_penalty": ("frequency_penalty",),
     "min_tokens": ("min_tokens", "min_length"), "seed": ("random_seed", "seed"), "end_id": ("end_id",),
 }
-
-
-def check_text_or_messages(text: str, messages: str | None) -> None:
-    """text_input may be empty only when `messages` carries the prompt."""
-    if not text and messages is None:
-        raise BadRequestError("input 'text_input' is empty: at least one character is required")
 
 
 def outputs(tensors: Tensors, i: int, exclude_default: bool) -> Outputs:

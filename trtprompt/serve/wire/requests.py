@@ -46,6 +46,12 @@ class Outputs:
         return {name: int(frame[name]) for name, wanted in asked.items() if wanted}
 
 
+def check_text_or_messages(text: str, messages: str | None) -> None:
+    """text_input may be empty only when `messages` carries the prompt (on every layout)."""
+    if not text and messages is None:
+        raise BadRequestError("input 'text_input' is empty: at least one character is required", "text_input")
+
+
 @dataclass(frozen=True)
 class TextRequest:
     """A text prompt (or a chat in `messages`) to generate from, checked except for its length."""
@@ -60,8 +66,7 @@ class TextRequest:
     stop_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.text and self.messages is None:
-            raise BadRequestError("input 'text_input' is empty: at least one character is required", "text_input")
+        check_text_or_messages(self.text, self.messages)
 
 
 @dataclass(frozen=True)
