@@ -1,5 +1,6 @@
-"""The package's import graph, read from the source (AST, nothing imported): no import cycles
-among module-level imports, and an engine core that needs neither Triton, click nor the build side."""
+"""The package's import graph, read from the source (AST, nothing imported): no import cycles, not
+even through imports inside functions, and an engine core that needs neither Triton, click nor the
+build side."""
 
 from __future__ import annotations
 
@@ -90,9 +91,11 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_cycles_among_module_level_imports() -> None:
+def test_no_import_cycles_even_through_function_level_imports() -> None:
+    # An import inside a function still runs, and hiding a circle in one only defers it:
+    # the module-level graph is a subset of this one, so this also covers it.
     assert len(MODULES) > 50
-    assert cycles(graph(module_level_only=True)) == []
+    assert cycles(graph(module_level_only=False)) == []
 
 
 def test_the_engine_needs_neither_triton_nor_click_nor_the_build_side() -> None:

@@ -7,7 +7,8 @@ to its own sequence's cached tokens plus the new ones up to itself.
 The cache is head-major, [blocks, kv_heads, tokens_per_block, head_size] per
 layer for K and for V, so one (block, kv head) is a contiguous run of rows.
 Index tensors a step needs are built once in `build_attention_metadata` and
-shared by every layer. Two implementations sit behind it:
+shared by every layer. Two implementations sit behind it (what they share,
+types and index helpers, is in attention_common.py):
 
 - attention_paged.py (default): decode reads blocks in place (compiled kernel,
   or a pure-torch fallback), prefill chunks attend to their cached context and
@@ -24,36 +25,20 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
+from trtprompt.engine import attention_paged, attention_reference, kernels
+from trtprompt.engine.attention_common import AttentionMetadata, KvCache, SeqSlice
 from trtprompt.engine.config import ATTENTION_BACKENDS, ModelConfig
 
+# The attention interface the model and the runner use: the shared types live in
+# attention_common.py (so the backends need not import this module), named here too.
+__all__ = ["AttentionMetadata", "KvCache", "SeqSlice", "allocate_kv_cache", "build_attention_metadata",
+           "check_slice", "log_attention_backend", "paged_attention", "resolve_attention_backend", "write_kv"]
+
 log = logging.getLogger(__name__)
-
-KvCache = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class SeqSlice:
-    """One sequence's share of a step."""
-
-    context_len: int  # tokens of this sequence already in the KV cache (computed before this step)
-    num_new_tokens: int  # tokens computed in this step (prefill chunk, or 1 for decode)
-    block_table: Sequence[int]  # block ids covering at least context_len + num_new_tokens tokens
-
-
-class AttentionMetadata(Protocol):
-    """What every layer needs of a step; made once by build_attention_metadata."""
-
-    num_tokens: int
-    slot_blocks: torch.Tensor  # [T] block of each new token's cache slot
-    slot_offsets: torch.Tensor  # [T] row of that slot inside its block
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
-               scale: float) -> torch.Tensor: ...
 
 
 def check_slice(i: int, seq: SeqSlice, tokens_per_block: int) -> None:
@@ -67,18 +52,6 @@ def check_slice(i: int, seq: SeqSlice, tokens_per_block: int) -> None:
             f"seqs[{i}].block_table has {len(seq.block_table)} blocks of {tokens_per_block} tokens, "
             f"fewer than the {needed} tokens it must hold"
         )
-
-
-def slot_tensors(seqs: Sequence[SeqSlice], tpb: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block, offset) of every new token's cache slot, in packed order."""
-    blocks: list[int] = []
-    offsets: list[int] = []
-    for seq in seqs:
-        for p in range(seq.context_len, seq.context_len + seq.num_new_tokens):
-            blocks.append(seq.block_table[p // tpb])
-            offsets.append(p % tpb)
-    return (torch.tensor(blocks, dtype=torch.long, device=device),
-            torch.tensor(offsets, dtype=torch.long, device=device))
 
 
 def allocate_kv_cache(
@@ -101,44 +74,6 @@ def write_kv(kv_cache: KvCache, k: torch.Tensor, v: torch.Tensor, meta: Attentio
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
 
 
-def gather_tables(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[S, kv_heads, max_blocks * tpb, d] copy of each block-table row's blocks, in order."""
-    num_seqs, max_blocks = tables.shape
-    _, kv_heads, tpb, d = cache.shape
-    blocks = cache.index_select(0, tables.reshape(-1)).view(num_seqs, max_blocks, kv_heads, tpb, d)
-    return blocks.transpose(1, 2).reshape(num_seqs, kv_heads, max_blocks * tpb, d)
-
-
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[kv_heads, len(block_ids) * tokens_per_block, head_size] copy of the listed blocks, in order."""
-    return gather_tables(cache, block_ids.reshape(1, -1))[0]
-
-
-def contiguous_start(rows: list[int]) -> int | None:
-    """rows[0] when rows are consecutive (a slice can select them), else None."""
-    return rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else None
-
-
-def take_rows(x: torch.Tensor, rows: torch.Tensor, rows_start: int | None) -> torch.Tensor:
-    """x's packed rows: a slice where they are consecutive, a gather otherwise."""
-    if rows_start is not None:
-        return x[rows_start:rows_start + rows.shape[0]]
-    return x.index_select(0, rows)
-
-
-def put_rows(dst: torch.Tensor, rows: torch.Tensor, rows_start: int | None, src: torch.Tensor) -> None:
-    """Write src into dst's packed rows: a slice copy where they are consecutive."""
-    if rows_start is not None:
-        dst[rows_start:rows_start + rows.shape[0]] = src
-    else:
-        dst.index_copy_(0, rows, src)
-
-
-def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where keep, -inf elsewhere: the mask form the CPU flash kernel takes (of the query's dtype)."""
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
-
-
 def build_attention_metadata(seqs: Sequence[SeqSlice], tokens_per_block: int, device: torch.device,
                              backend: str = "auto", dtype: torch.dtype = torch.float32) -> AttentionMetadata:
     """Index tensors for one step; built once and shared by all layers.
@@ -147,8 +82,6 @@ def build_attention_metadata(seqs: Sequence[SeqSlice], tokens_per_block: int, de
     "compiled", "torch" or "reference" (see resolve_attention_backend);
     dtype: the model's, for masks made ahead of the layers.
     """
-    from trtprompt.engine import attention_paged, attention_reference
-
     if not seqs:
         raise ValueError("seqs must hold at least one sequence")
     for i, seq in enumerate(seqs):
@@ -166,8 +99,6 @@ def resolve_attention_backend(requested: str, device: torch.device, head_size: i
     "auto" picks the compiled kernel where it builds and fits the model, else
     pure torch; "compiled" asked for but unavailable is an error naming why.
     """
-    from trtprompt.engine import kernels
-
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {requested!r}")
     if requested in ("torch", "reference"):
@@ -183,8 +114,6 @@ def resolve_attention_backend(requested: str, device: torch.device, head_size: i
 @functools.lru_cache(maxsize=None)
 def log_attention_backend(requested: str, resolved: str) -> None:
     """Say once per process which attention path runs, and why the kernel doesn't where it doesn't."""
-    from trtprompt.engine import kernels
-
     if resolved == "compiled":
         log.info("attention: compiled paged kernel, reads KV blocks in place (%s)", kernels.compiled_kernel_status()[1])
     elif resolved == "torch" and requested == "auto":

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from trtprompt.engine import kernels
-from trtprompt.engine.attention import (
+from trtprompt.engine.attention_common import (
     KvCache,
     SeqSlice,
     additive_mask,

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from trtprompt.engine.attention import (
+from trtprompt.engine.attention_common import (
     KvCache,
     SeqSlice,
     contiguous_start,
