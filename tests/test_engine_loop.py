@@ -118,3 +118,29 @@ def test_arrival_is_stamped_at_submit_and_idle_stats_are_zero(llama):
     stats = engine.stats()
     assert (stats.scheduled_requests, stats.generation_requests, stats.context_requests) == (0, 0, 0)
     assert stats.iteration_counter >= 3
+
+
+def test_a_submitted_request_is_validated_once_and_runs_as_checked(llama, monkeypatch):
+    from trtprompt.engine import engine as engine_module
+
+    calls: list[int] = []
+    real = engine_module.validate_request
+
+    def counting(prompt, params, limits):
+        calls.append(len(prompt))
+        return real(prompt, params, limits)
+
+    monkeypatch.setattr(engine_module, "validate_request", counting)
+    engine = make_engine(llama, max_seq_len=16)
+    loop = EngineLoop(engine)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    stream = loop.submit("a", prompt, SamplingParams(max_tokens=10))
+    prompt[0] = 300  # out of the vocabulary: had it been read again, the request would be refused
+    loop.start()
+    outs = list(stream)
+    loop.stop()
+    assert calls == [10]  # at submit, not again when the loop admitted it
+    final = outs[-1]
+    assert final.error is None and final.num_input_tokens == 10
+    # What validation granted (and said) is what ran: the output shortened to fit max_seq_len.
+    assert final.num_output_tokens <= 6 and final.warning is not None and "shortened to 6" in final.warning

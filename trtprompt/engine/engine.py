@@ -22,7 +22,7 @@ from trtprompt.engine.runner import ModelRunner
 from trtprompt.engine.sampler import SampleFailure, sample
 from trtprompt.engine.scheduler import Scheduler, SchedulerOutput
 from trtprompt.engine.stopping import check_stop, visible_output_len
-from trtprompt.engine.validation import RequestLimits, validate_request
+from trtprompt.engine.validation import RequestLimits, ValidatedRequest, validate_request
 from trtprompt.error_codes import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -113,23 +113,32 @@ class LLMEngine:
     def eos_token_ids(self) -> frozenset[int]:
         return self.end_ids
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> tuple[int, str | None]:
-        """Validate without touching engine state (safe from any thread)."""
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> ValidatedRequest:
+        """Validate without touching engine state (safe from any thread); add_validated admits the result."""
         return validate_request(prompt_token_ids, params, self.limits)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time_ns: int | None = None) -> None:
-        if request_id in self.requests:
-            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
-        max_out, warning = self.check_request(prompt_token_ids, params)
+        self._refuse_duplicate(request_id)  # first: a duplicate is refused as such, whatever it holds
+        self.add_validated(request_id, self.check_request(prompt_token_ids, params), cache_salt, arrival_time_ns)
+
+    def add_validated(self, request_id: str, checked: ValidatedRequest, cache_salt: str | None = None,
+                      arrival_time_ns: int | None = None) -> None:
+        """Admit a request check_request passed, without validating it again."""
+        self._refuse_duplicate(request_id)
         limit = self.scheduler_config.max_queue_size
         if limit is not None and self.scheduler.num_waiting >= limit:
             raise QueueFullError(limit)
+        params = checked.params
         end_ids = frozenset([params.end_id]) if params.end_id is not None else self.end_ids
-        req = Request(request_id, list(prompt_token_ids), params, max_out, end_ids, cache_salt,
-                      arrival_time_ns or time.time_ns(), warning)
+        req = Request(request_id, list(checked.prompt_token_ids), params, checked.max_output_tokens, end_ids,
+                      cache_salt, arrival_time_ns or time.time_ns(), checked.warning)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _refuse_duplicate(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)

@@ -18,12 +18,14 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Protocol, Sequence
 
 from trtprompt.engine.engine import EngineStats, LLMEngine
 from trtprompt.engine.errors import DuplicateRequestError, EngineRequestError, EngineStoppingError, QueueFullError
 from trtprompt.error_codes import ErrorCode
 from trtprompt.engine.request import FinishReason, RequestOutput, SamplingParams
+from trtprompt.engine.validation import ValidatedRequest
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,21 @@ class RequestStream:
         self._loop.abort(self.request_id)
 
 
+@dataclass(frozen=True)
+class _Add:
+    """A request add() accepted (and validated), for the loop to admit."""
+
+    request_id: str
+    checked: ValidatedRequest
+    cache_salt: str | None
+    arrival_ns: int
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
 def error_output(request_id: str, message: str, code: ErrorCode) -> RequestOutput:
     return RequestOutput(request_id=request_id, new_token_ids=[], finished=True,
                          num_input_tokens=0, num_output_tokens=0,
@@ -77,7 +94,7 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: deque[tuple] = deque()
+        self._inbox: deque[_Add | _Abort] = deque()
         self._pending_adds = 0
         self._owners: dict[str, OutputSink] = {}
         self._stopping = False
@@ -107,7 +124,8 @@ class EngineLoop:
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
             sink: OutputSink, cache_salt: str | None = None) -> None:
         """Accept a request whose outputs go to sink, or raise EngineRequestError (client-ready)."""
-        self.engine.check_request(prompt_token_ids, params)
+        # Validated here, once: the caller hears a refusal now, and the loop admits the result as it is.
+        checked = self.engine.check_request(prompt_token_ids, params)
         limit = self.engine.scheduler_config.max_queue_size
         with self._lock:
             if self._stopping:
@@ -120,8 +138,7 @@ class EngineLoop:
             self._pending_adds += 1
             # Arrival is stamped here, not when the loop next drains the inbox,
             # so time spent waiting for a running step counts toward TTFT.
-            self._inbox.append(("add", request_id, list(prompt_token_ids), params, cache_salt,
-                                time.time_ns()))
+            self._inbox.append(_Add(request_id, checked, cache_salt, time.time_ns()))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -130,7 +147,7 @@ class EngineLoop:
     def abort_many(self, request_ids: Iterable[str]) -> None:
         """Abort several requests with one wake-up (a closed connection's)."""
         with self._lock:
-            self._inbox.extend(("abort", rid) for rid in request_ids)
+            self._inbox.extend(_Abort(rid) for rid in request_ids)
         self._wake.set()
 
     def stats(self) -> EngineStats:
@@ -146,14 +163,13 @@ class EngineLoop:
             self._pending_adds = 0
         rejected = []
         for item in items:
-            if item[0] == "add":
-                _, rid, prompt, params, salt, arrival_ns = item
+            if isinstance(item, _Add):
                 try:
-                    self.engine.add_request(rid, prompt, params, salt, arrival_ns)
+                    self.engine.add_validated(item.request_id, item.checked, item.cache_salt, item.arrival_ns)
                 except EngineRequestError as exc:
-                    rejected.append(error_output(rid, str(exc), exc.code))
-            elif not self.engine.abort(item[1]):
-                log.debug("abort of unknown or finished request %s", item[1])
+                    rejected.append(error_output(item.request_id, str(exc), exc.code))
+            elif not self.engine.abort(item.request_id):
+                log.debug("abort of unknown or finished request %s", item.request_id)
         if rejected:
             self._deliver(rejected)
 

@@ -18,24 +18,38 @@ class RequestLimits:
     tokens_per_block: int
 
 
-def validate_request(prompt: Sequence[int], params: SamplingParams,
-                     limits: RequestLimits) -> tuple[int, str | None]:
-    """Return (max output tokens granted, warning) or raise EngineRequestError.
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A prompt and parameters that passed validate_request, with the output it was granted.
+
+    The engine admits one as it is: a request is validated once, where it enters (the
+    caller's thread for EngineLoop.add, so a refusal is raised to that caller at once).
+    The prompt is a tuple, so what runs is what was checked."""
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    max_output_tokens: int
+    warning: str | None
+
+
+def validate_request(prompt: Sequence[int], params: SamplingParams, limits: RequestLimits) -> ValidatedRequest:
+    """The request with the output tokens granted and any warning, or raise EngineRequestError.
 
     The one bounds rule for every entry point (generate, serve, the OpenAI API):
     max_tokens no prompt could leave room for is refused; otherwise a prompt +
     output past max_seq_len shortens the output, with a warning (TensorRT-LLM).
     """
+    tokens = tuple(prompt)  # a copy first: a caller changing its list later changes nothing checked
     bound = limits.max_seq_len - 1
     if params.max_tokens > bound:
         raise EngineRequestError(f"max_tokens ({params.max_tokens}) exceeds the engine's maximum output length "
                                  f"({bound} = max_seq_len - 1)")
-    n = len(prompt)
+    n = len(tokens)
     if n == 0:
         raise EngineRequestError("prompt is empty: at least one input token is required")
     if n > limits.max_input_len:
         raise InputTooLongError(n, limits.max_input_len)
-    bad = next((t for t in prompt if not 0 <= t < limits.vocab_size), None)
+    bad = next((t for t in tokens if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise EngineRequestError(f"input token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
     if params.end_id is not None and not 0 <= params.end_id < limits.vocab_size:
@@ -50,4 +64,4 @@ def validate_request(prompt: Sequence[int], params: SamplingParams,
         raise EngineRequestError(
             f"prompt length ({n}) + output ({max_out}) needs {n + max_out} KV-cache tokens, "
             f"more than the whole cache holds ({capacity} tokens in {limits.num_blocks} blocks)")
-    return max_out, warning
+    return ValidatedRequest(tokens, params, max_out, warning)
