@@ -46,6 +46,10 @@ class Knob:
     nullable: bool = False
     power_of_two: bool = False
     trtllm: str | None = None  # TensorRT-LLM's name: BuildConfig field, or tensorrt_llm config.pbtxt parameter
+    # The LLM API's name (TensorRT-LLM 1.3+, PyTorch backend): a TorchLlmArgs field, dotted into its
+    # nested configs (kv_cache_config.*, scheduler_config.*); tests/fixtures/trtllm_names.json records
+    # where each was read.
+    llmapi: str | None = None
     lowerable: bool = False  # a build bound a runtime value may lower, never raise
     runtime_unset: bool = False  # at runtime, unset (None) means "the engine's build value"
     engine: bool = False  # LLMEngine.from_engine_dir takes it as a runtime override
@@ -125,43 +129,45 @@ _TOKENS = dict(low=1, high=BIG, nullable=True)
 KNOBS: dict[str, Knob] = {k.name: k for k in (
     # build bounds: TensorRT-LLM BuildConfig fields (trtllm-build flags)
     _k("max_batch_size", "build", int, 2048, "Most requests in one batch.", low=1, high=65536,
-       trtllm="max_batch_size", lowerable=True, runtime_unset=True, engine=True, serve=True),
+       trtllm="max_batch_size", llmapi="max_batch_size", lowerable=True, runtime_unset=True, engine=True, serve=True),
     _k("max_input_len", "build", int, None,
        f"Longest prompt the build allows (unset: min({DEFAULT_MAX_INPUT_LEN}, max_seq_len)).",
-       trtllm="max_input_len", **_TOKENS),
+       trtllm="max_input_len", llmapi="max_input_len", **_TOKENS),
     _k("max_seq_len", "build", int, None, "Longest prompt + output (unset: the model's positions x rope factor).",
-       low=2, high=BIG, nullable=True, trtllm="max_seq_len"),
+       low=2, high=BIG, nullable=True, trtllm="max_seq_len", llmapi="max_seq_len"),
     _k("max_num_tokens", "build", int, None,
        f"Most tokens in one engine step (unset: {DEFAULT_MAX_NUM_TOKENS}, capped by the plan).",
-       trtllm="max_num_tokens", lowerable=True, runtime_unset=True, engine=True, serve=True, **_TOKENS),
+       trtllm="max_num_tokens", llmapi="max_num_tokens", lowerable=True, runtime_unset=True, engine=True, serve=True, **_TOKENS),
     _k("opt_num_tokens", "build", int, None, "Token count TensorRT tunes for (unset: max_batch_size x beam width).",
        trtllm="opt_num_tokens", **_TOKENS),
     _k("max_beam_width", "build", int, 1, "Most beams per request (the torch target: 1).", low=1, high=1024,
-       trtllm="max_beam_width", lowerable=True, serve=True),
+       trtllm="max_beam_width", llmapi="max_beam_width", lowerable=True, serve=True),
     _k("tokens_per_block", "build", int, 32, "Tokens per KV-cache block.", low=1, high=1024, power_of_two=True,
-       trtllm="plugin_config.tokens_per_block"),
+       trtllm="plugin_config.tokens_per_block", llmapi="kv_cache_config.tokens_per_block"),
     _k("multiple_profiles", "build", bool, False, "Build several TensorRT optimization profiles.",
        trtllm="multiple_profiles", flag="--multiple-profiles/--no-multiple-profiles"),
     _k("dtype", "build", str, None, "Engine dtype (unset or auto: the checkpoint's).", choices=DTYPES,
-       nullable=True, trtllm="dtype"),
+       nullable=True, trtllm="dtype", llmapi="dtype"),
     _k("quantization", "build", str, "none", "Weight quantization.", choices=QUANTIZATIONS,
        trtllm="quantization.quant_algo"),
     # runtime policy: tensorrt_llm config.pbtxt parameters
     _k("enable_chunked_context", "runtime", bool, False, "Split long prompts over several steps.",
-       trtllm="enable_chunked_context", engine=True, serve=True,
+       trtllm="enable_chunked_context", llmapi="enable_chunked_prefill", engine=True, serve=True,
        flag="--enable-chunked-context/--disable-chunked-context"),
     _k("enable_kv_cache_reuse", "runtime", bool, True, "Reuse cached KV blocks of shared prompt prefixes.",
-       trtllm="enable_kv_cache_reuse", engine=True, serve=True,
+       trtllm="enable_kv_cache_reuse", llmapi="kv_cache_config.enable_block_reuse", engine=True, serve=True,
        flag="--enable-kv-cache-reuse/--disable-kv-cache-reuse"),
     _k("batch_scheduler_policy", "runtime", str, "guaranteed_no_evict", "Capacity policy of the scheduler.",
-       choices=CAPACITY_POLICIES, trtllm="batch_scheduler_policy", engine=True, serve=True),
+       choices=CAPACITY_POLICIES, trtllm="batch_scheduler_policy",
+       llmapi="scheduler_config.capacity_scheduler_policy", engine=True, serve=True),
     # TensorRT-LLM's KvCacheConfig allows [0, 1]; 0 leaves no KV cache, which no engine can run with.
     _k("kv_cache_free_gpu_mem_fraction", "runtime", float, 0.9,
        "Share of the memory left after the weights that the KV cache may use.", low=0.0, high=1.0,
-       low_open=True, trtllm="kv_cache_free_gpu_mem_fraction", engine=True, serve=True),
+       low_open=True, trtllm="kv_cache_free_gpu_mem_fraction",
+       llmapi="kv_cache_config.free_gpu_memory_fraction", engine=True, serve=True),
     _k("max_tokens_in_paged_kv_cache", "runtime", int, None,
        "Cap on the KV cache in tokens (with the fraction: the smaller wins).",
-       trtllm="max_tokens_in_paged_kv_cache", engine=True, serve=True, **_TOKENS),
+       trtllm="max_tokens_in_paged_kv_cache", llmapi="kv_cache_config.max_tokens", engine=True, serve=True, **_TOKENS),
     _k("max_queue_size", "runtime", int, None, "Most requests waiting beyond those running (unset: no limit).",
        trtllm="max_queue_size", engine=True, serve=True, **_TOKENS),
     _k("max_queue_delay_microseconds", "runtime", int, 0, "How long Triton may hold a request to batch it.",
@@ -180,6 +186,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _k("exclude_input_in_output", "serve", bool, False, "Leave the prompt out of the output (requests may say).",
        trtllm="exclude_input_in_output", serve=True,
        flag="--exclude-input-in-output/--include-input-in-output"),
+    # Host (CPU) memory for offloaded KV blocks; 0: no host tier. Not a profile key yet: the tensorrt_llm
+    # model and model.yaml carry it at this default (both backends take it, under these two names).
+    _k("kv_cache_host_memory_bytes", "serve", int, 0, "Host memory for KV blocks offloaded from the GPU (0: none).",
+       low=0, high=1 << 50, trtllm="kv_cache_host_memory_bytes", llmapi="kv_cache_config.host_cache_size"),
     _k("cancellation_check_period_ms", "serve", int, 100, "How often cancelled requests are looked for.",
        low=1, high=BIG, trtllm="cancellation_check_period_ms", serve=True),
     _k("stats_check_period_ms", "serve", int, 100, "How often engine statistics are published.", low=1,

@@ -17,7 +17,7 @@ from trtprompt.knobs import KNOBS, STAGES, Knob, in_section
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "profiles.md"
 RULES: tuple[Callable[..., Any], ...] = (rules.max_input_len, rules.raised_bounds, rules.kv_pool,
-                                         rules.paged_context_missing)
+                                         rules.paged_context_missing, rules.reuse_loss_warning)
 HEADINGS = {
     "build": "Build bounds: `[build]` (TensorRT-LLM `BuildConfig` fields)",
     "runtime": "Runtime policy: `[runtime]` (the `tensorrt_llm` model's config.pbtxt parameters)",
@@ -35,6 +35,13 @@ key is optional. `build` takes each key as a command-line option too, which
 wins over the file; `serve` takes the runtime keys (and the serve-only ones)
 as overrides of what the engine recorded. Unset means None: the plan or the
 engine fills it with TensorRT-LLM's rule.
+
+Each knob has two TensorRT-LLM names: the 1.2 one (a `BuildConfig` field or a
+parameter of the `tensorrt_llm` model's config.pbtxt, for `--trtllm-api engine`)
+and the LLM API one (a `TorchLlmArgs` field, dotted into `kv_cache_config` and
+`scheduler_config`, as `model.yaml` holds it, for `--trtllm-api llmapi`).
+`tests/test_trtllm_names_contract.py` checks both against the names read from
+each supported release (`tests/fixtures/trtllm_names.json`).
 """
 
 
@@ -56,14 +63,15 @@ def _flag(knob: Knob) -> str:
 
 def _row(knob: Knob) -> str:
     cells = [f"`{knob.name}`", knob.kind.__name__, _default(knob), knob.allowed(),
-             f"`{knob.trtllm}`" if knob.trtllm else "", _flag(knob), knob.help]
+             f"`{knob.trtllm}`" if knob.trtllm else "", f"`{knob.llmapi}`" if knob.llmapi else "",
+             _flag(knob), knob.help]
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
 def _section(stage: str) -> list[str]:
     lines = [f"## {HEADINGS[stage]}", "",
-             "| key | type | default | allowed | TensorRT-LLM name | option | meaning |",
-             "|---|---|---|---|---|---|---|"]
+             "| key | type | default | allowed | TensorRT-LLM 1.2 name | LLM API name (1.3+) | option | meaning |",
+             "|---|---|---|---|---|---|---|---|"]
     return lines + [_row(KNOBS[name]) for name in in_section(stage)] + [""]
 
 

@@ -80,3 +80,20 @@ def paged_context_missing(build: Mapping[str, Any]) -> list[str]:
     present = {"use_paged_context_fmha": bool((build.get("plugin_config") or {}).get("use_paged_context_fmha")),
                "paged_kv_cache": paged_kv_cache(build)}
     return [need for need, ok in present.items() if not ok]
+
+
+# The trtllm-build flag that puts back what paged_context_missing names (TensorRT-LLM 1.2 spellings).
+REBUILD_FLAGS: dict[str, str] = {"use_paged_context_fmha": "--use_paged_context_fmha enable",
+                                 "paged_kv_cache": "--kv_cache_type paged"}
+
+
+def reuse_loss_warning(build: Mapping[str, Any]) -> str | None:
+    """None when a TensorRT-LLM 1.2 engine can reuse KV blocks and chunk context; else one line naming
+    what it lacks, what is therefore off (KV reuse, chunked context) and the build flag that fixes it,
+    so no engine loses reuse silently."""
+    missing = paged_context_missing(build)
+    if not missing:
+        return None
+    flags = " ".join(REBUILD_FLAGS[m] for m in missing)
+    return (f"engine built without {' and '.join(missing)}: KV-cache reuse and chunked context are off "
+            f"(rebuild with trtllm-build {flags})")
