@@ -28,7 +28,8 @@ def test_without_tensorrt_llm_one_clear_message(tiny_checkpoint_factory: Callabl
     assert result.output.splitlines() == [
         "Error: TensorRT-LLM is not installed, so --target trtllm cannot build here (No module named "
         "'tensorrt_llm'). Build inside the nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3 container "
-        "(TensorRT-LLM 1.2.1), or use --target torch."]
+        "(TensorRT-LLM 1.2.1), build for TensorRT-LLM 1.3+'s LLM API with --trtllm-api llmapi (no TensorRT-LLM "
+        "needed to build), or use --target torch."]
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 

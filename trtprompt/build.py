@@ -37,6 +37,9 @@ class BuildRequest:
     progress: bool = True
     tp_size: int = 1  # tensor / pipeline parallel ranks (trtllm target only)
     pp_size: int = 1
+    # trtllm target: "engine" (TensorRT-LLM 1.2 TensorRT engine) or "llmapi" (1.3+ LLM API, PyTorch
+    # backend); None: llmapi where TensorRT-LLM >= 1.3 is installed, else engine (targets/llmapi_build.py).
+    trtllm_api: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_budget_gib is not None and self.kv_budget_gib <= 0:
@@ -44,6 +47,19 @@ class BuildRequest:
         if (self.tp_size, self.pp_size) != (1, 1) and self.target != "trtllm":
             raise ValueError(f"tp_size {self.tp_size} x pp_size {self.pp_size}: tensor/pipeline "
                              "parallelism needs --target trtllm")
+        if self.trtllm_api is not None:
+            from trtprompt.targets.llmapi_build import check_trtllm_api
+
+            check_trtllm_api(self.trtllm_api, self.target)
+
+    @property
+    def api(self) -> str | None:
+        """The trtllm target's API ("engine" or "llmapi"); None for other targets."""
+        if self.target != "trtllm":
+            return None
+        from trtprompt.targets.llmapi_build import default_trtllm_api
+
+        return self.trtllm_api or default_trtllm_api()
 
 
 def host_available_bytes() -> int | None:
@@ -133,8 +149,13 @@ def _copy_tokenizer(ckpt: Checkpoint, out_dir: Path) -> None:
 def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: BuildPlan) -> Path:
     if req.output is None:
         raise ValueError("write_engine needs an output directory")
+    llmapi = None
     with atomic_engine_dir(req.output, req.force) as tmp:
-        if plan.target == "trtllm":
+        if req.api == "llmapi":  # nothing compiled: the LLM API loads the checkpoint at serve time
+            from trtprompt.targets.llmapi_build import write_llmapi_engine
+
+            llmapi = write_llmapi_engine(tmp, Path(req.output), ckpt, profile, plan, req.tp_size, req.pp_size)
+        elif plan.target == "trtllm":
             from trtprompt.targets.trtllm_build import build_trtllm_engine
 
             from trtprompt.targets.trtllm_config import Parallelism
@@ -145,11 +166,19 @@ def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: Bu
 
             write_weights(tmp, ckpt, ckpt.pretrained_config, plan.dtype, plan.quantization, req.progress)
         _copy_tokenizer(ckpt, tmp)
-        write_json(tmp / "trtprompt.json", engine_meta(ckpt, profile, plan))
-        # Last, so a half-written directory never has a config.json. The trtllm build
+        meta = engine_meta(ckpt, profile, plan)
+        if llmapi is not None:
+            from trtprompt.targets.llmapi_build import llmapi_meta
+
+            meta = llmapi_meta(meta, llmapi)
+        write_json(tmp / "trtprompt.json", meta)
+        # Last, so a half-written directory never has a config.json. The trtllm engine build
         # already holds TensorRT-LLM's own config.json (engine.save), which must stay.
-        if plan.target != "trtllm":
-            write_json(tmp / "config.json", engine_config(ckpt, plan))
+        if plan.target != "trtllm" or llmapi is not None:
+            config = engine_config(ckpt, plan)
+            config["pretrained_config"]["mapping"] = {"world_size": req.tp_size * req.pp_size,
+                                                      "tp_size": req.tp_size, "pp_size": req.pp_size}
+            write_json(tmp / "config.json", config)
     return Path(req.output)
 
 
@@ -160,7 +189,7 @@ def run_build(req: BuildRequest, dry_run: bool = False,
         if req.output is None:
             raise ValueError("an output directory is required unless dry_run")
         check_output_dir(Path(req.output).expanduser(), req.force)
-        if req.target == "trtllm":
+        if req.api == "engine":
             from trtprompt.targets.trtllm_build import import_tensorrt_llm
 
             import_tensorrt_llm()  # fail before planning or creating anything

@@ -40,20 +40,27 @@ def _fail(exc: Exception) -> click.ClickException:
 @click.option("--pp-size", type=int, default=1, show_default=True, help="Pipeline-parallel ranks (trtllm target).")
 @click.option("--print-commands", is_flag=True,
               help="trtllm: print the equivalent convert_checkpoint.py + trtllm-build commands; build nothing.")
+@click.option("--trtllm-api", type=click.Choice(["engine", "llmapi"]), default=None,
+              help="trtllm: engine = TensorRT-LLM 1.2 TensorRT engine; llmapi = 1.3+ LLM API (PyTorch backend, "
+                   "checkpoint + model.yaml, no TensorRT-LLM needed to build). Default: llmapi where "
+                   "TensorRT-LLM >= 1.3 is installed, else engine.")
 def build(checkpoint: Path, output: Path | None, profile: str | None, target: str, kv_budget_gib: float | None,
           dry_run: bool, force: bool, no_progress: bool, tp_size: int, pp_size: int, print_commands: bool,
-          **overrides: Any) -> None:
+          trtllm_api: str | None, **overrides: Any) -> None:
     """Build an engine directory from a Hugging Face CHECKPOINT."""
     from trtprompt.build import BuildRequest, run_build
     from trtprompt.report import plan_table
 
     if print_commands and target != "trtllm":
         raise click.UsageError("--print-commands needs --target trtllm")
+    if trtllm_api is not None and target != "trtllm":
+        raise click.UsageError(f"--trtllm-api {trtllm_api} applies to --target trtllm only; the {target} "
+                               "target has one engine format: leave --trtllm-api out")
     if output is None and not (dry_run or print_commands):
         raise click.UsageError("missing -o/--output (or pass --dry-run)")
     try:
         req = BuildRequest(checkpoint, output, profile, target, overrides, kv_budget_gib, force, not no_progress,
-                           tp_size=tp_size, pp_size=pp_size)
+                           tp_size=tp_size, pp_size=pp_size, trtllm_api=trtllm_api)
         if print_commands:
             _print_trtllm_commands(req)
             return
@@ -172,11 +179,14 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Keep socket, repository and logs here.")
 @click.option("--ready-timeout", default=120.0, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--no-restart", is_flag=True, help="Stop (instead of restarting) if the engine process dies.")
+@click.option("--require-kv-reuse", is_flag=True,
+              help="Refuse an engine that cannot reuse KV blocks (a TensorRT-LLM 1.2 engine built without "
+                   "use_paged_context_fmha or a paged KV cache) instead of serving it with a warning.")
 @knob_options(SERVE_OPTIONS, serve=True)
 def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_port: int, openai_port: int,
           no_openai: bool, api_key: str | None, repo_only: Path | None, tokenizer_dir: Path | None,
           run_dir: Path | None,
-          ready_timeout: float, no_restart: bool, **overrides: Any) -> None:
+          ready_timeout: float, no_restart: bool, require_kv_reuse: bool, **overrides: Any) -> None:
     """Serve ENGINE_DIR behind a real tritonserver (TensorRT-LLM ensemble interface) and an OpenAI-compatible API."""
     from trtprompt.serve.launch.command import run_serve
     from trtprompt.serve.launch.launcher import Ports
@@ -187,7 +197,8 @@ def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_p
         code = run_serve(engine_dir, overrides, Ports(host, grpc_port, http_port, metrics_port),
                          repo_only=repo_only, tokenizer=tokenizer_dir, run_dir=run_dir,
                          ready_timeout_s=ready_timeout,
-                         restart=not no_restart, echo=lambda m: click.echo(m, err=True), openai=openai)
+                         restart=not no_restart, echo=lambda m: click.echo(m, err=True), openai=openai,
+                         require_kv_reuse=require_kv_reuse)
     except (UserError, ValueError) as exc:
         raise _fail(exc) from exc
     raise SystemExit(code)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+from trtprompt import rules
 from trtprompt.checkpoint import Checkpoint
 from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.plan import BuildPlan
@@ -76,6 +77,13 @@ def plan_table(ckpt: Checkpoint, profile: Profile, plan: BuildPlan) -> str:
     return "\n".join(lines)
 
 
+def engine_warnings(engine: EngineDir) -> list[str]:
+    """What the engine silently cannot do: a TensorRT-LLM 1.2 engine without paged context FMHA (or a
+    paged KV cache) has KV reuse and chunked context off (the same line `serve` prints)."""
+    warning = rules.reuse_loss_warning(engine.build_config) if engine.target == "trtllm" else None
+    return [warning] if warning else []
+
+
 def inspect_data(engine: EngineDir) -> dict[str, Any]:
     meta = engine.meta
     # Scalars only: trtllm-build also records nested settings (lora_config) that are not bounds.
@@ -95,6 +103,7 @@ def inspect_data(engine: EngineDir) -> dict[str, Any]:
         "provenance": {"profile": meta["profile"].get("name"), "source": meta["source"],
                        "built_by": meta["source"].get("built_by", "trtprompt"),
                        "versions": meta.get("versions", {}), "built_at": meta.get("built_at")},
+        "warnings": engine_warnings(engine),
     }
 
 
@@ -117,4 +126,5 @@ def inspect_text(engine: EngineDir) -> str:
         ("source sha256", prov["source"].get("sha256")), ("built at", prov["built_at"]),
         *[(f"{k} version", v) for k, v in prov["versions"].items()],
     ])
+    lines += [f"warning: {w}" for w in data["warnings"]]
     return "\n".join(lines)

@@ -41,6 +41,11 @@ META_KEYS: tuple[str, ...] = ("format", "target", "profile", "runtime", "prompt"
 CONFIG_KEYS: tuple[str, ...] = ("version", "pretrained_config", "build_config")
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer.model", "vocab.json")
 BUILT_BY_TRTLLM = "trtllm-build"  # meta["source"]["built_by"] of a directory trtprompt did not write
+# `build --target trtllm --trtllm-api llmapi`: checkpoint/ + model.yaml for TensorRT-LLM's LLM API (1.3+);
+# config.json is trtprompt's (bounds in TensorRT-LLM's layout), there is no engine file (docs/gpu.md).
+LLMAPI_TARGET = "trtllm-llmapi"
+LLMAPI_FILES: tuple[str, ...] = ("model.yaml", "checkpoint/config.json")
+TARGETS: tuple[str, ...] = ("torch", "trtllm", LLMAPI_TARGET)
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,12 @@ def check_rank_engines(root: Path, world_size: int) -> None:
 
 
 def _check_weights(engine: EngineDir, verify: bool) -> None:
+    if engine.target == LLMAPI_TARGET:  # the checkpoint's weights are read by the LLM API, on the GPU
+        missing = [name for name in LLMAPI_FILES if not (engine.path / name).is_file()]
+        if missing:
+            raise EngineDirError(f"{engine.path} is not a complete llmapi engine directory: missing "
+                                 f"{', '.join(missing)}")
+        return
     if engine.target == "trtllm":
         check_rank_engines(engine.path, engine.world_size)
         return
@@ -179,7 +190,7 @@ def _read_meta(root: Path, cfg: Mapping[str, Any]) -> dict[str, Any]:
     if meta["format"] != ENGINE_FORMAT:
         raise EngineDirError(f"{root}/trtprompt.json has format {meta['format']!r}; "
                              f"this trtprompt reads format {ENGINE_FORMAT}")
-    if meta["target"] not in ("torch", "trtllm"):
+    if meta["target"] not in TARGETS:
         raise EngineDirError(f"{root}/trtprompt.json names unknown target {meta['target']!r}")
     return meta
 

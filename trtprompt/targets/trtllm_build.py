@@ -41,6 +41,7 @@ def import_tensorrt_llm() -> ModuleType:
         raise TargetUnavailableError(
             f"TensorRT-LLM is not installed, so --target trtllm cannot build here ({exc}). "
             f"Build inside the {CONTAINER} container (TensorRT-LLM {PINNED_VERSION}), "
+            "build for TensorRT-LLM 1.3+'s LLM API with --trtllm-api llmapi (no TensorRT-LLM needed to build), "
             "or use --target torch.") from exc
 
 

@@ -8,6 +8,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from trtprompt.engine.engine_dir import LLMAPI_TARGET
+from trtprompt.serve.launch import kv_reuse
 from trtprompt.serve.launch.launcher import Ports, Server, serve_forever
 from trtprompt.serve.launch.options import EngineInfo, OpenAIOptions, resolve_options
 from trtprompt.serve.launch.repository import RepoContext, write_repository
@@ -16,8 +18,11 @@ from trtprompt.serve.launch.repository import RepoContext, write_repository
 def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
               repo_only: Path | None = None, tokenizer: Path | None = None, run_dir: Path | None = None,
               ready_timeout_s: float = 120.0, restart: bool = True,
-              echo: Callable[[str], None] = print, openai: OpenAIOptions | None = None) -> int:
+              echo: Callable[[str], None] = print, openai: OpenAIOptions | None = None,
+              require_kv_reuse: bool = False) -> int:
     """Serve ENGINE_DIR until SIGINT/SIGTERM; or, with repo_only, write the repository and return.
+
+    require_kv_reuse: refuse an engine that cannot reuse KV blocks instead of warning (kv_reuse.py).
 
     openai: also run the OpenAI-compatible front end (trtprompt.serve.openai) on its port.
     tokenizer: where the tokenizer is (default: the engine's own; see read_engine_dir).
@@ -25,9 +30,17 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
     Raises ValueError for an engine or options that cannot be served.
     """
     engine = EngineInfo.read(engine_dir, tokenizer)
+    kv_reuse.warn_or_refuse(engine, require_kv_reuse, echo)
     options = resolve_options(engine, overrides)
+    if require_kv_reuse:
+        kv_reuse.require_reuse_on(engine, options)
     if openai is not None:
         openai.check_ports({"gRPC": ports.grpc, "HTTP": ports.http, "metrics": ports.metrics})
+    if engine.target == LLMAPI_TARGET:  # TensorRT-LLM 1.3+ LLM API model behind the prompt edge
+        from trtprompt.serve.launch.llmapi_launch import run_llmapi
+
+        return run_llmapi(engine, options, ports, repo_only=repo_only, run_dir=run_dir,
+                          ready_timeout_s=ready_timeout_s, echo=echo, openai=openai)
     if repo_only is not None:
         root = Path(repo_only).resolve()
         path = write_repository(root, RepoContext(engine, options, str(root / "engine.sock")))

@@ -1,0 +1,95 @@
+"""`trtprompt serve` of an llmapi engine directory: checks, the repository, one tritonserver.
+
+One tritonserver process at any tensor/pipeline size: the LLM API starts its own
+workers for tp x pp > 1 (from model.yaml's tensor_parallel_size /
+pipeline_parallel_size), unlike the 1.2 engine path's one tritonserver per rank.
+Everything that can be refused is refused before anything starts: TensorRT-LLM's
+llmapi model.py missing (it names the container), tritonserver missing,
+TensorRT-LLM missing or older than 1.3.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from trtprompt.errors import TargetUnavailableError
+from trtprompt.serve.launch.launcher import LaunchError, Ports, stop_on_signals, watch_children
+from trtprompt.serve.launch.llmapi_repository import (LLMAPI_CONTAINER, PLACEHOLDER, find_llmapi_model,
+                                                      require_llmapi_model, write_llmapi_repository)
+from trtprompt.serve.launch.options import EngineInfo, OpenAIOptions, ServeOptions
+from trtprompt.serve.launch.trtllm_launch import TrtllmLaunchSpec, _stop, launch_command, wait_ready
+from trtprompt.targets.llmapi_build import default_trtllm_api
+from trtprompt.targets.trtllm_checks import installed_trtllm_version
+
+if TYPE_CHECKING:  # options.ApiKey is new beside this module; only its type is needed here
+    from trtprompt.serve.launch.options import ApiKey
+
+
+def preflight_llmapi(which: Callable[[str], str | None] = shutil.which,
+                     installed: Callable[[], str | None] = installed_trtllm_version) -> tuple[Path, str]:
+    """(TensorRT-LLM's llmapi model folder, the tritonserver binary), or the reason it cannot run here."""
+    found = require_llmapi_model(find_llmapi_model())
+    server = which("tritonserver")
+    if server is None:
+        raise TargetUnavailableError(f"tritonserver is not on PATH: serve llmapi engines inside {LLMAPI_CONTAINER}")
+    version = installed()
+    if default_trtllm_api(version or "") != "llmapi":
+        raise TargetUnavailableError(f"the llmapi layout needs TensorRT-LLM >= 1.3, found {version or 'none'}: "
+                                     f"serve inside {LLMAPI_CONTAINER}")
+    return found, server
+
+
+def serve_llmapi(engine: EngineInfo, options: ServeOptions, ports: Ports, run_dir: Path | None = None,
+                 ready_timeout_s: float = 900.0, echo: Callable[[str], None] = print) -> int:
+    """Check, write the repository, start tritonserver, wait for SIGINT/SIGTERM."""
+    found, server = preflight_llmapi()
+    run = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="trtprompt-llmapi-"))
+    repo = write_llmapi_repository(run / "repository", engine, options, found)
+    spec = TrtllmLaunchSpec(repo, 1, server, host=ports.host, http_port=ports.http, grpc_port=ports.grpc,
+                            metrics_port=ports.metrics)
+    log_file = run / "tritonserver.log"
+    stop = threading.Event()
+    with stop_on_signals(stop.set):
+        with log_file.open("ab") as log:
+            proc = subprocess.Popen(launch_command(spec), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            wait_ready(proc, spec, ready_timeout_s, log_file)
+            echo(f"trtprompt serve: ready (LLM API, {engine.path.name})\n  gRPC {ports.host}:{ports.grpc}  "
+                 f"HTTP {ports.host}:{ports.http}  metrics http://{ports.host}:{ports.metrics}/metrics\n"
+                 f"  logs {log_file}")
+            return watch_children(stop, lambda: [(proc, "tritonserver", log_file)], 1.0,
+                                  lambda note: echo(f"trtprompt serve: {note}"))
+        except LaunchError as exc:
+            echo(f"trtprompt serve: {exc}")
+            return 1
+        finally:
+            _stop(proc)
+
+
+def run_llmapi(engine: EngineInfo, options: ServeOptions, ports: Ports, *, repo_only: Path | None,
+               run_dir: Path | None, ready_timeout_s: float, echo: Callable[[str], None],
+               openai: OpenAIOptions | None, api_key: "ApiKey | None" = None) -> int:
+    """run_serve for an llmapi engine directory: --repo-only writes the repository (model.py or the note
+    saying where it comes from); otherwise serve it, with the OpenAI front end's command printed."""
+    if repo_only is not None:
+        found = find_llmapi_model()
+        path = write_llmapi_repository(Path(repo_only).resolve(), engine, options, found)
+        where = found if found is not None else f"not installed here: see tensorrt_llm/1/{PLACEHOLDER}"
+        echo(f"model repository written to {path} (ensemble: the prompt edge; tensorrt_llm: TensorRT-LLM's llmapi "
+             f"model, model.py {where}); every config.pbtxt parsed with Triton's ModelConfig schema")
+        return 0
+    if api_key is not None:  # fail closed: the launch command sets no restricted APIs
+        raise ValueError("an API key is not applied to the llmapi layout's tritonserver yet: unset "
+                         "TRTPROMPT_API_KEY / --api-key-file, or put it behind a proxy that checks one")
+    if openai is not None:
+        echo(f"trtprompt serve: start the OpenAI front end beside tritonserver (it calls `ensemble`): "
+             f"python -m trtprompt.serve.openai {engine.path} --grpc-url {ports.local_host}:{ports.grpc} "
+             f"--host {ports.host} --port {openai.port}")
+    return serve_llmapi(engine, options, ports, run_dir=run_dir, ready_timeout_s=max(ready_timeout_s, 900.0),
+                        echo=echo)
