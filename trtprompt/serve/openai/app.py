@@ -7,26 +7,33 @@ an SSE event carrying the error object, followed by `data: [DONE]`. A client
 that goes away closes the Triton call (streaming: Starlette cancels the
 response; non-streaming: a watcher sees the disconnect), which cancels the
 engine request and frees its KV blocks.
+
+What a connection may send (body and header size, read and keep-alive
+timeouts, connections) is bounded before any of this runs: http_limits.py,
+http_protocol.py. Every body is read and parsed by json_body.read_json.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import logging
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from trtprompt.serve.openai import responses as R
 from trtprompt.serve.openai.config import FrontendConfig
-from trtprompt.serve.openai.errors import APIError, bad_request, unauthorized
+from trtprompt.serve.openai.errors import APIError, unauthorized
+from trtprompt.serve.openai.http_limits import BodyLimit, HttpLimits
+from trtprompt.serve.openai.json_body import ClientGone, read_json
 from trtprompt.serve.openai.params import Generation, parse_request
 from trtprompt.serve.openai.to_triton import Piece, TritonEnsemble
 
@@ -46,6 +53,7 @@ class Source(Protocol):
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the log does
+log = logging.getLogger("trtprompt.openai")
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -60,13 +68,6 @@ def _authorize(request: Request, cfg: FrontendConfig) -> None:
         raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
     if not hmac.compare_digest(token.strip().encode("utf-8"), cfg.api_key.encode("utf-8")):
         raise unauthorized("incorrect API key")
-
-
-async def _body(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from None
 
 
 async def health(request: Request) -> Response:
@@ -93,7 +94,7 @@ async def chat_completions(request: Request) -> Response:
 async def _generate(request: Request, kind: str) -> Response:
     cfg: FrontendConfig = request.app.state.cfg
     _authorize(request, cfg)
-    gen = parse_request(kind, await _body(request), cfg.limits)
+    gen = parse_request(kind, await read_json(request), cfg.limits)
     source: Source = request.app.state.source
     pieces = source.generate(await source.inputs_for(gen))
     env = R.Envelope(kind, cfg.limits.name)
@@ -173,8 +174,18 @@ async def _http_error(_request: Request, exc: Any) -> Response:
     return error_response(APIError(exc.status_code, str(exc.detail), kind))
 
 
+async def _client_gone(request: Request, _exc: Exception) -> Response:
+    client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+    log.warning("openai front end: %s disconnected before its request body arrived (%s %s)", client,
+                request.method, request.url.path)
+    return Response(status_code=CLIENT_CLOSED)
+
+
 async def _internal_error(_request: Request, exc: Exception) -> Response:
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+    # The exception's text may carry internals (paths, reprs of values): it goes to the log (Starlette
+    # re-raises it to uvicorn, which logs the traceback), the client gets its type only.
+    return error_response(APIError(500, f"internal error ({type(exc).__name__}); see the server's log",
+                                   "server_error"))
 
 
 def _source(cfg: FrontendConfig) -> Source:
@@ -185,7 +196,7 @@ def _source(cfg: FrontendConfig) -> Source:
     return EnginePath(cfg.engine_socket, cfg.engine_dir, cfg.tokenizer_dir)
 
 
-def create_app(cfg: FrontendConfig) -> Starlette:
+def create_app(cfg: FrontendConfig, http: HttpLimits) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.source = _source(cfg)  # needs the running loop
@@ -198,8 +209,9 @@ def create_app(cfg: FrontendConfig) -> Starlette:
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(BodyLimit, max_bytes=http.max_request_bytes)],
                     exception_handlers={APIError: _api_error, HTTPException: _http_error,
-                                        Exception: _internal_error})
+                                        ClientGone: _client_gone, Exception: _internal_error})
     app.state.cfg = cfg
     app.state.started = int(time.time())
     return app

@@ -93,12 +93,12 @@ def _check_model(body: Mapping[str, Any], limits: ModelLimits) -> None:
     if not isinstance(model, str) or not model:
         raise bad_request(f"'model' is required: this server serves {limits.name!r}", "model")
     if model != limits.name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {limits.name!r}",
+        raise APIError(404, f"the model {_shown(model)} does not exist; this server serves {limits.name!r}",
                        "invalid_request_error", "model", "model_not_found")
 
 
 def _unsupported(param: str, value: Any, why: str) -> None:
-    raise bad_request(f"{param}={json.dumps(value)} is not supported: {why}", param, "unsupported_parameter")
+    raise bad_request(f"{param}={_shown(value)} is not supported: {why}", param, "unsupported_parameter")
 
 
 def _refuse_unsupported(kind: str, body: Mapping[str, Any]) -> None:
@@ -153,9 +153,10 @@ def _message(m: Any, i: int) -> dict[str, str]:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad_request(f"{where} must be an object with 'role' and 'content'", where)
-    role = CHAT_ROLES.get(m.get("role"))  # type: ignore[arg-type]
+    raw_role = m.get("role")
+    role = CHAT_ROLES.get(raw_role) if isinstance(raw_role, str) else None  # a list is not hashable
     if role is None:
-        raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}",
+        raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {_shown(raw_role)}",
                           f"{where}.role")
     if m.get("tool_calls") or m.get("function_call"):
         raise bad_request(f"{where}: tool calls are not supported", f"{where}.tool_calls",
@@ -182,7 +183,7 @@ def _int(body: Mapping[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{name} must be an integer, got {json.dumps(value)}", name)
+        raise bad_request(f"{name} must be an integer, got {_shown(value)}", name)
     return value
 
 
@@ -190,8 +191,8 @@ def _float(body: Mapping[str, Any], name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_request(f"{name} must be a number, got {json.dumps(value)}", name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise bad_request(f"{name} must be a number, got {_shown(value)}", name)
     if name in BOUNDS:
         low, high = BOUNDS[name]
         if not low <= value <= high:
@@ -199,12 +200,25 @@ def _float(body: Mapping[str, Any], name: str) -> float | None:
     return float(value)
 
 
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _shown(value: Any, limit: int = 200) -> str:
+    """value as JSON for an error message, cut: a refused value may be as large as the body."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"{name} must be true or false, got {json.dumps(value)}", name)
+        raise bad_request(f"{name} must be true or false, got {_shown(value)}", name)
     return value
 
 
