@@ -171,6 +171,9 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
 @click.option("--metrics-port", default=I.METRICS_PORT, show_default=True, help="Triton Prometheus /metrics port.")
 @click.option("--openai-port", default=I.OPENAI_PORT, show_default=True, help="OpenAI-compatible API (/v1/...) port.")
 @click.option("--no-openai", is_flag=True, help="Do not start the OpenAI-compatible API.")
+@click.option("--max-request-bytes", type=click.IntRange(min=1),
+              help="Largest OpenAI request body; larger is refused (413) before it is read "
+                   "(default: the engine's max_input_len x 16 + 1 MiB).")
 @click.option("--api-key", envvar="TRTPROMPT_API_KEY", show_envvar=True,
               help="Bearer key the OpenAI-compatible API requires (default: none required).")
 @click.option("--repo-only", type=click.Path(path_type=Path), help="Write the model repository here and exit.")
@@ -184,7 +187,8 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
                    "use_paged_context_fmha or a paged KV cache) instead of serving it with a warning.")
 @knob_options(SERVE_OPTIONS, serve=True)
 def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_port: int, openai_port: int,
-          no_openai: bool, api_key: str | None, repo_only: Path | None, tokenizer_dir: Path | None,
+          no_openai: bool, max_request_bytes: int | None,
+          api_key: str | None, repo_only: Path | None, tokenizer_dir: Path | None,
           run_dir: Path | None,
           ready_timeout: float, no_restart: bool, require_kv_reuse: bool, **overrides: Any) -> None:
     """Serve ENGINE_DIR behind a real tritonserver (TensorRT-LLM ensemble interface) and an OpenAI-compatible API."""
@@ -193,7 +197,7 @@ def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_p
     from trtprompt.serve.launch.options import OpenAIOptions
 
     try:
-        openai = None if no_openai else OpenAIOptions(openai_port, api_key or None)
+        openai = None if no_openai else OpenAIOptions(openai_port, api_key or None, max_request_bytes)
         code = run_serve(engine_dir, overrides, Ports(host, grpc_port, http_port, metrics_port),
                          repo_only=repo_only, tokenizer=tokenizer_dir, run_dir=run_dir,
                          ready_timeout_s=ready_timeout,

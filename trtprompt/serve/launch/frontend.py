@@ -48,6 +48,8 @@ def frontend_command(opts: OpenAIOptions, engine_dir: Path, grpc_url: str, host:
            "--host", host, "--port", str(opts.port)]
     if direct is not None:
         cmd += ["--engine-socket", direct.socket, "--tokenizer-dir", str(direct.tokenizer_dir)]
+    if opts.max_request_bytes is not None:
+        cmd += ["--max-request-bytes", str(opts.max_request_bytes)]
     return cmd + (["--api-key-file", str(key_file)] if key_file is not None else [])
 
 

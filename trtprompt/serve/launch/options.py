@@ -81,10 +81,16 @@ class OpenAIOptions:
 
     port: int = OPENAI_PORT
     api_key: str | None = None  # None: no authentication
+    # Largest request body (413 past it, before it is read); None: the front end sizes it from the
+    # engine's max_input_len (trtprompt/serve/openai/http_limits.py).
+    max_request_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 < self.port < 65536:
             raise ValueError(f"openai port must be in [1, 65535], got {self.port!r}")
+        if self.max_request_bytes is not None and (isinstance(self.max_request_bytes, bool) or not isinstance(
+                self.max_request_bytes, int) or self.max_request_bytes < 1):
+            raise ValueError(f"max_request_bytes must be a positive integer, got {self.max_request_bytes!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it unset for no authentication)")
 
