@@ -1,32 +1,40 @@
 #!/usr/bin/env bash
-# GPU smoke test of the trtllm target, run from the repository root inside
-#   nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3   (TensorRT-LLM 1.2.1)
+# GPU smoke test of the trtllm target, run from the repository root, on either path:
+#   engine (TensorRT-LLM 1.2.1): nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3
+#   llmapi (TensorRT-LLM >= 1.3, LLM API / PyTorch backend): a newer -trtllm-python-py3 tag
 # e.g.  docker run --rm --gpus all --shm-size=2g -v "$PWD:/work" -w /work \
 #         nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3 bash scripts/gpu_smoke.sh
 #
-# It builds the demo checkpoint, compiles it with `trtprompt build --target trtllm`,
-# serves it behind Triton's tensorrtllm backend, streams one request, sends
-# shared-prefix requests, checks that blocks were reused (kv_cache_reused_blocks > 0
-# and the nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="reused"} gauge),
-# and prints a pass/fail summary. Exit code 0 only when every check passed.
+# It builds the demo checkpoint with `trtprompt build --target trtllm` (a TensorRT engine, or
+# checkpoint + model.yaml for the LLM API), serves it (tensorrtllm backend, or TensorRT-LLM's
+# llmapi model behind trtprompt's prompt edge), streams one request, sends shared-prefix
+# requests whose prompt is longer than max_num_tokens (so they only run with chunked prefill),
+# checks that blocks were reused (kv_cache_reused_blocks > 0 after the first; on the engine
+# path also the nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="reused"} gauge), and
+# prints a pass/fail summary. Exit code 0 only when every check passed.
 #
-# Settings (environment): WORK_DIR (build/gpu-smoke), PROFILE (chat), DTYPE (float16),
-# MAX_SEQ_LEN (4096: the demo checkpoint's positions), TP_SIZE (1), PP_SIZE (1),
-# GRPC_PORT (8001), HTTP_PORT (8000), METRICS_PORT (8002), READY_TIMEOUT (600),
-# SKIP_INSTALL (0: pip-install this checkout without touching the container's packages).
+# Settings (environment): TRTLLM_API (auto: llmapi where TensorRT-LLM >= 1.3 is installed, else
+# engine), WORK_DIR (build/gpu-smoke), PROFILE (chat), DTYPE (float16), MAX_SEQ_LEN (4096: the
+# demo checkpoint's positions), MAX_NUM_TOKENS (512: below the shared prompt's length),
+# TP_SIZE (1), PP_SIZE (1), GRPC_PORT (8001), HTTP_PORT (8000), METRICS_PORT (8002),
+# READY_TIMEOUT (900), SKIP_INSTALL (0: pip-install this checkout without touching the
+# container's packages), TRTPROMPT_LLMAPI_MODEL_DIR (llmapi: the folder of TensorRT-LLM's
+# all_models/llmapi/tensorrt_llm, where the container keeps it elsewhere than trtprompt looks).
 
 set -euo pipefail
 
+TRTLLM_API="${TRTLLM_API:-auto}"
 WORK_DIR="${WORK_DIR:-build/gpu-smoke}"
 PROFILE="${PROFILE:-chat}"
 DTYPE="${DTYPE:-float16}"
 MAX_SEQ_LEN="${MAX_SEQ_LEN:-4096}"
+MAX_NUM_TOKENS="${MAX_NUM_TOKENS:-512}"
 TP_SIZE="${TP_SIZE:-1}"
 PP_SIZE="${PP_SIZE:-1}"
 GRPC_PORT="${GRPC_PORT:-8001}"
 HTTP_PORT="${HTTP_PORT:-8000}"
 METRICS_PORT="${METRICS_PORT:-8002}"
-READY_TIMEOUT="${READY_TIMEOUT:-600}"
+READY_TIMEOUT="${READY_TIMEOUT:-900}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"
 
 CKPT="${WORK_DIR}/demo-checkpoint"
@@ -93,6 +101,21 @@ with urllib.request.urlopen(sys.argv[1], timeout=5) as r:
 PY
 }
 
+check_settings() {
+    case "$TRTLLM_API" in
+        auto|engine|llmapi) ;;
+        *) fail_now "settings" "TRTLLM_API must be auto, engine or llmapi, got '${TRTLLM_API}'" ;;
+    esac
+}
+
+resolve_api() {  # auto: what `trtprompt build` would pick with the installed TensorRT-LLM
+    if [[ "$TRTLLM_API" == "auto" ]]; then
+        TRTLLM_API="$(python3 -c 'from trtprompt.targets.llmapi_build import default_trtllm_api as d; print(d())')" \
+            || fail_now "trtllm api" "cannot tell which TensorRT-LLM path this container has"
+    fi
+    record "trtllm api" "PASS" "${TRTLLM_API}"
+}
+
 check_environment() {
     command -v nvidia-smi >/dev/null || fail_now "nvidia-smi" "not found: run inside the trtllm container with --gpus"
     nvidia-smi -L >/dev/null || fail_now "nvidia-smi" "no GPU visible"
@@ -129,13 +152,39 @@ build_engine() {
     record "demo checkpoint" "PASS" "$CKPT"
     local start end
     start=$(date +%s)
-    trtprompt build "$CKPT" -o "$ENGINE" --target trtllm --profile "$PROFILE" --dtype "$DTYPE" \
-        --max-seq-len "$MAX_SEQ_LEN" --tp-size "$TP_SIZE" --pp-size "$PP_SIZE" --force --no-progress \
-        > "${WORK_DIR}/build.log" 2>&1 || fail_now "trtllm build" "see ${WORK_DIR}/build.log: $(tail -n 1 "${WORK_DIR}/build.log")"
+    trtprompt build "$CKPT" -o "$ENGINE" --target trtllm --trtllm-api "$TRTLLM_API" --profile "$PROFILE" \
+        --dtype "$DTYPE" --max-seq-len "$MAX_SEQ_LEN" --max-num-tokens "$MAX_NUM_TOKENS" \
+        --enable-chunked-context --enable-kv-cache-reuse --tp-size "$TP_SIZE" --pp-size "$PP_SIZE" --force \
+        --no-progress > "${WORK_DIR}/build.log" 2>&1 \
+        || fail_now "trtllm build" "see ${WORK_DIR}/build.log: $(tail -n 1 "${WORK_DIR}/build.log")"
     end=$(date +%s)
+    if [[ "$TRTLLM_API" == "llmapi" ]]; then
+        check_model_yaml "$((end - start))"
+        return
+    fi
     local ranks
     ranks=$(find "$ENGINE" -maxdepth 1 -name 'rank*.engine' | wc -l)
     record "trtllm build" "PASS" "${ranks} rank file(s) in $((end - start)) s, profile ${PROFILE}"
+}
+
+check_model_yaml() {  # check_model_yaml SECONDS: the llmapi build's one model.yaml
+    local out
+    if out=$(python3 - "${ENGINE}/model.yaml" <<'PY'
+import sys, yaml
+args = yaml.safe_load(open(sys.argv[1], encoding="utf-8"))
+kv = args.get("kv_cache_config") or {}
+wrong = [k for k, ok in (("backend: pytorch", args.get("backend") == "pytorch"),
+                         ("enable_chunked_prefill: true", args.get("enable_chunked_prefill") is True),
+                         ("kv_cache_config.enable_block_reuse: true", kv.get("enable_block_reuse") is True)) if not ok]
+if wrong:
+    sys.exit("model.yaml lacks " + ", ".join(wrong))
+print(f"max_seq_len {args['max_seq_len']}, max_num_tokens {args['max_num_tokens']}, reuse and chunked prefill on")
+PY
+    ); then
+        record "llmapi build" "PASS" "${out} ($1 s, profile ${PROFILE})"
+    else
+        fail_now "llmapi build" "$out"
+    fi
 }
 
 plain_engine_dir() {  # the engine as plain trtllm-build leaves it: no trtprompt.json, tokenizer beside it
@@ -190,30 +239,44 @@ PY
 }
 
 shared_prefix_requests() {
-    local out
-    if out=$(python3 - "$GRPC_PORT" <<'PY'
+    local out code
+    # Prints "<prompt tokens> <reused blocks per request>"; exit 3: a request failed (chunked prefill),
+    # exit 4: no reuse after the first request.
+    out=$(python3 - "$GRPC_PORT" "${ENGINE}/tokenizer" "$MAX_NUM_TOKENS" <<'PY'
 import sys
 from trtprompt.client import generate
-url = f"127.0.0.1:{sys.argv[1]}"
-# ~1,000 tokens shared: many full KV blocks of any shipped tokens_per_block.
+from trtprompt.tokenizer import Tokenizer
+url, max_num_tokens = f"127.0.0.1:{sys.argv[1]}", int(sys.argv[3])
+# ~1,000 tokens shared: many full KV blocks of any shipped tokens_per_block, and more than
+# max_num_tokens, so each prompt runs only if its prefill is chunked.
 prefix = "System: you answer questions about the manual below.\n" + " ".join(
     f"Section {i}: the valve V{i} opens at {i * 7 % 101} kPa and closes at {i * 3 % 89} kPa." for i in range(60))
+prompts = [f"{prefix}\nQuestion: {q}\nAnswer:" for q in
+           ("Which valve opens first?", "Which valve closes last?", "Summarize section 5.")]
+tokens = min(len(Tokenizer.from_dir(sys.argv[2]).encode(p)) for p in prompts)
 reused = []
-for question in ("Which valve opens first?", "Which valve closes last?", "Summarize section 5."):
-    r = generate(url, f"{prefix}\nQuestion: {question}\nAnswer:", 8, stream=True,
-                 exclude_input_in_output=True, return_perf_metrics=True)
+for prompt in prompts:
+    r = generate(url, prompt, 8, stream=True, exclude_input_in_output=True, return_perf_metrics=True)
     if r.error:
-        sys.exit(f"error: {r.error}")
+        print(f"{tokens}-token prompt failed: {r.error}")
+        sys.exit(3)
     reused.append(r.last("kv_cache_reused_blocks"))
-print(" ".join(str(x) for x in reused))
+print(tokens, " ".join(str(x) for x in reused))
+if tokens <= max_num_tokens:
+    print(f"prompt of {tokens} tokens does not exceed max_num_tokens {max_num_tokens}: raise the prefix")
+    sys.exit(3)
 if not all(isinstance(x, int) for x in reused[1:]) or min(reused[1:]) <= 0:
-    sys.exit(f"kv_cache_reused_blocks per request: {reused} (expected > 0 after the first)")
+    sys.exit(4)
 PY
-    ); then
-        record "kv_cache_reused_blocks" "PASS" "per request: ${out}"
-    else
-        record "kv_cache_reused_blocks" "FAIL" "$out"
-    fi
+    ) && code=0 || code=$?
+    local tokens="${out%% *}" reused="${out#* }"
+    case "$code" in
+        0) record "chunked prefill" "PASS" "${tokens}-token prompts ran with max_num_tokens ${MAX_NUM_TOKENS}"
+           record "kv_cache_reused_blocks" "PASS" "per request: ${reused}" ;;
+        4) record "chunked prefill" "PASS" "${tokens}-token prompts ran with max_num_tokens ${MAX_NUM_TOKENS}"
+           record "kv_cache_reused_blocks" "FAIL" "per request: ${reused} (expected > 0 after the first)" ;;
+        *) record "chunked prefill" "FAIL" "$(printf '%s' "$out" | tail -n 1)" ;;
+    esac
 }
 
 reused_gauge() {
@@ -232,14 +295,20 @@ reused_gauge() {
 }
 
 main() {
+    check_settings
     check_environment
     install_trtprompt
+    resolve_api
     build_engine
-    plain_engine_dir
+    if [[ "$TRTLLM_API" == "engine" ]]; then
+        plain_engine_dir
+    fi
     start_server
     stream_request
     shared_prefix_requests
-    reused_gauge
+    if [[ "$TRTLLM_API" == "engine" ]]; then  # the tensorrtllm backend's gauge; the llmapi model has its own
+        reused_gauge
+    fi
 }
 
 main "$@"
