@@ -29,6 +29,10 @@ class FakeKV:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // TPB)
 
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(t) for t in self.block_tables.values())
+
     def find_prefix(self, req: Request) -> list[object]:
         return [object()] * self.cached.get(req.request_id, 0)
 
@@ -132,7 +136,7 @@ def test_the_newest_running_request_is_preempted_and_requeued_first() -> None:
     run(first)  # each now holds 5 tokens in 1 block: the next token needs a second block
     out = sched.schedule()
     assert plan(out) == [("a", 1, False)]  # a took b's block
-    assert list(sched.waiting) == [b] and sched.running == [a]
+    assert list(sched.waiting) == [b] and list(sched.running) == [a]
     assert (b.status, b.num_computed_tokens, b.stats.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
     assert "b" not in kv.block_tables and sched.num_preemptions == 1
 

@@ -240,7 +240,8 @@ class LLMEngine:
         # The per-iteration counts describe the latest step while work remains; idle is zero.
         last = self._last_step if self.requests else SchedulerOutput()
         lookups = kv.reused_blocks + kv.missed_blocks
-        paused = sum(1 for r in sched.waiting if r.stats.num_preemptions and not r.is_finished)
+        # Every count below is kept as requests move (scheduler, KV manager): O(1) per step.
+        reserved = sched.outstanding_reservations if sched.guaranteed else 0
         return EngineStats(
             max_num_blocks=kv.pool.num_blocks, free_num_blocks=kv.num_free_blocks,
             used_num_blocks=kv.num_used_blocks(), cached_free_blocks=kv.pool.num_cached_free,
@@ -248,13 +249,14 @@ class LLMEngine:
             missed_blocks=kv.missed_blocks, cache_hit_rate=kv.reused_blocks / lookups if lookups else 0.0,
             queried_tokens=kv.queried_tokens, hit_tokens=kv.reused_blocks * kv.tokens_per_block,
             evicted_blocks=kv.pool.evicted_blocks,
-            fragmentation=kv_fragmentation(kv, self.requests.values(), sched.guaranteed),
+            fragmentation=fragmentation_ratio(kv.num_empty_slots, reserved, kv.num_used_blocks(),
+                                              kv.tokens_per_block),
             preemptions=sched.num_preemptions, iteration_counter=self.iteration_counter,
             active_requests=len(self.requests), waiting_requests=sched.num_waiting,
             max_batch_size=self.scheduler_config.max_batch_size,
             scheduled_requests=len(last.scheduled), context_requests=last.num_context_requests,
             generation_requests=last.num_generation_requests,
-            total_context_tokens=last.total_context_tokens, paused_requests=paused,
+            total_context_tokens=last.total_context_tokens, paused_requests=sched.num_paused,
             timestamp_ns=time.time_ns(),
         )
 
@@ -266,7 +268,10 @@ def kv_fragmentation(kv: KVCacheManager, requests: Iterable[Request], reserving:
     for a request's whole output but not allocated yet. Empty among them: the unwritten
     tail of each request's blocks (its partly filled last block, blocks allocated ahead)
     and every reserved block. Shared prefix blocks are full, so counting them once per
-    request adds no empty slot. O(requests), like a scheduling pass.
+    request adds no empty slot.
+
+    The definition, by recount over requests: stats() gets the same value in O(1) from
+    the counts the scheduler and the KV manager keep (tests compare the two).
     """
     tpb = kv.tokens_per_block
     empty = reserved = 0
@@ -275,5 +280,10 @@ def kv_fragmentation(kv: KVCacheManager, requests: Iterable[Request], reserving:
         empty += max(held * tpb - req.num_computed_tokens, 0)
         if reserving:
             reserved += max(req.reserved_blocks - held, 0)
-    slots = (kv.num_used_blocks() + reserved) * tpb
-    return (empty + reserved * tpb) / slots if slots else 0.0
+    return fragmentation_ratio(empty, reserved, kv.num_used_blocks(), tpb)
+
+
+def fragmentation_ratio(empty_slots: int, reserved_blocks: int, used_blocks: int, tokens_per_block: int) -> float:
+    """Empty slots (unwritten ones of used blocks, and all of the reserved blocks) over all held slots."""
+    slots = (used_blocks + reserved_blocks) * tokens_per_block
+    return (empty_slots + reserved_blocks * tokens_per_block) / slots if slots else 0.0

@@ -41,6 +41,12 @@ class KVCacheManager:
         # them a second time (TensorRT-LLM and vLLM compute them twice).
         self._in_flight: dict[bytes, str] = {}
         self._in_flight_of: dict[str, list[bytes]] = {}
+        # Kept as tables change, not recounted (statistics read them after every step): the
+        # blocks of all tables (a shared block once per table holding it), and the computed
+        # tokens of the requests holding them, as allocate and cache_computed last saw them.
+        self.num_held_blocks = 0
+        self.num_computed_held = 0
+        self._computed_of: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,6 +84,7 @@ class KVCacheManager:
     def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] | None = None) -> bool:
         """Give req blocks for num_new_tokens more tokens; False (and no change) if they don't fit."""
         table = self.block_tables.get(req.request_id, [])
+        held = len(table)
         hits = hits or []
         computed = req.num_computed_tokens + len(hits) * self.tokens_per_block
         n_new = self.blocks_for(computed + num_new_tokens) - len(table) - len(hits)
@@ -92,9 +99,22 @@ class KVCacheManager:
         if n_new > 0:
             table = table + self.pool.allocate(n_new)
             req.stats.kv_cache_alloc_new_blocks += n_new
+        self.num_held_blocks += len(table) - held
         self.block_tables[req.request_id] = table
         req.stats.kv_cache_alloc_total_blocks = len(table)
+        self._note_computed(req)
         return True
+
+    def _note_computed(self, req: Request) -> None:
+        """Bring num_computed_held up to date with req's computed tokens (req holds a table)."""
+        rid = req.request_id
+        self.num_computed_held += req.num_computed_tokens - self._computed_of.get(rid, 0)
+        self._computed_of[rid] = req.num_computed_tokens
+
+    @property
+    def num_empty_slots(self) -> int:
+        """Slots of held blocks that hold no computed token: the unwritten tail of each table."""
+        return self.num_held_blocks * self.tokens_per_block - self.num_computed_held
 
     def mark_in_flight(self, req: Request, num_hits: int) -> None:
         """Register the full prompt blocks req will compute itself (after its num_hits cached ones)."""
@@ -127,11 +147,12 @@ class KVCacheManager:
         self.queried_tokens += req.num_tokens
 
     def cache_computed(self, req: Request) -> None:
-        """Publish req's full blocks whose KV is now computed (early reuse)."""
-        if not self.enable_block_reuse:
-            return
+        """Count req's newly computed tokens and publish its full blocks now computed (early reuse)."""
         table = self.block_tables.get(req.request_id)
         if not table:
+            return
+        self._note_computed(req)
+        if not self.enable_block_reuse:
             return
         self._update_hashes(req, req.num_computed_tokens)
         n_full = req.num_computed_tokens // self.tokens_per_block
@@ -147,6 +168,8 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         table = self.block_tables.pop(req.request_id, None)
         self._num_published.pop(req.request_id, None)
+        self.num_held_blocks -= len(table or ())
+        self.num_computed_held -= self._computed_of.pop(req.request_id, 0)
         self._settle_in_flight(req.request_id, self._in_flight_of.pop(req.request_id, []))
         if table:
             # Tail blocks are the least likely to be shared: let them be evicted first.

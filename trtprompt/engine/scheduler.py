@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from trtprompt.engine.config import SchedulerConfig
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.request import Request, RequestStatus
+from trtprompt.engine.running import RunningRequests
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,16 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
         self.cfg = cfg
         self.kv = kv
+        # Aborted requests stay in `waiting` until a pass reaches them; the counts below
+        # leave them out at once. Every count is kept as requests move, never recounted:
+        # statistics are read after every step.
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order; the newest is last
-        self.num_waiting = 0
+        self.running = RunningRequests()  # a finished request leaves it in finish()
+        self.num_waiting = 0  # status WAITING or PREEMPTED
+        self.num_paused = 0  # status PREEMPTED: preempted and waiting to be admitted again
         self.num_preemptions = 0
         self.guaranteed = cfg.batch_scheduler_policy == "guaranteed_no_evict"
+        self._running_reserved_blocks = 0  # sum of reserved_blocks over `running`
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -96,7 +102,6 @@ class Scheduler:
         return req.num_output > 0 and req.num_tokens - req.num_computed_tokens == 1
 
     def schedule(self) -> SchedulerOutput:
-        self.running = [r for r in self.running if not r.is_finished]
         step = _Step(self.cfg.max_num_tokens, self.cfg.max_batch_size)
         # Generation first: a generating request costs one token and holds a
         # client waiting for its next token, so it never waits behind a
@@ -107,10 +112,10 @@ class Scheduler:
         return step.out
 
     def _schedule_running(self, step: _Step, generation: bool) -> None:
-        i = 0
-        while i < len(self.running) and not step.full:
-            req = self.running[i]
-            i += 1
+        # Preemption removes requests from the end while this iterates: they are not reached.
+        for req in self.running:
+            if step.full:
+                break
             if self.is_generation(req) != generation or req.request_id in step.ids:
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
@@ -129,7 +134,7 @@ class Scheduler:
                     f"guaranteed_no_evict reservation broken for request {req.request_id}")
             # The newest admission is the victim: it has the least work to
             # redo and the older requests keep their arrival-order progress.
-            victim = self.running[-1]
+            victim = self.running.newest()
             self._preempt(victim, step)
             if victim is req:
                 return False
@@ -140,7 +145,7 @@ class Scheduler:
 
         At the front, because it arrived before everything still waiting
         (FCFS); recompute rather than swap, as there is no host KV pool."""
-        self.running.pop()
+        self._leave_running(victim)
         if victim.request_id in step.ids:
             step.remove(victim)
         self.kv.free(victim)
@@ -150,6 +155,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
         self.num_waiting += 1
+        self.num_paused += 1
 
     def _chunk(self, req: Request, remaining: int, budget: int) -> int:
         if remaining <= budget:
@@ -163,9 +169,12 @@ class Scheduler:
         tpb = self.kv.tokens_per_block
         return (budget // tpb) * tpb
 
-    def _outstanding_reservations(self) -> int:
-        return sum(r.reserved_blocks - len(self.kv.block_tables.get(r.request_id, ()))
-                   for r in self.running)
+    @property
+    def outstanding_reservations(self) -> int:
+        """Blocks reserved for running requests but not allocated to them yet (guaranteed_no_evict).
+
+        Only running requests hold blocks, so the pool's count of held blocks is theirs."""
+        return self._running_reserved_blocks - self.kv.num_held_blocks
 
     def _admit_waiting(self, step: _Step) -> None:
         while self.waiting and not step.full and len(self.running) < self.cfg.max_batch_size:
@@ -195,21 +204,31 @@ class Scheduler:
             # admitted is ever preempted.
             total = self.kv.blocks_for(req.num_prompt_tokens + req.max_output_tokens)
             needed = self.kv.free_blocks_needed(hits, total - len(hits))
-            if needed > self.kv.num_free_blocks - self._outstanding_reservations():
+            if needed > self.kv.num_free_blocks - self.outstanding_reservations:
                 return False
             req.reserved_blocks = total
         if not self.kv.allocate(req, num_new, hits):
             return False
         self.kv.record_lookup(req, len(hits))
         self.kv.mark_in_flight(req, len(hits))
+        if req.status is RequestStatus.PREEMPTED:
+            self.num_paused -= 1
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self._running_reserved_blocks += req.reserved_blocks
         step.add(req, num_new, is_context=True)
         return True
 
     def finish(self, req: Request) -> None:
-        """Release a finished request's blocks; it leaves `running` at the next pass."""
+        """Release a finished request's blocks; a waiting one leaves `waiting` at the next pass."""
         if req.status is RequestStatus.WAITING or req.status is RequestStatus.PREEMPTED:
             self.num_waiting -= 1
+        if req.status is RequestStatus.PREEMPTED:
+            self.num_paused -= 1
+        self._leave_running(req)
         req.status = RequestStatus.FINISHED
         self.kv.free(req)
+
+    def _leave_running(self, req: Request) -> None:
+        if self.running.remove(req):
+            self._running_reserved_blocks -= req.reserved_blocks
