@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any, Mapping
 
 from trtprompt.checkpoint import Checkpoint
 from trtprompt.plan import BuildPlan
@@ -57,7 +58,7 @@ def place_checkpoint(ckpt: Checkpoint, out_dir: Path) -> str:
     return "copied" if "copied" in how else "linked"
 
 
-def _validated(args: dict, ckpt: Checkpoint) -> str | None:
+def _validated(args: dict[str, Any], ckpt: Checkpoint) -> str | None:
     """Validate before writing: against the source checkpoint, which exists now (the output does not)."""
     probe = {**args, "model": str(Path(ckpt.path).resolve()), "tokenizer": str(Path(ckpt.path).resolve())}
     checked_by = validate_llm_args(probe)
@@ -110,8 +111,8 @@ def default_trtllm_api(installed: str | None = None) -> str:
     return "llmapi" if version is not None and version >= FIRST_LLMAPI_VERSION else "engine"
 
 
-def llmapi_meta(meta: dict, llmapi: dict) -> dict:
+def llmapi_meta(meta: dict[str, Any], llmapi: Mapping[str, Any]) -> dict[str, Any]:
     """trtprompt.json of an llmapi build: its own target kind, and how it was made."""
     from trtprompt.engine.engine_dir import LLMAPI_TARGET
 
-    return {**meta, "target": LLMAPI_TARGET, "llmapi": llmapi}
+    return {**meta, "target": LLMAPI_TARGET, "llmapi": dict(llmapi)}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from trtprompt.knobs import KNOBS
@@ -27,7 +28,7 @@ from trtprompt.plan import BuildPlan
 
 BACKEND = "pytorch"
 # The llmapi Triton model's own section: batching is the LLM API's (0), streaming needs decoupled.
-TRITON_CONFIG: dict[str, Any] = {"max_batch_size": 0, "decoupled": True}
+TRITON_CONFIG: Mapping[str, Any] = MappingProxyType({"max_batch_size": 0, "decoupled": True})
 NOT_LLM_ARGS: tuple[str, ...] = ("triton_config",)
 # The runtime knobs model.yaml carries (their LLM API names come from the registry).
 RUNTIME_KNOBS: tuple[str, ...] = ("enable_chunked_context", "enable_kv_cache_reuse", "batch_scheduler_policy",

@@ -96,7 +96,11 @@ def _core_config(found: Path | None) -> mc.ModelConfig:
     names read from its source; either way decoupled with max_batch_size 0, as model.yaml's triton_config says
     (the launch disables Triton's auto-complete, which is where model.py would apply them)."""
     if found is not None and (found / "config.pbtxt").is_file():
-        cfg = text_format.Parse((found / "config.pbtxt").read_text(encoding="utf-8"), mc.ModelConfig())
+        try:
+            cfg = text_format.Parse((found / "config.pbtxt").read_text(encoding="utf-8"), mc.ModelConfig())
+        except text_format.ParseError as exc:
+            raise ValueError(f"{found / 'config.pbtxt'} (TensorRT-LLM's llmapi model) does not parse with "
+                             f"Triton's ModelConfig schema: {exc}") from exc
     else:
         cfg = _base("tensorrt_llm", 0, CORE_INPUTS, CORE_OUTPUTS, {})
     cfg.max_batch_size = 0
