@@ -79,7 +79,7 @@ def server(tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytes
 
 
 def _ask(prompt: str, **more: object):  # type: ignore[no-untyped-def]
-    with LLMClient(f"127.0.0.1:{GRPC}", "") as client:
+    with LLMClient(f"127.0.0.1:{GRPC}") as client:
         return client.infer("ensemble", text_inputs(prompt, 8, True, **more), timeout_s=60)
 
 
