@@ -143,3 +143,9 @@ def test_validated_with_tensorrt_llms_own_class_where_installed(monkeypatch: pyt
 
 def test_without_tensorrt_llm_nothing_validates() -> None:
     assert validate_llm_args({"model": "/m"}) is None
+
+
+def test_print_commands_is_the_engine_builds(tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    result = CliRunner().invoke(main, ["build", str(tiny_checkpoint_factory("llama")), "--target", "trtllm",
+                                       "--trtllm-api", "llmapi", "--print-commands"])
+    assert result.exit_code == 2 and "an llmapi build compiles nothing" in result.output

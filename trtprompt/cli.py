@@ -56,6 +56,9 @@ def build(checkpoint: Path, output: Path | None, profile: str | None, target: st
     if trtllm_api is not None and target != "trtllm":
         raise click.UsageError(f"--trtllm-api {trtllm_api} applies to --target trtllm only; the {target} "
                                "target has one engine format: leave --trtllm-api out")
+    if print_commands and trtllm_api == "llmapi":
+        raise click.UsageError("--print-commands prints the TensorRT-LLM 1.2 engine build (convert_checkpoint.py + "
+                               "trtllm-build); an llmapi build compiles nothing: run it without --print-commands")
     if output is None and not (dry_run or print_commands):
         raise click.UsageError("missing -o/--output (or pass --dry-run)")
     try:
