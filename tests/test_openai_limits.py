@@ -24,10 +24,14 @@ KEY = "sk-test-0123456789"
 
 @pytest.fixture(scope="module")
 def strict(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    server = start_server(tiny_engine_dir, tmp_path_factory.mktemp("openai-strict") / "run", "--api-key", KEY,
-                          "--max-batch-size", "1", "--max-queue-size", "1")
-    yield server
-    check_stopped_cleanly(server)
+    # The key from the environment (never a command-line value): the server inherits it, and so do
+    # this module's own Triton clients (LLMClient reads TRTPROMPT_API_KEY), which then need it too.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TRTPROMPT_API_KEY", KEY)
+        server = start_server(tiny_engine_dir, tmp_path_factory.mktemp("openai-strict") / "run",
+                              "--max-batch-size", "1", "--max-queue-size", "1")
+        yield server
+        check_stopped_cleanly(server)
 
 
 def send(served: Served, body: dict[str, Any], key: str | None = KEY) -> http.client.HTTPConnection:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -23,6 +24,24 @@ def main() -> None:
 
 def _fail(exc: Exception) -> click.ClickException:
     return click.ClickException(str(exc))
+
+
+def _refuse_key_value(_ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        raise click.UsageError("--api-key is gone: a key on the command line is readable by every local user "
+                               "(/proc/PID/cmdline). Set TRTPROMPT_API_KEY or pass --api-key-file PATH.")
+
+
+def _api_key_options(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--api-key-file (else $TRTPROMPT_API_KEY), and a removed --api-key that says what to use instead."""
+    def apply(command: Callable[..., Any]) -> Callable[..., Any]:
+        command = click.option("--api-key", is_flag=False, flag_value="", hidden=True, expose_value=False,
+                               callback=_refuse_key_value,
+                               help="Removed (visible in /proc): use TRTPROMPT_API_KEY or --api-key-file.")(command)
+        return click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path),
+                            help=f"File holding {what} (default: $TRTPROMPT_API_KEY; never a command-line "
+                                 "value). docs/security.md.")(command)
+    return apply
 
 
 @main.command()
@@ -177,8 +196,7 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
 @click.option("--max-request-bytes", type=click.IntRange(min=1),
               help="Largest OpenAI request body; larger is refused (413) before it is read "
                    "(default: the engine's max_input_len x 16 + 1 MiB).")
-@click.option("--api-key", envvar="TRTPROMPT_API_KEY", show_envvar=True,
-              help="Bearer key the OpenAI-compatible API requires (default: none required).")
+@_api_key_options("the API key every Triton API but health, and the OpenAI-compatible API, then require")
 @click.option("--repo-only", type=click.Path(path_type=Path), help="Write the model repository here and exit.")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path),
               help="Tokenizer dir (default: the engine's tokenizer/, or files beside a trtllm-build engine).")
@@ -191,21 +209,23 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
 @knob_options(SERVE_OPTIONS, serve=True)
 def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_port: int, openai_port: int,
           no_openai: bool, max_request_bytes: int | None,
-          api_key: str | None, repo_only: Path | None, tokenizer_dir: Path | None,
+          api_key_file: Path | None, repo_only: Path | None, tokenizer_dir: Path | None,
           run_dir: Path | None,
           ready_timeout: float, no_restart: bool, require_kv_reuse: bool, **overrides: Any) -> None:
     """Serve ENGINE_DIR behind a real tritonserver (TensorRT-LLM ensemble interface) and an OpenAI-compatible API."""
     from trtprompt.serve.launch.command import run_serve
     from trtprompt.serve.launch.launcher import Ports
-    from trtprompt.serve.launch.options import OpenAIOptions
+    from trtprompt.serve.launch.options import ApiKey, OpenAIOptions
 
     try:
-        openai = None if no_openai else OpenAIOptions(openai_port, api_key or None, max_request_bytes)
+        api_key = ApiKey.read(api_key_file, os.environ)
+        openai = None if no_openai else OpenAIOptions(openai_port, api_key.value if api_key else None,
+                                                        max_request_bytes)
         code = run_serve(engine_dir, overrides, Ports(host, grpc_port, http_port, metrics_port),
                          repo_only=repo_only, tokenizer=tokenizer_dir, run_dir=run_dir,
                          ready_timeout_s=ready_timeout,
                          restart=not no_restart, echo=lambda m: click.echo(m, err=True), openai=openai,
-                         require_kv_reuse=require_kv_reuse)
+                         api_key=api_key, require_kv_reuse=require_kv_reuse)
     except (UserError, ValueError) as exc:
         raise _fail(exc) from exc
     raise SystemExit(code)
@@ -220,12 +240,18 @@ def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_p
               help="Print tokens as they arrive (decoupled streaming) or the whole answer at the end.")
 @click.option("--temperature", type=float, help="0 (or unset top-k/top-p) is greedy.")
 @click.option("--json", "as_json", is_flag=True, help="Print the text and the perf-metric outputs as JSON.")
+@_api_key_options("the server's API key, sent as gRPC metadata")
 def infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool, temperature: float | None,
-          as_json: bool) -> None:
+          as_json: bool, api_key_file: Path | None) -> None:
     """Send PROMPT to a running server over gRPC and print the answer as it streams."""
     from trtprompt.serve.launch.command import run_infer
+    from trtprompt.serve.launch.options import ApiKey
 
-    raise SystemExit(run_infer(prompt, url, model, max_tokens, stream, temperature, as_json))
+    try:
+        api_key = ApiKey.read(api_key_file, os.environ)
+    except ValueError as exc:
+        raise _fail(exc) from exc
+    raise SystemExit(run_infer(prompt, url, model, max_tokens, stream, temperature, as_json, api_key))
 
 
 @main.command()

@@ -4,10 +4,14 @@ Decoupled models answer only through the streaming API, so every call here
 opens a stream (one per client object: tritonclient allows one), sends one
 request with enable_empty_final_response and collects responses until the
 one flagged final. Used by `trtprompt infer`, the benchmarks and the tests.
+
+A server started with an API key (docs/security.md) refuses every API but health
+without it; each client here sends it when given one or when TRTPROMPT_API_KEY is set.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 import uuid
@@ -25,10 +29,46 @@ NP_TO_TRITON = {np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64", np.dty
 PERF_OUTPUTS = tuple(name for name, *_ in interface.PERF_OUTPUTS)
 MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's 4 MiB default would refuse long prompts and whole outputs
 
+API_KEY_ENV = "TRTPROMPT_API_KEY"
+# The header Triton's restricted APIs check when `trtprompt serve` has a key, with the value
+# "Bearer KEY": what OpenAI clients send, so one key works alike on every port (docs/security.md).
+AUTH_HEADER = "authorization"
+# Triton 2.51 checks a restricted gRPC protocol's key under this prefix (measured: it answers
+# "expecting header 'triton-grpc-protocol-authorization'"); the prefix cannot be configured.
+GRPC_AUTH_HEADER = "triton-grpc-protocol-" + AUTH_HEADER
+
+
+def resolve_api_key(api_key: str | None) -> str | None:
+    """api_key, or with None the TRTPROMPT_API_KEY environment variable; "" (or an unset or
+    empty variable) means no key."""
+    key = os.environ.get(API_KEY_ENV, "") if api_key is None else api_key
+    return key.strip() or None
+
+
+def bearer(key: str) -> str:
+    return f"Bearer {key}"
+
+
+def http_auth_headers(api_key: str | None) -> dict[str, str]:
+    """Headers for Triton's HTTP API (tritonclient.http's headers=); empty without a key."""
+    return {AUTH_HEADER: bearer(api_key)} if api_key else {}
+
+
+def grpc_auth_metadata(api_key: str | None) -> dict[str, str]:
+    """Metadata for Triton's gRPC API (tritonclient.grpc's headers=); empty without a key."""
+    return {GRPC_AUTH_HEADER: bearer(api_key)} if api_key else {}
+
+
+def grpc_call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """grpc_auth_metadata as a raw gRPC call's metadata= (a stub call on aio_channel's channel)."""
+    return tuple(grpc_auth_metadata(api_key).items())
+
 
 def aio_channel(url: str) -> Any:
     """A grpc.aio channel to tritonserver and its inference stub; create both inside the event
-    loop that uses them (a grpc.aio channel belongs to the loop it was made in)."""
+    loop that uses them (a grpc.aio channel belongs to the loop it was made in). A server with an
+    API key wants grpc_call_metadata(key) as each call's metadata= (per call, not an interceptor:
+    grpc.aio's interceptors wrap every streamed response)."""
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
@@ -160,15 +200,20 @@ def token_inputs(input_ids: Sequence[int], max_tokens: int, streaming: bool = Tr
 
 
 class LLMClient:
-    """One gRPC connection and one stream; not thread-safe (make one per thread)."""
+    """One gRPC connection and one stream; not thread-safe (make one per thread).
 
-    def __init__(self, url: str = interface.DEFAULT_GRPC_URL) -> None:
+    api_key: sent with every call (None: $TRTPROMPT_API_KEY if set; "": none).
+    """
+
+    def __init__(self, url: str = interface.DEFAULT_GRPC_URL, api_key: str | None = None) -> None:
         import tritonclient.grpc as grpcclient
 
         self.url = url
+        self._headers = grpc_auth_metadata(resolve_api_key(api_key)) or None
         self._client = grpcclient.InferenceServerClient(url)
         self._queue: queue.SimpleQueue[tuple[Any, Any, float]] = queue.SimpleQueue()
-        self._client.start_stream(callback=lambda result, error: self._queue.put((result, error, time.perf_counter())))
+        self._client.start_stream(callback=lambda result, error: self._queue.put((result, error, time.perf_counter())),
+                                  headers=self._headers)
 
     def close(self, cancel: bool = False) -> None:
         self._client.stop_stream(cancel_requests=cancel)
@@ -180,7 +225,7 @@ class LLMClient:
 
     def declared_names(self, model: str) -> tuple[set[str], set[str]]:
         """The model's input and output names, from one metadata call."""
-        meta = self._client.get_model_metadata(model)
+        meta = self._client.get_model_metadata(model, headers=self._headers)
         return {t.name for t in meta.inputs}, {t.name for t in meta.outputs}
 
     def __enter__(self) -> "LLMClient":
@@ -201,14 +246,23 @@ class LLMClient:
         """
         import tritonclient.grpc as grpcclient
 
+        from tritonclient.utils import InferenceServerException
+
         result = StreamResult()
         t0 = time.perf_counter()
-        # The upstream layout's postprocessing keys its detokenizer by request id.
-        self._client.async_stream_infer(model, list(inputs), request_id=request_id or uuid.uuid4().hex,
-                                        enable_empty_final_response=True,
-                                        parameters=dict(parameters) if parameters else None,
-                                        outputs=None if outputs is None else
-                                        [grpcclient.InferRequestedOutput(name) for name in outputs])
+        try:
+            # The upstream layout's postprocessing keys its detokenizer by request id.
+            self._client.async_stream_infer(model, list(inputs), request_id=request_id or uuid.uuid4().hex,
+                                            enable_empty_final_response=True,
+                                            parameters=dict(parameters) if parameters else None,
+                                            outputs=None if outputs is None else
+                                            [grpcclient.InferRequestedOutput(name) for name in outputs])
+        except InferenceServerException:
+            # The stream ended before this request (Triton refused it, e.g. for want of the API key):
+            # tritonclient says only "no longer in valid state"; the reason is in the queue.
+            if not self._take_stream_error(result):
+                raise
+            return result
         deadline = t0 + timeout_s
         while not result.finished:
             remaining = deadline - time.perf_counter()
@@ -234,6 +288,21 @@ class LLMClient:
             if stop_after is not None and len(result.responses) >= stop_after:
                 break
         return result
+
+
+    def _take_stream_error(self, result: StreamResult, wait_s: float = 5.0) -> bool:
+        """Put the error that ended the stream into result; False if none comes within wait_s (tritonclient
+        marks the stream dead just before its callback queues the reason)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                _, err, _ = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return False
+            if err is not None:
+                result.error, result.finished = str(err), True
+                result.error_code = getattr(err, "status", lambda: None)()
+                return True
 
 
 def generate(url: str, prompt: str, max_tokens: int, model: str = "ensemble", stream: bool = True,

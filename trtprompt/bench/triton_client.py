@@ -17,17 +17,22 @@ import threading
 import time
 from typing import Any, AsyncIterator, Coroutine, Sequence, TypeVar
 
+import grpc
 from tritonclient.grpc import InferResult
 
-from trtprompt.client import StreamResult, aio_channel, stream_request
+from trtprompt.client import StreamResult, aio_channel, grpc_call_metadata, resolve_api_key, stream_request
 
 T = TypeVar("T")
 
 
 class SharedTritonChannel:
-    """Thread-safe: any number of threads call infer() at once, each blocking on its own request."""
+    """Thread-safe: any number of threads call infer() at once, each blocking on its own request.
 
-    def __init__(self, url: str) -> None:
+    api_key: sent with every request (None: $TRTPROMPT_API_KEY if set; "": none).
+    """
+
+    def __init__(self, url: str, api_key: str | None = None) -> None:
+        self._metadata = grpc_call_metadata(resolve_api_key(api_key))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="bench-grpc", daemon=True)
         self._thread.start()
@@ -75,12 +80,15 @@ class SharedTritonChannel:
             yield request
             await sent.wait()  # keep our side open until the last response arrived
 
-        call = self._stub.ModelStreamInfer(requests())
+        call = self._stub.ModelStreamInfer(requests(), metadata=self._metadata)
         try:
             async for response in call:
                 if _take(result, response, time.perf_counter() - t0):
                     return result
             result.error = "tritonserver closed the stream before the final response"
+            return result
+        except grpc.aio.AioRpcError as exc:  # the call itself refused (e.g. no API key) or broken
+            result.error, result.error_code, result.finished = exc.details() or str(exc.code()), str(exc.code()), True
             return result
         finally:
             sent.set()

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 from trtprompt.engine.engine_dir import LLMAPI_TARGET
 from trtprompt.serve.launch import kv_reuse
 from trtprompt.serve.launch.launcher import Ports, Server, serve_forever
-from trtprompt.serve.launch.options import EngineInfo, OpenAIOptions, resolve_options
+from trtprompt.serve.launch.options import ApiKey, EngineInfo, OpenAIOptions, resolve_options
 from trtprompt.serve.launch.repository import RepoContext, write_repository
 
 
@@ -19,12 +19,13 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
               repo_only: Path | None = None, tokenizer: Path | None = None, run_dir: Path | None = None,
               ready_timeout_s: float = 120.0, restart: bool = True,
               echo: Callable[[str], None] = print, openai: OpenAIOptions | None = None,
-              require_kv_reuse: bool = False) -> int:
+              api_key: ApiKey | None = None, require_kv_reuse: bool = False) -> int:
     """Serve ENGINE_DIR until SIGINT/SIGTERM; or, with repo_only, write the repository and return.
 
     require_kv_reuse: refuse an engine that cannot reuse KV blocks instead of warning (kv_reuse.py).
 
     openai: also run the OpenAI-compatible front end (trtprompt.serve.openai) on its port.
+    api_key: required by every Triton API but health and by the front end (docs/security.md).
     tokenizer: where the tokenizer is (default: the engine's own; see read_engine_dir).
 
     Raises ValueError for an engine or options that cannot be served.
@@ -40,7 +41,7 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
         from trtprompt.serve.launch.llmapi_launch import run_llmapi
 
         return run_llmapi(engine, options, ports, repo_only=repo_only, run_dir=run_dir,
-                          ready_timeout_s=ready_timeout_s, echo=echo, openai=openai)
+                          ready_timeout_s=ready_timeout_s, echo=echo, openai=openai, api_key=api_key)
     if repo_only is not None:
         root = Path(repo_only).resolve()
         path = write_repository(root, RepoContext(engine, options, str(root / "engine.sock")))
@@ -51,19 +52,27 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
     if engine.target == "trtllm":  # Triton's tensorrtllm backend, in the NGC container
         from trtprompt.serve.launch.trtllm_launch import serve_trtllm
 
+        if api_key is not None:  # fail closed: its launch command sets no restricted APIs
+            raise ValueError("an API key is not applied to the trtllm target's tritonserver yet: unset "
+                             "TRTPROMPT_API_KEY / --api-key-file, or put it behind a proxy that checks one "
+                             "(docs/security.md)")
+
         if openai is not None:
             echo(f"trtprompt serve: the OpenAI front end is not started for the trtllm target; run it beside "
                  f"tritonserver: python -m trtprompt.serve.openai {engine.path} --grpc-url "
                  f"{ports.local_host}:{ports.grpc} --host {ports.host} --port {openai.port}")
         return serve_trtllm(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s, echo=echo)
     server = Server(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s,
-                    restart_engine=restart, log=echo, openai=openai)
+                    restart_engine=restart, log=echo, openai=openai, api_key=api_key)
     return serve_forever(server)
 
 
 def run_infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool,
-              temperature: float | None, as_json: bool) -> int:
-    """Send one prompt; print text as it streams (or a JSON record). Returns the exit code."""
+              temperature: float | None, as_json: bool, api_key: ApiKey | None = None) -> int:
+    """Send one prompt; print text as it streams (or a JSON record). Returns the exit code.
+
+    api_key: the server's key (None: none sent).
+    """
     from trtprompt.client import PERF_OUTPUTS, LLMClient, text_inputs
 
     def show(out: Mapping[str, Any]) -> None:
@@ -74,13 +83,19 @@ def run_infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool,
 
     optional = dict(temperature=temperature, exclude_input_in_output=True, return_perf_metrics=as_json,
                     return_num_input_tokens=as_json, return_num_output_tokens=as_json)
-    with LLMClient(url) as client:
-        declared = client.input_names(model)
-        inputs = text_inputs(prompt, max_tokens, stream,
-                             **{k: v for k, v in optional.items() if k in declared})
-        result = client.infer(model, inputs, on_response=show, request_id=uuid.uuid4().hex)
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        with LLMClient(url, api_key.value if api_key is not None else "") as client:
+            declared = client.input_names(model)
+            inputs = text_inputs(prompt, max_tokens, stream,
+                                 **{k: v for k, v in optional.items() if k in declared})
+            result = client.infer(model, inputs, on_response=show, request_id=uuid.uuid4().hex)
+    except InferenceServerException as exc:  # the server unreachable, or refusing us
+        print(f"error: {exc}{_key_hint(str(exc), api_key)}", file=sys.stderr)
+        return 1
     if result.error:
-        print(f"\nerror: {result.error}", file=sys.stderr)
+        print(f"\nerror: {result.error}{_key_hint(result.error, api_key)}", file=sys.stderr)
         return 1
     if as_json:
         record = {"text": result.text, "model": model, "responses": len(result.responses),
@@ -91,3 +106,12 @@ def run_infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool,
     else:
         print()
     return 0
+
+
+def _key_hint(error: str, api_key: ApiKey | None) -> str:
+    """What to do when Triton refused the call for want of the right key."""
+    if "is restricted" not in error:  # Triton 2.51's words: "This protocol is restricted, expecting header"
+        return ""
+    if api_key is None:
+        return "\n(the server requires an API key: set TRTPROMPT_API_KEY or pass --api-key-file)"
+    return "\n(the server refused this API key)"

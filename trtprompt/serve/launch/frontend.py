@@ -26,12 +26,22 @@ class FrontendError(RuntimeError):
     """The front end did not come up; the message carries its log."""
 
 
+KEY_FILE = "openai.key"
+
+
 def _write_key(run_dir: Path, key: str) -> Path:
-    path = run_dir / "openai.key"
+    """The key for the front end's --api-key-file (never its command line): 0600 in the 0700 run dir,
+    removed once the front end has read it (remove_key)."""
+    path = run_dir / KEY_FILE
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(key)
     return path
+
+
+def remove_key(run_dir: Path) -> None:
+    """Unlink the key file, if any: the front end reads it once, before it answers /health."""
+    (run_dir / KEY_FILE).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,8 @@ def start_frontend(opts: OpenAIOptions, engine_dir: Path, host: str, local_host:
     except FrontendError:
         _kill(proc)
         raise
+    finally:
+        remove_key(run_dir)  # read (or never to be read): a key on disk only while it must be
     return proc
 
 

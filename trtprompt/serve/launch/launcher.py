@@ -5,11 +5,16 @@ nvidia-pytriton wheel, set up as docs/design.md ("Triton facts", CPU from pip) s
 a backend directory linking the wheel's Python backend and the stub for
 this Python, the venv's bin first on PATH, the interpreter's LIBDIR first
 on LD_LIBRARY_PATH.
+
+With an API key, every Triton API but health requires it (restricted_api_args;
+docs/security.md), and the python backend's shared memory is made the server
+user's alone (protect_shm).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -21,11 +26,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from trtprompt import interface as I
-from trtprompt.serve.launch.options import EngineInfo, OpenAIOptions, ServeOptions
-from trtprompt.serve.launch.process_group import remove_shm, stop_group
+from trtprompt.client import API_KEY_ENV, AUTH_HEADER, bearer
+from trtprompt.serve.launch.options import ApiKey, EngineInfo, OpenAIOptions, ServeOptions
+from trtprompt.serve.launch.process_group import SHM_DIR, remove_shm, stop_group
 from trtprompt.serve.launch.repository import RepoContext, write_repository
 from trtprompt.serve.ports import http_ok
 from trtprompt.serve.wire import protocol as P
@@ -33,6 +39,11 @@ from trtprompt.serve.wire.process import SOCKET_ENV
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[3]
 LOG_TAIL_LINES = 40
+# Every API group of Triton 2.51 that runs a model, reads or changes the server, or shows its
+# models (`tritonserver --help`); health stays open for load balancers and readiness probes
+# (ModelReady is in health too). Metrics are a separate port, not an API group: open.
+RESTRICTED_APIS = ("inference", "model-config", "model-repository", "metadata", "shared-memory",
+                   "statistics", "trace", "logging")
 
 
 class LaunchError(RuntimeError):
@@ -112,6 +123,7 @@ def child_env(install: TritonInstall, socket_path: str) -> dict[str, str]:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(PACKAGE_PARENT), env.get("PYTHONPATH", "")] if p)
     env[SOCKET_ENV] = socket_path
+    env.pop(API_KEY_ENV, None)  # only the front end needs it, and it is handed over explicitly
     if install.bundled:
         # Without it the stub loads the system libpython and every model fails.
         libdir = sysconfig.get_config_var("LIBDIR") or ""
@@ -119,8 +131,20 @@ def child_env(install: TritonInstall, socket_path: str) -> dict[str, str]:
     return env
 
 
+def restricted_api_args(key: ApiKey) -> list[str]:
+    """tritonserver's flags requiring `authorization: Bearer KEY` for RESTRICTED_APIS on both ports.
+
+    Triton 2.51 spells them --http-restricted-api and --grpc-restricted-protocol (it refuses
+    --grpc-restricted-api), takes each group at most once, splits at the first ':' and '=' (the
+    value may hold a space), and checks the gRPC key as metadata 'triton-grpc-protocol-authorization'.
+    The key is then on tritonserver's command line: docs/security.md, "Residual risks".
+    """
+    spec = f"{','.join(RESTRICTED_APIS)}:{AUTH_HEADER}={bearer(key.value)}"
+    return [f"--http-restricted-api={spec}", f"--grpc-restricted-protocol={spec}"]
+
+
 def triton_command(install: TritonInstall, repo: Path, ports: Ports, backend_dir: Path | None,
-                   shm_prefix: str | None = None) -> list[str]:
+                   shm_prefix: str | None = None, api_key: ApiKey | None = None) -> list[str]:
     cmd = [str(install.binary), f"--model-repository={repo}",
            f"--http-address={ports.host}", f"--http-port={ports.http}",
            f"--grpc-address={ports.host}", f"--grpc-port={ports.grpc}",
@@ -128,6 +152,8 @@ def triton_command(install: TritonInstall, repo: Path, ports: Ports, backend_dir
            "--exit-timeout-secs=10", "--log-verbose=0"]
     if shm_prefix:  # names the python backend's /dev/shm regions, so stop() can find leftovers
         cmd.append(f"--backend-config=python,shm-region-prefix-name={shm_prefix}")
+    if api_key is not None:
+        cmd += restricted_api_args(api_key)
     if install.bundled:
         cmd += [f"--backend-directory={backend_dir}", "--disable-auto-complete-config",
                 "--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false"]
@@ -181,15 +207,54 @@ def _die_with_parent() -> None:
         pass  # not Linux: a killed launcher may leave its children running
 
 
+def _child_setup() -> None:
+    """In the child, before exec: what it creates is its user's alone (the engine socket, any file a
+    stub writes), and it dies with the launcher. The python backend's /dev/shm regions ignore the
+    umask (measured with 2.51: still 0644 under umask 077; Boost fchmods them), hence protect_shm."""
+    os.umask(0o077)
+    _die_with_parent()
+
+
+SHM_MODE = 0o600
+
+
+def protect_shm(prefix: str) -> list[Path]:
+    """chmod 0600 this server's python-backend regions in /dev/shm, which hold requests' prompts and
+    outputs and are created 0644 (world-readable); returns those it changed. Called while tritonserver
+    starts and on every watch tick, as stubs (re)create their regions; docs/security.md says what
+    the window before it leaves."""
+    changed = []
+    for region in sorted(SHM_DIR.glob(f"{prefix}*")):
+        try:
+            if region.stat().st_mode & 0o777 != SHM_MODE:
+                region.chmod(SHM_MODE)
+                changed.append(region)
+        except FileNotFoundError:
+            continue  # unlinked meanwhile (a stub restarting, or shutdown)
+    return changed
+
+
+def server_key(api_key: ApiKey | None, openai: OpenAIOptions | None) -> ApiKey | None:
+    """The one key of a server: api_key, or the front end's (a front end with a key in front of an
+    open Triton would guard nothing). Two different keys are refused."""
+    front = ApiKey(openai.api_key) if openai is not None and openai.api_key is not None else None
+    if api_key is not None and front is not None and api_key != front:
+        raise ValueError("the OpenAI front end's API key differs from the server's: one key guards both")
+    return api_key or front
+
+
 class Server:
     """The engine process + tritonserver for one engine directory."""
 
     def __init__(self, engine: EngineInfo, options: ServeOptions, ports: Ports,
                  run_dir: Path | None = None, ready_timeout_s: float = 120.0,
                  restart_engine: bool = True, log: Callable[[str], None] = print,
-                 openai: OpenAIOptions | None = None) -> None:
+                 openai: OpenAIOptions | None = None, api_key: ApiKey | None = None) -> None:
         self.engine, self.options, self.ports = engine, options, ports
-        self.openai = openai  # the OpenAI front end (trtprompt.serve.openai), started after tritonserver
+        self.api_key = server_key(api_key, openai)  # None: every port open (docs/security.md)
+        # The OpenAI front end (trtprompt.serve.openai), started after tritonserver, with the same key.
+        self.openai = openai if openai is None or self.api_key is None else \
+            dataclasses.replace(openai, api_key=self.api_key.value)
         self.openai_proc: subprocess.Popen | None = None
         self.ready_timeout_s, self.restart_engine, self.log = ready_timeout_s, restart_engine, log
         self._own_run_dir = run_dir is None
@@ -217,11 +282,13 @@ class Server:
     def write_repository(self) -> Path:
         return write_repository(self.repo, RepoContext(self.engine, self.options, self.socket_path))
 
-    def _spawn(self, cmd: Sequence[str], log_path: Path) -> subprocess.Popen:
+    def _spawn(self, cmd: Sequence[str], log_path: Path,
+               extra_env: Mapping[str, str] | None = None) -> subprocess.Popen:
+        env = child_env(self.install, self.socket_path) | dict(extra_env or {})
         with open(log_path, "ab") as log_file:
             return subprocess.Popen(list(cmd), stdout=log_file, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=_die_with_parent, env=child_env(self.install, self.socket_path))
+                                    preexec_fn=_child_setup, env=env)
 
     def start_engine(self) -> None:
         # A restart is counted before it is started: the engine reports the count on /metrics.
@@ -244,16 +311,19 @@ class Server:
 
     def start_triton(self) -> None:
         backend_dir = make_backend_dir(self.run_dir) if self.install.bundled else None
-        cmd = triton_command(self.install, self.repo, self.ports, backend_dir, self.shm_prefix)
+        cmd = triton_command(self.install, self.repo, self.ports, backend_dir, self.shm_prefix, self.api_key)
         self.triton_proc = self._spawn(cmd, self.triton_log)
+        # Health (ModelReady included) stays open with a key: these probes need no header.
         base = f"http://{self.ports.local_host}:{self.ports.http}/v2"
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
+            protect_shm(self.shm_prefix)  # as soon as each stub has made its region
             if self.triton_proc.poll() is not None:
                 raise LaunchError(f"tritonserver exited with code {self.triton_proc.returncode}; "
                                   f"{self.triton_log}:\n{log_tail(self.triton_log)}")
             if http_ok(f"{base}/health/ready") and all(
                     http_ok(f"{base}/models/{m}/ready") for m in self.model_names()):
+                protect_shm(self.shm_prefix)
                 return
             time.sleep(0.2)
         raise LaunchError(f"tritonserver's models were not ready within {self.ready_timeout_s:.0f}s; "
@@ -266,9 +336,12 @@ class Server:
 
         # Fused layout: OpenAI requests skip tritonserver and the stub (docs/design.md, "Serving path").
         direct = DirectEngine(self.socket_path, self.engine.tokenizer_dir) if self.options.layout == "fused" else None
+        # The front end's Triton channel reads the key from its environment (to_triton.TritonEnsemble).
+        key_env = {API_KEY_ENV: self.api_key.value} if self.api_key is not None else {}
         try:
             self.openai_proc = start_frontend(self.openai, self.engine.path, self.ports.host, self.ports.local_host,
-                                              self.ports.grpc, self.run_dir, self._spawn, self.ready_timeout_s,
+                                              self.ports.grpc, self.run_dir,
+                                              lambda cmd, log: self._spawn(cmd, log, key_env), self.ready_timeout_s,
                                               direct)
         except FrontendError as exc:
             raise LaunchError(str(exc)) from None
@@ -292,7 +365,11 @@ class Server:
         return watch_children(self._stop, lambda: [
             (self.triton_proc, "tritonserver", self.triton_log),
             (self.openai_proc, "the OpenAI front end", self.run_dir / "openai.log")], 0.25, self.log,
-            self._restart_dead_engine)
+            self._tick)
+
+    def _tick(self) -> int | None:
+        protect_shm(self.shm_prefix)  # a restarted stub makes its region anew, 0644
+        return self._restart_dead_engine()
 
     def _restart_dead_engine(self) -> int | None:
         """None while the engine process runs (or was restarted); 1 if it cannot be."""
@@ -319,8 +396,11 @@ class Server:
         """Triton first (it drains the models), then the engine; no process of any child's group
         and no /dev/shm region of Triton's python backend is left; what had to be killed or
         removed is logged (trtprompt.serve.launch.process_group)."""
+        from trtprompt.serve.launch.frontend import remove_key
+
         self._stop.set()
         notes = stop_group(self.openai_proc, "the OpenAI front end", 10.0)
+        remove_key(self.run_dir)  # already gone once the front end started; not after a failed start
         notes += stop_group(self.triton_proc, "tritonserver", 20.0)
         notes += stop_group(self.engine_proc, "the engine process", 10.0)
         notes += remove_shm(self.shm_prefix)
@@ -340,22 +420,29 @@ def _cli_name() -> str:
     return rel if not rel.startswith("..") else str(exe)
 
 
-def serve_forever(server: Server) -> int:
-    """Run until SIGINT/SIGTERM (or a fatal failure); returns the exit code."""
+def ready_message(server: Server) -> str:
+    """What serve prints once everything answers: addresses, logs, a first command."""
     from trtprompt.serve.launch.frontend import banner as openai_banner
 
+    p = server.ports
+    lines = [f"trtprompt serve: ready (engine {server.engine.path.name}, layout {server.options.layout})",
+             f"  gRPC    {p.host}:{p.grpc}", f"  HTTP    {p.host}:{p.http}",
+             f"  metrics http://{p.local_host}:{p.metrics}/metrics", f"  logs    {server.run_dir}"]
+    if server.api_key is not None:
+        lines.append(f"  key     required on gRPC and HTTP but health (/metrics stays open); trtprompt's "
+                     f"clients read ${API_KEY_ENV} (docs/security.md)")
+    lines.append(f"  try:    {_cli_name()} infer \"Hello\" --url {p.local_host}:{p.grpc}")
+    if server.openai:
+        lines.append(openai_banner(server.openai, p.local_host, server.engine.path.name))
+    return "\n".join(lines)
+
+
+def serve_forever(server: Server) -> int:
+    """Run until SIGINT/SIGTERM (or a fatal failure); returns the exit code."""
     with stop_on_signals(server.request_stop):
         try:
             server.start()
-            p = server.ports
-            server.log(
-                f"trtprompt serve: ready (engine {server.engine.path.name}, layout {server.options.layout})\n"
-                f"  gRPC    {p.host}:{p.grpc}\n  HTTP    {p.host}:{p.http}\n"
-                f"  metrics http://{p.local_host}:{p.metrics}/metrics\n"
-                f"  logs    {server.run_dir}\n"
-                f"  try:    {_cli_name()} infer \"Hello\" --url {p.local_host}:{p.grpc}"
-                + (f"\n{openai_banner(server.openai, p.local_host, server.engine.path.name)}"
-                   if server.openai else ""))
+            server.log(ready_message(server))
             return server.watch()
         except LaunchError as exc:
             server.log(f"trtprompt serve: {exc}")

@@ -7,11 +7,13 @@ same values land in the model repository for either target.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from trtprompt import knobs, rules
 from trtprompt.engine.engine_dir import EngineDir
+from trtprompt.client import API_KEY_ENV
 from trtprompt.interface import OPENAI_PORT
 
 LAYOUTS = knobs.LAYOUTS
@@ -99,3 +101,36 @@ class OpenAIOptions:
         for name, port in others.items():
             if port == self.port:
                 raise ValueError(f"--openai-port {self.port} is already the {name} port; pick another")
+
+
+MAX_API_KEY_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """The one key of a server: Triton's HTTP and gRPC APIs (but health) and the OpenAI front end
+    require it (docs/security.md). Never on a command line: read() takes a file or the environment."""
+
+    value: str = field(repr=False)  # kept out of logs and tracebacks
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.value) <= MAX_API_KEY_CHARS:
+            raise ValueError(f"the API key must be 1 to {MAX_API_KEY_CHARS} characters, got {len(self.value)}")
+        # Visible ASCII only: it travels as an HTTP header and as gRPC metadata ("Bearer KEY").
+        if not all("!" <= c <= "~" for c in self.value):
+            raise ValueError("the API key must be printable ASCII without spaces (it is sent as a header)")
+
+    @classmethod
+    def read(cls, path: Path | None, env: Mapping[str, str]) -> "ApiKey | None":
+        """The key in path (surrounding whitespace dropped), else env's TRTPROMPT_API_KEY; None: no key
+        (an empty variable counts as unset; an empty file is refused)."""
+        if path is not None:
+            try:
+                text = Path(path).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read the API key file {path}: {exc}") from None
+            if not text:
+                raise ValueError(f"the API key file {path} is empty")
+            return cls(text)
+        value = env.get(API_KEY_ENV, "").strip()
+        return cls(value) if value else None

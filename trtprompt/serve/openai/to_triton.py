@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import InferInput, InferResult, service_pb2
 
-from trtprompt.client import aio_channel, stream_request, text_inputs
+from trtprompt.client import aio_channel, grpc_call_metadata, resolve_api_key, stream_request, text_inputs
 from trtprompt.engine.request import SamplingParams
 from trtprompt.serve.openai.errors import APIError, from_triton, unavailable
 from trtprompt.serve.openai.params import Generation
@@ -85,10 +85,15 @@ def _rpc_error(exc: grpc.aio.AioRpcError) -> APIError:
 
 
 class TritonEnsemble:
-    """The `ensemble` model of one tritonserver; create inside the running event loop."""
+    """The `ensemble` model of one tritonserver; create inside the running event loop.
 
-    def __init__(self, url: str, model: str = "ensemble") -> None:
+    api_key: Triton's key, sent with every call (None: $TRTPROMPT_API_KEY if set, which is how
+    `trtprompt serve` hands it to the front end; docs/security.md).
+    """
+
+    def __init__(self, url: str, model: str = "ensemble", api_key: str | None = None) -> None:
         self.model = model
+        self._metadata = grpc_call_metadata(resolve_api_key(api_key))
         self._channel, self._stub = aio_channel(url)
         self._inputs: frozenset[str] | None = None
         self._outputs: tuple[str, ...] = ()
@@ -98,7 +103,8 @@ class TritonEnsemble:
 
     async def ready(self) -> bool:
         try:
-            reply = await self._stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=2.0)
+            reply = await self._stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model), timeout=2.0,
+                                                metadata=self._metadata)
         except grpc.aio.AioRpcError:
             return False
         return bool(reply.ready)
@@ -108,7 +114,7 @@ class TritonEnsemble:
         if self._inputs is None:
             try:
                 meta = await self._stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=self.model),
-                                                      timeout=10.0)
+                                                      timeout=10.0, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
                 raise _rpc_error(exc) from None
             self._inputs = frozenset(t.name for t in meta.inputs)
@@ -144,7 +150,7 @@ class TritonEnsemble:
             yield request
             await finished.wait()  # keep our side open until the last response arrived
 
-        call = self._stub.ModelStreamInfer(requests())
+        call = self._stub.ModelStreamInfer(requests(), metadata=self._metadata)
         ended = False
         try:
             async for response in call:
