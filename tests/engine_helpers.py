@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from trtprompt.engine.config import EngineConfig, KvCacheConfig, ModelConfig, SchedulerConfig
+from trtprompt.engine.config import DEFAULT_ATTENTION_BACKEND, EngineConfig, KvCacheConfig, ModelConfig, SchedulerConfig
 from trtprompt.engine.engine import LLMEngine
 from trtprompt.engine.request import SamplingParams
 from trtprompt.engine.model import load_model_from_safetensors
@@ -60,7 +60,8 @@ def model_config(path: Path) -> ModelConfig:
 def make_engine(path: Path, *, reuse: bool = True, chunked: bool = True, max_num_tokens: int = 256,
                 policy: str = "guaranteed_no_evict", kv_tokens: int = 4096, tokens_per_block: int = 8,
                 max_batch_size: int = 8, max_seq_len: int = 256, max_queue_size: int | None = None,
-                linear_backend: str = "reference", attention_backend: str = "auto") -> LLMEngine:
+                linear_backend: str = "reference",
+                attention_backend: str = DEFAULT_ATTENTION_BACKEND) -> LLMEngine:
     mc = model_config(path)
     cfg = EngineConfig(
         model=mc,

@@ -23,8 +23,10 @@ MODEL_TYPES: Mapping[str, str] = MappingProxyType({
     "qwen3": "Qwen3ForCausalLM",
 })
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(MODEL_TYPES.values())
-# "auto": the compiled in-place kernel where it builds, else pure torch (attention.py).
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "compiled", "torch", "reference")
+# The one default (EngineConfig, the engine-dir loader, tests): the compiled in-place kernel
+# where it builds, else pure torch (attention.resolve_attention_backend).
+DEFAULT_ATTENTION_BACKEND = "auto"
 
 
 def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -34,8 +36,8 @@ def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-__all__ = ["CAPACITY_POLICIES", "ATTENTION_BACKENDS", "SUPPORTED_ARCHITECTURES", "ModelConfig", "KvCacheConfig",
-           "SchedulerConfig", "EngineConfig"]
+__all__ = ["CAPACITY_POLICIES", "ATTENTION_BACKENDS", "DEFAULT_ATTENTION_BACKEND", "SUPPORTED_ARCHITECTURES",
+           "ModelConfig", "KvCacheConfig", "SchedulerConfig", "EngineConfig"]
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ class EngineConfig:
     # "onednn" (prepacked weights, fast on CPU) or "reference" (plain F.linear).
     linear_backend: str = "onednn"
     # One of ATTENTION_BACKENDS; "reference" is the gather path tests compare with.
-    attention_backend: str = "auto"
+    attention_backend: str = DEFAULT_ATTENTION_BACKEND
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def kv_num_blocks(self, bytes_per_token: int) -> int:

@@ -13,7 +13,13 @@ from typing import Any, Mapping
 import torch
 
 from trtprompt import knobs, rules
-from trtprompt.engine.config import EngineConfig, KvCacheConfig, ModelConfig, SchedulerConfig
+from trtprompt.engine.config import (
+    DEFAULT_ATTENTION_BACKEND,
+    EngineConfig,
+    KvCacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from trtprompt.engine.engine_dir import EngineDir, read_engine_dir
 from trtprompt.errors import EngineDirError
 
@@ -88,5 +94,5 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
         kv_cache=kv, scheduler=sched,
         dtype=files.pretrained_config.get("dtype", "float32"), device=device,
         linear_backend=overrides.get("linear_backend") or "onednn",
-        attention_backend=overrides.get("attention_backend") or "auto",
+        attention_backend=overrides.get("attention_backend") or DEFAULT_ATTENTION_BACKEND,
     )

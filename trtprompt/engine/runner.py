@@ -18,12 +18,14 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 tokens_per_block: int, device: torch.device, attention_backend: str = "torch") -> None:
+                 tokens_per_block: int, device: torch.device, attention_backend: str) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.tokens_per_block = tokens_per_block
         self.device = device
-        self.attention_backend = attention_backend  # resolved: "compiled", "torch" or "reference"
+        # Resolved by the engine ("compiled", "torch" or "reference"; resolve_attention_backend), so no
+        # default here: the one default is config.DEFAULT_ATTENTION_BACKEND, which is not yet resolved.
+        self.attention_backend = attention_backend
         self.ops = layer_ops(attention_backend)
         if self.device.type == "cpu":  # activations live in host memory: keep their pages mapped
             log.info("host memory: %s", keep_freed_memory())
