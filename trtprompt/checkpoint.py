@@ -21,6 +21,8 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
     "generation_config.json",
 )
+# Written by trtprompt/gguf.py beside a checkpoint it converted (kept here: gguf.py imports this module).
+SOURCE_FILE = "trtprompt_source.json"
 PICKLE_SUFFIXES: tuple[str, ...] = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SAFETENSORS_DTYPES: dict[str, str] = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
@@ -33,10 +35,29 @@ class Checkpoint:
     weight_files: tuple[Path, ...]
     tokenizer_files: tuple[Path, ...]
     source_dtype: str
+    # SOURCE_FILE of a checkpoint converted from GGUF (trtprompt/gguf.py): model name, file, sha256.
+    origin: Mapping[str, Any] | None = None
 
     @property
     def architecture(self) -> str:
         return str(self.pretrained_config["architecture"])
+
+    @property
+    def model_name(self) -> str:
+        """What the model is called: the GGUF file's model name, else the checkpoint directory's name."""
+        return str(self.origin["model"]) if self.origin and self.origin.get("model") else self.path.name
+
+    def source_record(self) -> dict[str, Any]:
+        """trtprompt.json's `source`: what the engine was built from. A temporary conversion
+        (`trtprompt build MODEL.gguf`) names the GGUF file, as its directory is gone after the build."""
+        if self.origin and self.origin.get("temporary"):
+            return {"path": str(self.origin["gguf"]), "sha256": str(self.origin["sha256"]),
+                    "model": self.model_name, "format": "gguf"}
+        record: dict[str, Any] = {"path": str(self.path.resolve()), "sha256": checkpoint_sha256(self.path),
+                                  "model": self.model_name}
+        if self.origin:
+            record["converted_from"] = dict(self.origin)
+        return record
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -172,7 +193,9 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     tokenizer = tuple(root / n for n in TOKENIZER_FILES if (root / n).is_file())
     if not any(p.name in ("tokenizer.json", "tokenizer.model", "vocab.json") for p in tokenizer):
         raise CheckpointError(f"{root} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
-    return Checkpoint(root, cfg, pretrained, weights, tokenizer, _source_dtype(cfg, weights[0]))
+    origin_file = root / SOURCE_FILE
+    origin = _read_json(origin_file) if origin_file.is_file() else None
+    return Checkpoint(root, cfg, pretrained, weights, tokenizer, _source_dtype(cfg, weights[0]), origin)
 
 
 def iter_tensors(ckpt: Checkpoint) -> Iterator[tuple[str, Any]]:
