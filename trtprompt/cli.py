@@ -66,7 +66,8 @@ def _api_key_options(what: str) -> Callable[[Callable[..., Any]], Callable[..., 
 def build(checkpoint: Path, output: Path | None, profile: str | None, target: str, kv_budget_gib: float | None,
           dry_run: bool, force: bool, no_progress: bool, tp_size: int, pp_size: int, print_commands: bool,
           trtllm_api: str | None, **overrides: Any) -> None:
-    """Build an engine directory from a Hugging Face CHECKPOINT."""
+    """Build an engine directory from a Hugging Face CHECKPOINT directory, or a .gguf file (dequantized to
+    fp32 first; needs the gguf and accelerate packages, see docs/real-model.md)."""
     from trtprompt.build import BuildRequest, run_build
     from trtprompt.report import plan_table
 
