@@ -109,7 +109,7 @@ def banner(opts: OpenAIOptions, local_host: str, model: str) -> str:
     key = "os.environ['TRTPROMPT_API_KEY']" if opts.api_key else "'unused'"
     return (f"  OpenAI  {base}  (model {model!r}{', bearer key required' if opts.api_key else ''})\n"
             f"  curl:   curl {base}/chat/completions{auth} -H 'Content-Type: application/json' -d "
-            f"'{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
-            f"\"max_tokens\": 16}}'\n"
+            f"'{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+            f"\"What is the capital of France?\"}}], \"max_tokens\": 64, \"temperature\": 0}}'\n"
             f"  python: openai.OpenAI(base_url='{base}', api_key={key}).completions.create("
             f"model='{model}', prompt='Hello', max_tokens=16)")

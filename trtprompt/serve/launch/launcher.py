@@ -425,7 +425,9 @@ def ready_message(server: Server) -> str:
     from trtprompt.serve.launch.frontend import banner as openai_banner
 
     p = server.ports
-    lines = [f"trtprompt serve: ready (engine {server.engine.path.name}, layout {server.options.layout})",
+    model = server.engine.meta["source"].get("model")  # the model's own name (trtprompt.json), when known
+    lines = [f"trtprompt serve: ready (engine {server.engine.path.name}{f', model {model}' if model else ''}, "
+             f"layout {server.options.layout})",
              f"  gRPC    {p.host}:{p.grpc}", f"  HTTP    {p.host}:{p.http}",
              f"  metrics http://{p.local_host}:{p.metrics}/metrics", f"  logs    {server.run_dir}"]
     if server.api_key is not None:
