@@ -168,22 +168,22 @@ class PagedMetadata:
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for dec in self.decodes:
-            o, l = self._decode(q, kv_cache, dec, scale)
+            o, o_lse = self._decode(q, kv_cache, dec, scale)
             put_rows(out, dec.rows, dec.rows_start, o)
-            put_rows(lse, dec.rows, dec.rows_start, l)
+            put_rows(lse, dec.rows, dec.rows_start, o_lse)
         if self.small is not None:
-            rows, (o, l) = _small_chunks(q, k, v, self.small, scale)
+            rows, (o, o_lse) = _small_chunks(q, k, v, self.small, scale)
             put_rows(out, rows, self.small.rows_start, o)
-            put_rows(lse, rows, self.small.rows_start, l)
+            put_rows(lse, rows, self.small.rows_start, o_lse)
         for chunk in self.prefills:
             self._prefill(q, k, v, kv_cache, chunk, scale, out, lse)
         for group in self.groups:
             qg = q.index_select(0, group.rows)
             shared = attend_unmasked(qg, gather_blocks(kv_cache[0], group.block_ids),
                                      gather_blocks(kv_cache[1], group.block_ids), scale)
-            o, l = merge((out.index_select(0, group.rows), lse.index_select(0, group.rows)), shared)
+            o, o_lse = merge((out.index_select(0, group.rows), lse.index_select(0, group.rows)), shared)
             out.index_copy_(0, group.rows, o)
-            lse.index_copy_(0, group.rows, l)
+            lse.index_copy_(0, group.rows, o_lse)
         return out
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache, chunk: PrefillChunk,

@@ -12,10 +12,10 @@ import torch
 
 from trtprompt.engine.attention import allocate_kv_cache, log_attention_backend, resolve_attention_backend
 from trtprompt.engine.config import EngineConfig
+from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.engine.errors import DuplicateRequestError, QueueFullError
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.loader import engine_config, read_engine_files
-from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.engine.model import DecoderModel, load_model_from_safetensors
 from trtprompt.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from trtprompt.engine.runner import ModelRunner

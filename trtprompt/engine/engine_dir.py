@@ -69,7 +69,8 @@ class EngineDir:
 
     @property
     def built_by_trtprompt(self) -> bool:
-        return self.meta["source"].get("built_by") != BUILT_BY_TRTLLM
+        built_by: object = self.meta["source"].get("built_by")  # JSON: anything
+        return built_by != BUILT_BY_TRTLLM
 
     @property
     def plugin_config(self) -> Mapping[str, Any]:
@@ -90,11 +91,13 @@ class EngineDir:
 
     @property
     def runtime(self) -> Mapping[str, Any]:
-        return self.meta["runtime"]
+        runtime: Mapping[str, Any] = self.meta["runtime"]  # checked a mapping when read
+        return runtime
 
     @property
     def prompt(self) -> Mapping[str, Any]:
-        return self.meta["prompt"]
+        prompt: Mapping[str, Any] = self.meta["prompt"]  # checked a mapping when read
+        return prompt
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_pretrained_config(self.pretrained_config)

@@ -66,7 +66,8 @@ def kernel_fits(head_size: int, tokens_per_block: int, device: torch.device) -> 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [S, H, D], lse [S, H] float32) of one query token per sequence, read in place."""
-    return torch.ops.trtprompt.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out, lse = torch.ops.trtprompt.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return out, lse
 
 
 def main() -> None:

@@ -54,14 +54,17 @@ class CompiledOps:
             raise RuntimeError(f"compiled layer ops are unavailable: {why}")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return torch.ops.trtprompt.rms_norm(x.contiguous(), weight, eps)
+        out: torch.Tensor = torch.ops.trtprompt.rms_norm(x.contiguous(), weight, eps)
+        return out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return torch.ops.trtprompt.silu_and_mul(gate_up.contiguous())
+        out: torch.Tensor = torch.ops.trtprompt.silu_and_mul(gate_up.contiguous())
+        return out
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x may be a view of the fused qkv output (strided rows): the kernel reads it in place."""
-        return torch.ops.trtprompt.rotary(x, cos.squeeze(1), sin.squeeze(1))
+        out: torch.Tensor = torch.ops.trtprompt.rotary(x, cos.squeeze(1), sin.squeeze(1))
+        return out
 
 
 def layer_ops(attention_backend: str) -> LayerOps:

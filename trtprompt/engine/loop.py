@@ -23,9 +23,9 @@ from typing import Iterable, Iterator, Protocol, Sequence
 
 from trtprompt.engine.engine import EngineStats, LLMEngine
 from trtprompt.engine.errors import DuplicateRequestError, EngineRequestError, EngineStoppingError, QueueFullError
-from trtprompt.error_codes import ErrorCode
 from trtprompt.engine.request import FinishReason, RequestOutput, SamplingParams
 from trtprompt.engine.validation import ValidatedRequest
+from trtprompt.error_codes import ErrorCode
 
 log = logging.getLogger(__name__)
 

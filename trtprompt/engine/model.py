@@ -64,7 +64,8 @@ class Attention(torch.nn.Module):
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
         q, k = ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * d))
+        projected: torch.Tensor = self.o_proj(out.reshape(t, self.num_heads * d))
+        return projected
 
 
 class MLP(torch.nn.Module):
@@ -73,7 +74,9 @@ class MLP(torch.nn.Module):
         self.gate_up, self.down = gate_up, down
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        return self.down(ops.silu_and_mul(self.gate_up(x)))
+        gate_up: torch.Tensor = self.gate_up(x)
+        down: torch.Tensor = self.down(ops.silu_and_mul(gate_up))
+        return down
 
 
 class DecoderLayer(torch.nn.Module):
@@ -84,8 +87,10 @@ class DecoderLayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KvCache, ops: LayerOps) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x, ops), cos, sin, meta, kv_cache, ops)
-        return x + self.mlp(self.post_norm(x, ops), ops)
+        attended: torch.Tensor = self.attn(self.input_norm(x, ops), cos, sin, meta, kv_cache, ops)
+        x = x + attended
+        mixed: torch.Tensor = self.mlp(self.post_norm(x, ops), ops)
+        return x + mixed
 
 
 class DecoderModel(torch.nn.Module):
@@ -171,7 +176,8 @@ class DecoderModel(torch.nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv_cache, ops)
         x = self.norm(x.index_select(0, logits_indices), ops)
-        return self.lm_head(x).float()
+        logits: torch.Tensor = self.lm_head(x)
+        return logits.float()
 
 
 def load_model_from_safetensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from trtprompt.error_codes import ErrorCode, FieldError
+
+if TYPE_CHECKING:  # for one annotation only: nothing else here needs torch loaded
+    import torch
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,7 @@ class Request:
         self.stop_trim = 0  # tokens of a matched stop word removed from the output
         self.block_hashes: list[bytes] = []
         self.reserved_blocks = 0
-        self.generator: object | None = None
+        self.generator: torch.Generator | None = None  # the sampler's, seeded on first use
         self.stats = RequestStats(arrival_time_ns=arrival_time_ns)
 
     @property

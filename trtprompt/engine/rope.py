@@ -121,6 +121,8 @@ def rope_parameters(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(torch.nn.Module):
+    inv_freq: torch.Tensor  # a buffer (register_buffer), so it follows the module's device
+
     def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
         super().__init__()
         inv_freq, self.attention_scaling = rope_parameters(cfg)

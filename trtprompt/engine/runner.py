@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +15,16 @@ from trtprompt.engine.model import DecoderModel
 from trtprompt.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's packed model inputs."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # packed rows whose logits are sampled, in scheduling order
 
 
 class ModelRunner:
@@ -34,7 +45,7 @@ class ModelRunner:
         return build_attention_metadata(slices, self.tokens_per_block, self.device,
                                         self.attention_backend, self.model.dtype)
 
-    def prepare(self, out: SchedulerOutput, kv: KVCacheManager):
+    def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
         ids: list[int] = []
         positions: list[int] = []
         slices: list[SeqSlice] = []
@@ -47,13 +58,15 @@ class ModelRunner:
             if s.samples:
                 logits_rows.append(len(ids) - 1)
         dev = self.device
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev),
-                self.metadata(slices),
-                torch.tensor(logits_rows, dtype=torch.long, device=dev))
+        return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev),
+                          self.metadata(slices),
+                          torch.tensor(logits_rows, dtype=torch.long, device=dev))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
         """Logits [num sampling requests, vocab] in float32, in scheduling order."""
-        input_ids, positions, meta, rows = self.prepare(out, kv)
-        return self.model(input_ids, positions, meta, self.kv_caches, rows, self.ops)
+        step = self.prepare(out, kv)
+        logits: torch.Tensor = self.model(step.input_ids, step.positions, step.meta, self.kv_caches,
+                                          step.logits_rows, self.ops)  # nn.Module calls are typed Any
+        return logits

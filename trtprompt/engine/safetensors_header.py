@@ -24,6 +24,9 @@ def safetensors_header(path: Path) -> dict[str, Any]:
             size = int.from_bytes(f.read(8), "little")
             if size <= 0 or size > MAX_HEADER_BYTES:
                 raise ValueError(f"header size {size}")
-            return json.loads(f.read(size))
+            header = json.loads(f.read(size))
+            if not isinstance(header, dict):
+                raise ValueError(f"header is a JSON {type(header).__name__}, not an object")
+            return header
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path} is not a valid safetensors file: {exc}") from exc

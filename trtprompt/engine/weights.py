@@ -12,8 +12,6 @@ from typing import Mapping, Sequence
 
 import torch
 
-from trtprompt.engine.config import ModelConfig
-
 QUANT_ALGOS: tuple[str, ...] = ("W8A16",)
 
 
@@ -66,7 +64,10 @@ def take_linear(tensors: Mapping[str, torch.Tensor], name: str, shape: Sequence[
 def fuse_linears(parts: Sequence[LinearWeights]) -> LinearWeights:
     """One [sum(out), in] linear, so a layer runs one bigger GEMM instead of several small ones."""
     weight = torch.cat([p.weight for p in parts], dim=0)
-    scale = torch.cat([p.scale for p in parts]) if parts[0].scale is not None else None
+    scales = [p.scale for p in parts if p.scale is not None]
+    if scales and len(scales) != len(parts):
+        raise ValueError("fused linears must be all quantized or none")
+    scale = torch.cat(scales) if scales else None
     if all(p.bias is None for p in parts):
         return LinearWeights(weight, None, scale)
     ref = next(p.bias for p in parts if p.bias is not None)
