@@ -95,7 +95,7 @@ def stream_request(model: str, inputs: Sequence[Any], request_id: str, outputs: 
 class StreamResult:
     """Everything one streamed request returned."""
 
-    responses: list[dict[str, np.ndarray]] = field(default_factory=list)
+    responses: list[dict[str, np.ndarray[Any, Any]]] = field(default_factory=list)
     # Seconds from sending to each data response's arrival.
     times: list[float] = field(default_factory=list)
     error: str | None = None
@@ -130,12 +130,12 @@ class StreamResult:
         return self.times[0] if self.times else None
 
 
-def _text(arr: np.ndarray) -> str:
+def _text(arr: np.ndarray[Any, Any]) -> str:
     value = np.asarray(arr).reshape(-1)[0]
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def input_array(value: Any, dtype: Any = None) -> np.ndarray:
+def input_array(value: Any, dtype: Any = None) -> np.ndarray[Any, Any]:
     """One [1, ...] input value (batch of one), typed like the model config; text as BYTES."""
     if isinstance(value, (str, bytes)):
         return np.array([[value.encode("utf-8") if isinstance(value, str) else value]], dtype=object)
@@ -147,12 +147,12 @@ def input_array(value: Any, dtype: Any = None) -> np.ndarray:
     return arr.reshape(1, 1) if arr.ndim == 0 else arr
 
 
-def make_input(name: str, value: Any, dtype: str | None = None) -> Any:
+def make_input(name: str, value: Any, dtype: Any = None) -> Any:  # dtype: anything numpy's astype takes
     """One [1, ...] input (batch of one), typed like the model config."""
     return _infer_input(name, input_array(value, dtype))
 
 
-def _infer_input(name: str, arr: np.ndarray) -> Any:
+def _infer_input(name: str, arr: np.ndarray[Any, Any]) -> Any:
     import tritonclient.grpc as grpcclient
 
     inp = grpcclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype == object else NP_TO_TRITON[arr.dtype])
@@ -160,7 +160,8 @@ def _infer_input(name: str, arr: np.ndarray) -> Any:
     return inp
 
 
-def text_arrays(prompt: str | bytes, max_tokens: int, stream: bool = True, **optional: Any) -> dict[str, np.ndarray]:
+def text_arrays(prompt: str | bytes, max_tokens: int, stream: bool = True,
+                **optional: Any) -> dict[str, np.ndarray[Any, Any]]:
     """`ensemble`'s input arrays; optional names as TensorRT-LLM's ensemble has them (temperature=0.0, ...)."""
     types = {"temperature": np.float32, "top_p": np.float32, "length_penalty": np.float32,
              "repetition_penalty": np.float32, "presence_penalty": np.float32,
@@ -235,7 +236,7 @@ class LLMClient:
         self.close()
 
     def infer(self, model: str, inputs: Sequence[Any], timeout_s: float = 120.0,
-              on_response: Callable[[dict[str, np.ndarray]], None] | None = None,
+              on_response: Callable[[dict[str, np.ndarray[Any, Any]]], None] | None = None,
               stop_after: int | None = None, parameters: Mapping[str, Any] | None = None,
               request_id: str = "", outputs: Sequence[str] | None = None) -> StreamResult:
         """Send one request and collect its responses until the final one.
@@ -245,7 +246,6 @@ class LLMClient:
         outputs to return (None: all the model declares).
         """
         import tritonclient.grpc as grpcclient
-
         from tritonclient.utils import InferenceServerException
 
         result = StreamResult()
@@ -277,12 +277,12 @@ class LLMClient:
                 result.error_code = getattr(err, "status", lambda: None)()
                 break
             response = res.get_response()
-            outputs = {o.name: res.as_numpy(o.name) for o in response.outputs}
-            if outputs:
-                result.responses.append(outputs)
+            arrays = {o.name: res.as_numpy(o.name) for o in response.outputs}
+            if arrays:
+                result.responses.append(arrays)
                 result.times.append(at - t0)
                 if on_response is not None:
-                    on_response(outputs)
+                    on_response(arrays)
             final = response.parameters.get("triton_final_response")
             result.finished = bool(final and final.bool_param)
             if stop_after is not None and len(result.responses) >= stop_after:

@@ -30,6 +30,10 @@ DEFAULT_MAX_INPUT_LEN = 1024
 DEFAULT_MAX_NUM_TOKENS = 8192
 
 
+def _power_of_two(value: Any) -> bool:
+    return bool(value > 0 and value & (value - 1) == 0)
+
+
 @dataclass(frozen=True)
 class Knob:
     """One knob: what it is, what it may be, and who reads it."""
@@ -93,7 +97,7 @@ class Knob:
             return f"must be {self.allowed()}, got {value!r} ({type(value).__name__})"
         if self.choices and value not in self.choices:
             return f"must be {self.allowed()}, got {value!r}"
-        if not self._in_range(value) or (self.power_of_two and value & (value - 1)):
+        if not self._in_range(value) or (self.power_of_two and not _power_of_two(value)):
             return f"must be {self.allowed()}, got {value!r}"
         return None
 
@@ -101,7 +105,7 @@ class Knob:
         if self.low is None or self.high is None:
             return True
         above = self.low < value if self.low_open else self.low <= value
-        return above and value <= self.high
+        return bool(above and value <= self.high)
 
     def check(self, value: Any, qualified: bool = False, runtime: bool = False) -> Any:
         """value (an int given for a float knob becomes a float), or ValueError naming the knob."""
@@ -137,7 +141,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
        low=2, high=BIG, nullable=True, trtllm="max_seq_len", llmapi="max_seq_len"),
     _k("max_num_tokens", "build", int, None,
        f"Most tokens in one engine step (unset: {DEFAULT_MAX_NUM_TOKENS}, capped by the plan).",
-       trtllm="max_num_tokens", llmapi="max_num_tokens", lowerable=True, runtime_unset=True, engine=True, serve=True, **_TOKENS),
+       trtllm="max_num_tokens", llmapi="max_num_tokens", lowerable=True, runtime_unset=True, engine=True, serve=True,
+       **_TOKENS),
     _k("opt_num_tokens", "build", int, None, "Token count TensorRT tunes for (unset: max_batch_size x beam width).",
        trtllm="opt_num_tokens", **_TOKENS),
     _k("max_beam_width", "build", int, 1, "Most beams per request (the torch target: 1).", low=1, high=1024,

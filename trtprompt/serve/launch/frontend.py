@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from trtprompt.serve.launch.options import OpenAIOptions
 from trtprompt.serve.ports import http_ok
 
-Spawn = Callable[[Sequence[str], Path], subprocess.Popen]
+Spawn = Callable[[Sequence[str], Path], subprocess.Popen[bytes]]
 
 
 class FrontendError(RuntimeError):
@@ -65,7 +65,7 @@ def frontend_command(opts: OpenAIOptions, engine_dir: Path, grpc_url: str, host:
 
 def start_frontend(opts: OpenAIOptions, engine_dir: Path, host: str, local_host: str, grpc_port: int,
                    run_dir: Path, spawn: Spawn, timeout_s: float,
-                   direct: DirectEngine | None = None) -> subprocess.Popen:
+                   direct: DirectEngine | None = None) -> subprocess.Popen[bytes]:
     """Spawn the front end and wait until /health answers 200 (tritonserver or the engine must be ready)."""
     key_file = _write_key(run_dir, opts.api_key) if opts.api_key is not None else None
     log = run_dir / "openai.log"
@@ -80,7 +80,7 @@ def start_frontend(opts: OpenAIOptions, engine_dir: Path, host: str, local_host:
     return proc
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # spawned as its own process group
@@ -89,7 +89,7 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-def _wait_healthy(proc: subprocess.Popen, port: int, local_host: str, log: Path, timeout_s: float) -> None:
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int, local_host: str, log: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

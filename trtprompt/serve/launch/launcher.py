@@ -168,7 +168,7 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 # (process, what it is, its log): a child the watch loop ends the server for when it exits.
-Watched = tuple[subprocess.Popen | None, str, Path]
+Watched = tuple[subprocess.Popen[bytes] | None, str, Path]
 
 
 def watch_children(stop: threading.Event, children: Callable[[], Sequence[Watched]], period_s: float,
@@ -255,7 +255,7 @@ class Server:
         # The OpenAI front end (trtprompt.serve.openai), started after tritonserver, with the same key.
         self.openai = openai if openai is None or self.api_key is None else \
             dataclasses.replace(openai, api_key=self.api_key.value)
-        self.openai_proc: subprocess.Popen | None = None
+        self.openai_proc: subprocess.Popen[bytes] | None = None
         self.ready_timeout_s, self.restart_engine, self.log = ready_timeout_s, restart_engine, log
         self._own_run_dir = run_dir is None
         self.run_dir = Path(tempfile.mkdtemp(prefix="trtprompt-serve-")) if run_dir is None else Path(run_dir)
@@ -264,8 +264,8 @@ class Server:
         self.socket_path = str(self.run_dir / "engine.sock")
         self.repo = self.run_dir / "repository"
         self.install = TritonInstall.find()
-        self.engine_proc: subprocess.Popen | None = None
-        self.triton_proc: subprocess.Popen | None = None
+        self.engine_proc: subprocess.Popen[bytes] | None = None
+        self.triton_proc: subprocess.Popen[bytes] | None = None
         # Unique per server: what stop() unlinks from /dev/shm is only ever this server's.
         self.shm_prefix = f"trtprompt_{os.getpid()}_{self.run_dir.name.replace('-', '_')}_"
         self.engine_restarts = 0
@@ -283,7 +283,7 @@ class Server:
         return write_repository(self.repo, RepoContext(self.engine, self.options, self.socket_path))
 
     def _spawn(self, cmd: Sequence[str], log_path: Path,
-               extra_env: Mapping[str, str] | None = None) -> subprocess.Popen:
+               extra_env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         env = child_env(self.install, self.socket_path) | dict(extra_env or {})
         with open(log_path, "ab") as log_file:
             return subprocess.Popen(list(cmd), stdout=log_file, stderr=subprocess.STDOUT,

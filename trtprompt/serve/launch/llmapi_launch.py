@@ -19,8 +19,13 @@ from typing import TYPE_CHECKING, Callable
 
 from trtprompt.errors import TargetUnavailableError
 from trtprompt.serve.launch.launcher import LaunchError, Ports, stop_on_signals, watch_children
-from trtprompt.serve.launch.llmapi_repository import (LLMAPI_CONTAINER, PLACEHOLDER, find_llmapi_model,
-                                                      require_llmapi_model, write_llmapi_repository)
+from trtprompt.serve.launch.llmapi_repository import (
+    LLMAPI_CONTAINER,
+    PLACEHOLDER,
+    find_llmapi_model,
+    require_llmapi_model,
+    write_llmapi_repository,
+)
 from trtprompt.serve.launch.options import EngineInfo, OpenAIOptions, ServeOptions
 from trtprompt.serve.launch.trtllm_launch import TrtllmLaunchSpec, _stop, launch_command, wait_ready
 from trtprompt.targets.llmapi_build import default_trtllm_api

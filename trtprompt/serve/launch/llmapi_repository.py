@@ -42,7 +42,8 @@ LLMAPI_MODEL = Path("all_models") / "llmapi" / "tensorrt_llm"
 # before 1.0, triton_backend/ inside TensorRT-LLM since). Which of these a given NGC tag fills is not
 # verified here (no GPU container): MODEL_DIR_ENV names it exactly.
 SEARCH_ROOTS: tuple[Path, ...] = (Path("/app"), Path("/opt/tritonserver/tensorrtllm_backend"),
-                                  Path("/workspace/TensorRT-LLM/triton_backend"), Path("/opt/TensorRT-LLM/triton_backend"))
+                                  Path("/workspace/TensorRT-LLM/triton_backend"),
+                                  Path("/opt/TensorRT-LLM/triton_backend"))
 LLMAPI_CONTAINER = ("an nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 container with TensorRT-LLM >= 1.3 "
                     "(a tag newer than 26.05, which ships 1.2.1)")
 PLACEHOLDER = "MODEL_PY_FROM_CONTAINER.txt"

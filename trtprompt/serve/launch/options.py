@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from trtprompt import knobs, rules
-from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.client import API_KEY_ENV
+from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.interface import OPENAI_PORT
 
 LAYOUTS = knobs.LAYOUTS

@@ -79,7 +79,7 @@ def _wait_empty(pgid: int, seconds: float) -> list[int]:
     return left
 
 
-def stop_group(proc: subprocess.Popen | None, name: str, timeout_s: float,
+def stop_group(proc: subprocess.Popen[bytes] | None, name: str, timeout_s: float,
                grace_s: float = GROUP_GRACE_S) -> list[str]:
     """SIGTERM the group led by proc; SIGKILL it when the leader outlives timeout_s, or when any
     member outlives the leader by grace_s. Returns notes on what had to be killed."""

@@ -87,7 +87,7 @@ def launch_command(spec: TrtllmLaunchSpec) -> list[str]:
     return cmd
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM the launcher's process group (mpirun forwards it to the ranks), SIGKILL after 30 s."""
     for sig, wait in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 5.0)):
         if proc.poll() is not None:
@@ -102,7 +102,7 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def wait_ready(proc: subprocess.Popen, spec: TrtllmLaunchSpec, timeout_s: float, log_file: Path) -> None:
+def wait_ready(proc: subprocess.Popen[bytes], spec: TrtllmLaunchSpec, timeout_s: float, log_file: Path) -> None:
     url = f"http://{'127.0.0.1' if spec.host in ('0.0.0.0', '::') else spec.host}:{spec.http_port}/v2/health/ready"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

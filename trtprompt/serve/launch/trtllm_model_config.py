@@ -182,7 +182,7 @@ def config_text(p: TrtllmModelParams) -> str:
     text = text_format.MessageToString(cfg)
     if parse_config_text(text) != cfg:
         raise RuntimeError("tensorrt_llm/config.pbtxt does not round-trip through Triton's schema")
-    return text
+    return str(text)
 
 
 def write_model(repo: str | Path, p: TrtllmModelParams) -> Path:

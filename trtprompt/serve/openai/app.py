@@ -20,7 +20,7 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Protocol, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -46,7 +46,7 @@ class Source(Protocol):
 
     async def inputs_for(self, gen: Generation) -> Any: ...
 
-    def generate(self, prepared: Any) -> AsyncIterator[Piece]: ...
+    def generate(self, prepared: Any) -> AsyncGenerator[Piece, None]: ...
 
     async def close(self) -> None: ...
 
@@ -111,14 +111,14 @@ async def _generate(request: Request, kind: str) -> Response:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _collect(pieces: AsyncIterator[Piece]) -> R.Tally:
+async def _collect(pieces: AsyncGenerator[Piece, None]) -> R.Tally:
     tally = R.Tally()
     async for piece in pieces:
         tally.add(piece)
     return tally
 
 
-async def _first(pieces: AsyncIterator[Piece]) -> tuple[Piece | None]:
+async def _first(pieces: AsyncGenerator[Piece, None]) -> tuple[Piece | None]:
     """The first data response (in a 1-tuple, so None can mean "the client went away")."""
     try:
         return (await pieces.__anext__(),)
@@ -144,7 +144,7 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
     return None if task.cancelled() else task.result()
 
 
-async def _events(env: R.Envelope, gen: Generation, head: tuple[Piece | None], pieces: AsyncIterator[Piece],
+async def _events(env: R.Envelope, gen: Generation, head: tuple[Piece | None], pieces: AsyncGenerator[Piece, None],
                   tokens_per_block: int | None) -> AsyncIterator[bytes]:
     tally, (first,) = R.Tally(), head
     try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from trtprompt.engine.engine_dir import read_engine_dir
 from trtprompt.error_codes import RequestError, describe, tagged
@@ -76,11 +76,16 @@ class EnginePath:
             report_refused(refusal_reason(exc), self.socket)
             raise api_error_of(exc) from None
 
-    async def generate(self, req: TokenRequest) -> AsyncIterator[Piece]:
+    async def generate(self, req: TokenRequest) -> AsyncGenerator[Piece, None]:
         """Pieces until the final one; APIError on an error. Leaving early aborts the engine request."""
-        loop, entries = asyncio.get_running_loop(), asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        entries: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        def handle(entry: dict[str, Any]) -> None:  # on the engine client's reader thread
+            loop.call_soon_threadsafe(entries.put_nowait, entry)
+
         try:
-            rid = self.client.submit(req, lambda entry: loop.call_soon_threadsafe(entries.put_nowait, entry))
+            rid = self.client.submit(req, handle)
         except Exception as exc:  # noqa: BLE001 - engine unavailable or a refused submit
             raise api_error_of(exc) from None
         detok = self.tokenizer.stream(list(req.prompt_token_ids), skip_special_tokens=SKIP_SPECIAL_TOKENS)

@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Sequence
 
 import grpc
 import numpy as np
@@ -138,7 +138,7 @@ class TritonEnsemble:
         return text_inputs(gen.prompt or "", gen.max_tokens, gen.stream, stop_words=list(gen.stop) or None,
                            **{k: v for k, v in optional.items() if k in declared})
 
-    async def generate(self, inputs: Sequence[InferInput]) -> AsyncIterator[Piece]:
+    async def generate(self, inputs: Sequence[InferInput]) -> AsyncGenerator[Piece, None]:
         """Data responses of one request until its final one; APIError on an error.
 
         Closing the iterator early (the HTTP client went away) cancels the call.
