@@ -3,7 +3,7 @@ that runs the engine's linears (issue 11).
 
 oneDNN's is observed through its own verbose log (cache_hit / cache_miss per primitive
 created), in a fresh process each because the capacity is read once. ideep's LRU shows no
-per-call trace; its effect on RSS is in BENCHMARKS.md "Soak"."""
+per-call trace; its effect on RSS is in docs/benchmarks-history.md "Soak (issue 11)"."""
 
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ Parts = tuple[torch.Tensor, torch.Tensor]  # (out [n, heads, d], lse [n, heads] 
 # call replaces a parallel region per chunk. On a quiet machine that saves little
 # (a [1, 8, 32, 64] flash call takes ~60 us); when the cores are shared (a served
 # engine beside Triton and its clients) each region waits for a descheduled thread,
-# and 63 suffix chunks took 12.9 s per step instead of 3.7 s (BENCHMARKS.md).
+# and 63 suffix chunks took 12.9 s per step instead of 3.7 s (docs/benchmarks-history.md,
+# "Engine attention: in-place paged decode, cascade over shared prefixes").
 SMALL_CHUNK_TOKENS = 128
 
 

@@ -22,9 +22,9 @@ ONEDNN_BATCH_HINT = 32
 # every step: oneDNN's primitive cache (default 1,024 primitives) and, above it, ideep's LRU
 # of per-shape computations that torch's _linear_pointwise goes through (LRU_CACHE_CAPACITY,
 # default 1,024). Unbounded by use, they made the engine's RSS climb for many rounds of varied
-# load (issue 11; BENCHMARKS.md "Soak" has the rounds with each cap). The caps keep a working
-# set (the few token counts of neighbouring steps) and bound the rest. An operator's own
-# values win.
+# load (issue 11; docs/benchmarks-history.md "Soak (issue 11)" has the rounds with each cap).
+# The caps keep a working set (the few token counts of neighbouring steps) and bound the rest.
+# An operator's own values win.
 ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 ONEDNN_CACHE_CAPACITY = 256
 IDEEP_CACHE_ENV = "LRU_CACHE_CAPACITY"

@@ -190,7 +190,7 @@ async def _internal_error(_request: Request, exc: Exception) -> Response:
 
 def _source(cfg: FrontendConfig) -> Source:
     if cfg.engine_socket is None:
-        return TritonEnsemble(cfg.grpc_url, cfg.triton_model)
+        return TritonEnsemble(cfg.grpc_url, cfg.triton_model, cfg.api_key or "")
     from trtprompt.serve.openai.to_engine import EnginePath  # loads the tokenizer
 
     return EnginePath(cfg.engine_socket, cfg.engine_dir, cfg.tokenizer_dir)

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # gRPC's aio poller is a thread of its own: with Python's default 5 ms switch interval every
     # streamed token could wait that long for the GIL (as in the python-backend stub; measured in
-    # BENCHMARKS.md, "OpenAI front end").
+    # docs/benchmarks-history.md, "OpenAI-compatible front end vs Triton gRPC").
     prefer_quick_thread_switches()
     import uvicorn
 
