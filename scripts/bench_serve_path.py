@@ -51,7 +51,7 @@ def cpu_s(pid: int) -> float:
 
 def role(pid: int) -> str:
     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    if "engine_server" in cmd:
+    if "trtprompt.serve.engine_process" in cmd or "engine_server" in cmd:  # its module name since issue 21, and before
         return "engine process"
     if "triton_python_backend_stub" in cmd:
         model = re.search(r"/([^/ ]+)/\d+/model\.py", cmd)
