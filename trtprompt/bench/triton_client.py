@@ -88,7 +88,11 @@ class SharedTritonChannel:
             result.error = "tritonserver closed the stream before the final response"
             return result
         except grpc.aio.AioRpcError as exc:  # the call itself refused (e.g. no API key) or broken
-            result.error, result.error_code, result.finished = exc.details() or str(exc.code()), str(exc.code()), True
+            # A refusal that races our request's write surfaces as INTERNAL "Internal error from Core";
+            # the call's own status still holds what the server said.
+            code, details = await call.code(), await call.details()
+            result.error = details or exc.details() or str(code or exc.code())
+            result.error_code, result.finished = str(code or exc.code()), True
             return result
         finally:
             sent.set()
