@@ -72,11 +72,14 @@ $(REAL_ENGINE)/config.json: $(REAL_STAMP)
 
 real-engine: $(REAL_ENGINE)/config.json
 
-# The type check (pyproject.toml's [tool.mypy]: the whole package, the engine strictly) and the
-# engine's lint run first (mypy's first run takes about a minute, later ones seconds); a finding fails.
+# The type check (pyproject.toml's [tool.mypy]: the whole package; the engine, the serving edge, the
+# client and the knob registry strictly) and the lint of those run first (mypy's first run takes about a
+# minute, later ones seconds); a finding fails.
+LINTED := trtprompt/engine trtprompt/serve trtprompt/client.py trtprompt/interface.py trtprompt/error_codes.py \
+          trtprompt/knobs.py tests/test_imports.py tests/test_serve_layout.py
 test: $(STAMP) $(REAL_STAMP)
 	$(VENV)/bin/mypy
-	$(VENV)/bin/ruff check trtprompt/engine tests/test_imports.py
+	$(VENV)/bin/ruff check $(LINTED)
 	$(PY) -m pytest -q
 
 serve: real-engine

@@ -24,6 +24,8 @@ import numpy as np
 
 from trtprompt.error_codes import BadRequestError
 from trtprompt.serve.triton_models import inputs
+from trtprompt.serve.triton_models.inputs import Array
+from trtprompt.serve.wire.requests import check_text_or_messages
 
 # client input -> (llmapi model input, numpy dtype); each [1] per request.
 SAMPLING: dict[str, tuple[str, str]] = {
@@ -66,7 +68,7 @@ class EdgeResult:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
-def _max_tokens(tensors: Mapping[str, np.ndarray]) -> int:
+def _max_tokens(tensors: Mapping[str, Array]) -> int:
     value = inputs.scalar(tensors, "max_tokens", 0, int)
     if value is None:
         raise BadRequestError("input 'max_tokens' is required", "max_tokens")
@@ -75,7 +77,7 @@ def _max_tokens(tensors: Mapping[str, np.ndarray]) -> int:
     return int(value)
 
 
-def _sampling(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[Any, str]]:
+def _sampling(tensors: Mapping[str, Array]) -> dict[str, tuple[Any, str]]:
     out: dict[str, tuple[Any, str]] = {}
     for name, (target, dtype) in SAMPLING.items():
         value = inputs.scalar(tensors, name, 0, lambda v: v)
@@ -84,7 +86,7 @@ def _sampling(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[Any, str]]:
     return out
 
 
-def edge_request(tensors: Mapping[str, np.ndarray], prepare: Callable[..., Any],
+def edge_request(tensors: Mapping[str, Array], prepare: Callable[..., Any],
                  decode: Callable[[list[int]], str]) -> EdgeResult:
     """One client request (batch of 1) -> what the llmapi model gets. prepare is PromptEdge.prepare
     (bounds, overflow policy, chat window, salt requirement); decode turns kept ids back into text."""
@@ -92,7 +94,7 @@ def edge_request(tensors: Mapping[str, np.ndarray], prepare: Callable[..., Any],
         raise BadRequestError("the llmapi layout takes one request per call (batch size 1)")
     text = inputs.text_scalar(tensors, "text_input", 0) or ""
     messages, overflow, salt = (inputs.text_scalar(tensors, n, 0) for n in ("messages", "overflow", "cache_salt"))
-    inputs.check_text_or_messages(text, messages)
+    check_text_or_messages(text, messages)
     if salt:
         raise BadRequestError(SALT_REFUSAL, "cache_salt")
     max_tokens = _max_tokens(tensors)
@@ -103,7 +105,7 @@ def edge_request(tensors: Mapping[str, np.ndarray], prepare: Callable[..., Any],
                       _sampling(tensors))
 
 
-def llmapi_inputs(result: EdgeResult) -> dict[str, np.ndarray]:
+def llmapi_inputs(result: EdgeResult) -> dict[str, Array]:
     """The llmapi model's input tensors (its max_batch_size is 0: no batch dimension)."""
     tensors = {"text_input": np.array([result.text.encode("utf-8")], dtype=object),
                "streaming": np.array([result.stream], dtype=bool),
@@ -120,10 +122,10 @@ def core_outputs(wanted: frozenset[str]) -> list[str]:
     return [source for source, name in OUTPUT_NAMES.items() if name == "text_output" or name in wanted]
 
 
-def ensemble_outputs(llmapi: Mapping[str, np.ndarray], wanted: frozenset[str]) -> dict[str, np.ndarray]:
+def ensemble_outputs(llmapi: Mapping[str, Array], wanted: frozenset[str]) -> dict[str, Array]:
     """The llmapi model's outputs under the ensemble's names, shaped [1, ...] (one request), for the
     outputs the client asked for (an empty `wanted`: text_output only)."""
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, Array] = {}
     for source, name in OUTPUT_NAMES.items():
         if source in llmapi and (name in wanted or name == "text_output"):
             out[name] = np.asarray(llmapi[source]).reshape(1, -1)

@@ -26,12 +26,14 @@ from trtprompt.prompt.edge import PromptEdge, engine_dir_limits
 from trtprompt.serve import metrics_catalog as C
 from trtprompt.serve.triton_models import inputs
 from trtprompt.serve.triton_models import stub as io
+from trtprompt.serve.triton_models.inputs import Array
 from trtprompt.serve.triton_models.perf_observations import COUNTERS, TIMING_KEYS, FirstSeen, observation
 from trtprompt.serve.wire.refusals import refusal_reason, report_refused
+from trtprompt.serve.wire.requests import check_text_or_messages
 from trtprompt.tokenizer import StreamDetokenizer, Tokenizer
 
 
-def words_tensor(words: list[list[int]]) -> np.ndarray:
+def words_tensor(words: list[list[int]]) -> Array:
     """TensorRT-LLM's [2, L] words list (ids, end offsets), padded to L >= 1."""
     ids = [t for w in words for t in w]
     offsets = list(np.cumsum([len(w) for w in words])) if words else []
@@ -74,12 +76,12 @@ class PreprocessingModel:
                 report_refused(refusal_reason(exc))
         return responses
 
-    def _row(self, tensors: dict[str, np.ndarray], i: int) -> dict[str, Any]:
+    def _row(self, tensors: dict[str, Array], i: int) -> dict[str, Any]:
         tok = self.tokenizer
         text = inputs.text_scalar(tensors, "QUERY", i, "text_input") or ""
         messages, overflow, salt = (inputs.text_scalar(tensors, name.upper(), i, name)
                                     for name in ("messages", "overflow", "cache_salt"))
-        inputs.check_text_or_messages(text, messages)
+        check_text_or_messages(text, messages)
         if salt and not self.salt_reaches_core:
             raise BadRequestError("input 'cache_salt' cannot be honoured: Triton's tensorrtllm backend has no "
                                   "per-request cache salt input, so KV blocks could not be kept apart", "cache_salt")
@@ -97,14 +99,14 @@ class PreprocessingModel:
                 "end_id": eos if end_id is None else end_id,
                 "pad_id": (tok.pad_token_id if tok.pad_token_id is not None else eos) if pad_id is None else pad_id}
 
-    def _outputs(self, tensors: dict[str, np.ndarray]) -> list[Any]:
+    def _outputs(self, tensors: dict[str, Array]) -> list[Any]:
         rows = [self._row(tensors, i) for i in range(inputs.batch_size(tensors, "QUERY"))]
         width = max(len(r["ids"]) for r in rows)
         ids = np.full((len(rows), width), rows[0]["pad_id"], dtype=np.int32)
         for i, r in enumerate(rows):
             ids[i, :len(r["ids"])] = r["ids"]
 
-        def stack(key: str) -> np.ndarray:
+        def stack(key: str) -> Array:
             w = max(r[key].shape[1] for r in rows)
             out = np.zeros((len(rows), 2, w), dtype=np.int32)
             out[:, 1, :] = -1
@@ -112,7 +114,9 @@ class PreprocessingModel:
                 out[i, :, :r[key].shape[1]] = r[key]
             return out
 
-        col = lambda key, dtype: np.array([[r[key]] for r in rows], dtype=dtype)  # noqa: E731
+        def col(key: str, dtype: type[np.int32]) -> Array:
+            return np.array([[r[key]] for r in rows], dtype=dtype)
+
         return [pb_utils.Tensor("INPUT_ID", ids),
                 pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[len(r["ids"])] for r in rows], dtype=np.int32)),
                 pb_utils.Tensor("REQUEST_OUTPUT_LEN", col("out_len", np.int32)),
@@ -123,7 +127,7 @@ class PreprocessingModel:
                 pb_utils.Tensor("PROMPT_TRUNCATED_TOKENS", col("truncated", np.int32)),
                 pb_utils.Tensor("DROPPED_TURNS", col("dropped", np.int32))] + self._perf_flag(tensors, len(rows))
 
-    def _perf_flag(self, tensors: dict[str, np.ndarray], n: int) -> list[Any]:
+    def _perf_flag(self, tensors: dict[str, Array], n: int) -> list[Any]:
         """RETURN_PERF_METRICS for the core where declared: forced true, else the client's (default false)."""
         if not self.perf_flag:
             return []
@@ -171,7 +175,7 @@ class PostprocessingModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=io.error_for(exc)))
         return responses
 
-    def _text(self, tensors: dict[str, np.ndarray], i: int, key: str) -> str:
+    def _text(self, tensors: dict[str, Array], i: int, key: str) -> str:
         length = int(np.asarray(tensors["SEQUENCE_LENGTH"][i]).reshape(-1)[0])
         tokens = [int(t) for t in np.asarray(tensors["TOKENS_BATCH"][i]).reshape(-1)[:length]]
         if not key:
@@ -211,7 +215,7 @@ class RequestMetrics:
         self.families.append(family)
         return family.Metric(labels={}, buckets=buckets) if buckets else family.Metric(labels={})
 
-    def observe_batch(self, tensors: dict[str, np.ndarray], request_id: str, n: int) -> None:
+    def observe_batch(self, tensors: dict[str, Array], request_id: str, n: int) -> None:
         """Observe each row whose perf outputs came (never fails the response it rides on)."""
         try:
             for i in range(n):

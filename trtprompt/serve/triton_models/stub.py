@@ -44,7 +44,7 @@ def param_bool(params: Mapping[str, str], key: str, default: bool) -> bool:
     return default if not value else value in ("true", "1", "yes")
 
 
-def read_inputs(request: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
+def read_inputs(request: Any, names: Iterable[str]) -> dict[str, np.ndarray[Any, Any]]:
     """Copy the request's present inputs out as numpy arrays."""
     tensors = {}
     for name in names:

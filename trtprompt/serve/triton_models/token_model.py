@@ -16,6 +16,7 @@ import triton_python_backend_utils as pb_utils
 from trtprompt.knobs import KNOBS
 from trtprompt.serve.triton_models import inputs
 from trtprompt.serve.triton_models import stub as io
+from trtprompt.serve.triton_models.inputs import Array
 from trtprompt.serve.triton_models.metrics_publisher import MetricsPublisher
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
@@ -62,7 +63,7 @@ def _echo(tensors: dict[str, Any], i: int) -> dict[str, int]:
     return {name: value for name, value in values.items() if value is not None}
 
 
-def _ids_array(ids: list[int]) -> np.ndarray:
+def _ids_array(ids: list[int]) -> Array:
     # [batch=1, beam=1, tokens]; reshape keeps the shape right when empty.
     return np.asarray(ids, dtype=np.int32).reshape(1, 1, len(ids))
 

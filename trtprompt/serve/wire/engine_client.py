@@ -1,4 +1,4 @@
-"""The client side of the engine protocol (Triton stubs and the OpenAI front end): one multiplexed connection, one reader.
+"""The client side of the engine protocol (Triton stubs and the OpenAI front end): one connection, one reader.
 
 A Python-backend stub (one per model instance) holds ONE `EngineClient`: a
 connection to the engine process that every request of the stub shares.

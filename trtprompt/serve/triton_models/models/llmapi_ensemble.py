@@ -11,13 +11,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtprompt.engine.engine_dir import read_engine_dir
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.edge import PromptEdge, engine_dir_limits
 from trtprompt.serve.triton_models import stub as io
+from trtprompt.serve.triton_models.inputs import Array
 from trtprompt.serve.triton_models.llmapi_edge import core_outputs, edge_request, ensemble_outputs, llmapi_inputs
 from trtprompt.tokenizer import Tokenizer
 
@@ -43,7 +43,7 @@ class TritonPythonModel:
                              daemon=True).start()
         return None
 
-    def _handle(self, tensors: dict[str, np.ndarray], wanted: frozenset[str], sender: Any) -> None:
+    def _handle(self, tensors: dict[str, Array], wanted: frozenset[str], sender: Any) -> None:
         try:
             result = edge_request(tensors, self.edge.prepare, self.tokenizer.decode)
             core = pb_utils.InferenceRequest(
