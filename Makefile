@@ -30,6 +30,13 @@ $(STAMP): pyproject.toml
 	command -v prometheus >/dev/null || ! command -v apt-get >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } || \
 	  echo "make install: could not apt-get install prometheus (root needed); the Prometheus test will be skipped"
+	# A real Redis for the remote KV tier's tests (tests/test_tier_redis*.py start their own on a free port;
+	# skipped without it) and for trying `serve --kv-remote-url` locally: Debian's redis-server where apt
+	# exists (on a systemd host its package also starts one on 127.0.0.1:6379); elsewhere say so and go on.
+	command -v redis-server >/dev/null || \
+	  { command -v apt-get >/dev/null && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; } || \
+	  echo "make install: redis-server not installed (apt-get as root needed); the Redis tier tests will be skipped"
 	touch $(STAMP)
 
 install: $(STAMP)
