@@ -11,14 +11,12 @@ TensorRT-LLM missing or older than 1.3.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import tempfile
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from trtprompt.errors import TargetUnavailableError
-from trtprompt.serve.launch.launcher import LaunchError, Ports, stop_on_signals, watch_children
+from trtprompt.serve.launch.launcher import Ports
 from trtprompt.serve.launch.llmapi_repository import (
     LLMAPI_CONTAINER,
     PLACEHOLDER,
@@ -27,7 +25,7 @@ from trtprompt.serve.launch.llmapi_repository import (
     write_llmapi_repository,
 )
 from trtprompt.serve.launch.options import EngineInfo, OpenAIOptions, ServeOptions
-from trtprompt.serve.launch.trtllm_launch import TrtllmLaunchSpec, _stop, launch_command, wait_ready
+from trtprompt.serve.launch.trtllm_launch import TrtllmLaunchSpec, run_tritonserver
 from trtprompt.targets.llmapi_build import default_trtllm_api
 from trtprompt.targets.trtllm_checks import installed_trtllm_version
 
@@ -57,24 +55,7 @@ def serve_llmapi(engine: EngineInfo, options: ServeOptions, ports: Ports, run_di
     repo = write_llmapi_repository(run / "repository", engine, options, found)
     spec = TrtllmLaunchSpec(repo, 1, server, host=ports.host, http_port=ports.http, grpc_port=ports.grpc,
                             metrics_port=ports.metrics)
-    log_file = run / "tritonserver.log"
-    stop = threading.Event()
-    with stop_on_signals(stop.set):
-        with log_file.open("ab") as log:
-            proc = subprocess.Popen(launch_command(spec), stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        try:
-            wait_ready(proc, spec, ready_timeout_s, log_file)
-            echo(f"trtprompt serve: ready (LLM API, {engine.path.name})\n  gRPC {ports.host}:{ports.grpc}  "
-                 f"HTTP {ports.host}:{ports.http}  metrics http://{ports.host}:{ports.metrics}/metrics\n"
-                 f"  logs {log_file}")
-            return watch_children(stop, lambda: [(proc, "tritonserver", log_file)], 1.0,
-                                  lambda note: echo(f"trtprompt serve: {note}"))
-        except LaunchError as exc:
-            echo(f"trtprompt serve: {exc}")
-            return 1
-        finally:
-            _stop(proc)
+    return run_tritonserver(spec, run / "tritonserver.log", ready_timeout_s, f"LLM API, {engine.path.name}", echo)
 
 
 def run_llmapi(engine: EngineInfo, options: ServeOptions, ports: Ports, *, repo_only: Path | None,

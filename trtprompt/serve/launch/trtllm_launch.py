@@ -116,6 +116,31 @@ def wait_ready(proc: subprocess.Popen[bytes], spec: TrtllmLaunchSpec, timeout_s:
                       f"raise --ready-timeout); last log lines:\n{log_tail(log_file)}")
 
 
+def run_tritonserver(spec: TrtllmLaunchSpec, log_file: Path, ready_timeout_s: float, what: str,
+                     echo: Callable[[str], None]) -> int:
+    """Start tritonserver on spec, say it is ready (serving `what`), and watch it until SIGINT/SIGTERM.
+
+    The trtllm and llmapi targets share it: their tritonserver runs TensorRT-LLM's own models, so
+    nothing of trtprompt's runs beside it (the torch target's launcher.py starts more processes).
+    """
+    stop = threading.Event()
+    with stop_on_signals(stop.set):
+        with log_file.open("ab") as log:
+            proc = subprocess.Popen(launch_command(spec), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            wait_ready(proc, spec, ready_timeout_s, log_file)
+            echo(f"trtprompt serve: ready ({what})\n  gRPC {spec.host}:{spec.grpc_port}  HTTP {spec.host}:"
+                 f"{spec.http_port}  metrics http://{spec.host}:{spec.metrics_port}/metrics\n  logs {log_file}")
+            return watch_children(stop, lambda: [(proc, "tritonserver", log_file)], 1.0,
+                                  lambda note: echo(f"trtprompt serve: {note}"))
+        except LaunchError as exc:
+            echo(f"trtprompt serve: {exc}")
+            return 1
+        finally:
+            _stop(proc)
+
+
 def serve_trtllm(engine: EngineInfo, options: ServeOptions, ports: Ports, run_dir: Path | None = None,
                  ready_timeout_s: float = 600.0, echo: Callable[[str], None] = print) -> int:
     """Check, write the repository, start tritonserver (under mpirun for tp x pp > 1), wait for SIGINT/SIGTERM."""
@@ -127,21 +152,5 @@ def serve_trtllm(engine: EngineInfo, options: ServeOptions, ports: Ports, run_di
     repo = write_repository(run / "repository", RepoContext(engine, options, ""))
     spec = TrtllmLaunchSpec(repo, pf.world_size, str(pf.tritonserver), host=ports.host, http_port=ports.http,
                             grpc_port=ports.grpc, metrics_port=ports.metrics)
-    log_file = run / "tritonserver.log"
-    stop = threading.Event()
-    with stop_on_signals(stop.set):
-        with log_file.open("ab") as log:
-            proc = subprocess.Popen(launch_command(spec), stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        try:
-            wait_ready(proc, spec, ready_timeout_s, log_file)
-            echo(f"trtprompt serve: ready (TensorRT-LLM engine {engine.path.name}, {pf.world_size} rank(s))\n"
-                 f"  gRPC {ports.host}:{ports.grpc}  HTTP {ports.host}:{ports.http}  "
-                 f"metrics http://{ports.host}:{ports.metrics}/metrics\n  logs {log_file}")
-            return watch_children(stop, lambda: [(proc, "tritonserver", log_file)], 1.0,
-                                  lambda note: echo(f"trtprompt serve: {note}"))
-        except LaunchError as exc:
-            echo(f"trtprompt serve: {exc}")
-            return 1
-        finally:
-            _stop(proc)
+    return run_tritonserver(spec, run / "tritonserver.log", ready_timeout_s,
+                            f"TensorRT-LLM engine {engine.path.name}, {pf.world_size} rank(s)", echo)
