@@ -203,6 +203,16 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     # engine shares with tritonserver and the front end, their work stalls its barrier-synchronized threads).
     _k("engine_threads", "serve", int, None, "Intra-op threads of the torch engine process (unset: one per "
        "core); fewer leave cores to tritonserver and the front end.", low=1, high=4096, nullable=True, serve=True),
+    # Tiers below the torch engine's KV pool (docs/prefix-pool.md): read by the engine process.
+    _k("disk_cache_path", "serve", str, None, "Directory of the disk KV tier, kept across restarts (unset: none).",
+       nullable=True, engine=True, serve=True),
+    _k("disk_cache_size", "serve", int, 4 << 30, "Byte budget of the disk KV tier (least recently used go first).",
+       low=1 << 20, high=1 << 50, engine=True, serve=True),
+    _k("kv_remote_url", "serve", str, None, "Remote KV tier shared by servers, redis://HOST:PORT/DB or rediss:// "
+       "(password from TRTPROMPT_KV_REMOTE_PASSWORD; unset: none).", nullable=True, engine=True, serve=True),
+    _k("kv_tier_write_policy", "serve", str, "write_through", "Which blocks go to the KV tiers: every computed "
+       "full block (write_through) or only blocks reused once in the pool (selective).",
+       choices=("write_through", "selective"), engine=True, serve=True),
     _k("layout", "serve", str, "fused", "Model repository layout (fused stubs or TensorRT-LLM's upstream models).",
        choices=LAYOUTS, serve=True),
 )}

@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from trtprompt import rules
+from trtprompt.engine.tiers.config import TierConfig
 from trtprompt.knobs import CAPACITY_POLICIES, KNOBS
 
 # Every architecture the engine runs, with the Hugging Face `model_type` that names it in a config.json
@@ -154,6 +155,8 @@ class EngineConfig:
     linear_backend: str = "onednn"
     # One of ATTENTION_BACKENDS; "reference" is the gather path tests compare with.
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
+    # Disk and remote tiers below the KV pool (engine/tiers/, docs/prefix-pool.md); default: none.
+    tiers: TierConfig = field(default_factory=TierConfig)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def kv_num_blocks(self, bytes_per_token: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -22,6 +23,11 @@ from trtprompt.engine.runner import ModelRunner
 from trtprompt.engine.sampler import SampleFailure, sample
 from trtprompt.engine.scheduler import Scheduler, SchedulerOutput
 from trtprompt.engine.stopping import check_stop, visible_output_len
+from trtprompt.engine.tiers.config import TIER_KNOBS, TierConfig
+from trtprompt.engine.tiers.fingerprint import fingerprint_engine_files
+from trtprompt.engine.tiers.open import kv_layout, open_stores, open_tiers
+from trtprompt.engine.tiers.store import BlockStore
+from trtprompt.engine.tiers.tiered import TierSnapshot
 from trtprompt.engine.validation import RequestLimits, ValidatedRequest, validate_request
 from trtprompt.error_codes import ErrorCode
 
@@ -55,10 +61,17 @@ class EngineStats:
     total_context_tokens: int
     paused_requests: int
     timestamp_ns: int
+    # The tiers below the pool (docs/prefix-pool.md): reused_blocks = pool hits + every tier's hit_blocks.
+    pool_hit_blocks: int = 0
+    loading_requests: int = 0  # waiting for their prefix blocks from a tier
+    kv_tiers: tuple[TierSnapshot, ...] = ()
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: DecoderModel, end_ids: Sequence[int]) -> None:
+    def __init__(self, config: EngineConfig, model: DecoderModel, end_ids: Sequence[int],
+                 fingerprint: bytes | None = None, tier_stores: Sequence[BlockStore] | None = None) -> None:
+        """fingerprint: the engine's (tiers/fingerprint.py), needed with tiers; tier_stores: stores to use
+        instead of those config.tiers names."""
         self.config = config
         self.model_config = config.model
         self.scheduler_config = config.scheduler
@@ -72,7 +85,13 @@ class LLMEngine:
                                                            config.model.head_size, tpb)
         log_attention_backend(config.attention_backend, self.attention_backend)
         self.runner = ModelRunner(model, caches, tpb, self.device, self.attention_backend)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        stores = list(tier_stores) if tier_stores is not None else open_stores(config.tiers)
+        if stores and config.kv_cache.enable_block_reuse:
+            self.kv.tiers = open_tiers(stores, fingerprint, kv_layout(config.model, tpb, dtype), caches,
+                                       config.tiers.kv_tier_write_policy, config.tiers.queue_blocks)
+        elif stores:
+            log.warning("KV tiers are off: they hold reusable blocks, and KV block reuse is disabled")
+        self.scheduler = Scheduler(config.scheduler, self.kv, use_tiers=self.kv.tiers is not None)
         self.end_ids = frozenset(end_ids)
         self.limits = RequestLimits(config.scheduler.max_input_len, config.scheduler.max_seq_len,
                                     config.model.vocab_size, num_blocks, tpb)
@@ -95,13 +114,19 @@ class LLMEngine:
     @classmethod
     def from_engine_dir(cls, path: str | Path, **overrides: Any) -> "LLMEngine":
         files = read_engine_files(path)
-        config = engine_config(files, overrides)
+        tiers = TierConfig(**{k: v for k, v in overrides.items() if k in TIER_KNOBS and v is not None})
+        config = dataclasses.replace(engine_config(files, overrides), tiers=tiers)
         quant = (files.pretrained_config.get("quantization") or {}).get("quant_algo")
-        model = load_model_from_safetensors(files.weights_path, config.model, DTYPES[config.dtype],
+        dtype = DTYPES[config.dtype]
+        model = load_model_from_safetensors(files.weights_path, config.model, dtype,
                                             torch.device(config.device), config.linear_backend, quant)
         eos = files.pretrained_config.get("eos_token_id")
         end_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        engine = cls(config, model, end_ids)
+        fingerprint = None
+        if config.tiers.enabled:
+            layout = kv_layout(config.model, config.kv_cache.tokens_per_block, dtype)
+            fingerprint = fingerprint_engine_files(files.weights_path, files.tokenizer_dir, layout, config.dtype)
+        engine = cls(config, model, end_ids, fingerprint)
         engine.files = files
         return engine
 
@@ -152,11 +177,28 @@ class LLMEngine:
         """True while a request runs or a final output (e.g. of an abort) awaits step()."""
         return bool(self.requests) or bool(self._pending)
 
+    def close(self) -> None:
+        """Stop the tiers' threads (queued writes get a few seconds to finish)."""
+        if self.kv.tiers is not None:
+            self.kv.tiers.close()
+
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            # Blocks to save are copied before the next scheduling pass may hand them out again.
+            if self.kv.tiers is not None:
+                self.kv.tiers.flush()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         self._last_step = sched
+        if self.kv.tiers is not None:
+            self.kv.tiers.flush()  # blocks reused this step (selective policy), while their requests hold them
         if not sched.scheduled:
+            if self.scheduler.loading and self.kv.tiers is not None:
+                self.kv.tiers.loader.ready.wait(0.005)  # nothing else to run: don't spin while a load reads
             return outputs
         self.iteration_counter += 1
         now = time.time_ns()
@@ -257,8 +299,16 @@ class LLMEngine:
             scheduled_requests=len(last.scheduled), context_requests=last.num_context_requests,
             generation_requests=last.num_generation_requests,
             total_context_tokens=last.total_context_tokens, paused_requests=sched.num_paused,
-            timestamp_ns=time.time_ns(),
+            timestamp_ns=time.time_ns(), **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict[str, Any]:
+        tiers = self.kv.tiers
+        if tiers is None:
+            return {"pool_hit_blocks": self.kv.reused_blocks}
+        snaps = tuple(tiers.snapshot())
+        return {"pool_hit_blocks": self.kv.reused_blocks - sum(t.hit_blocks for t in snaps),
+                "loading_requests": len(self.scheduler.loading), "kv_tiers": snaps}
 
 
 def kv_fragmentation(kv: KVCacheManager, requests: Iterable[Request], reserving: bool) -> float:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from trtprompt.engine.block_pool import Block, BlockHash, BlockPool, hash_block
 from trtprompt.engine.request import Request
+
+if TYPE_CHECKING:  # the tiers need torch; the prompt linter imports this module without it
+    from trtprompt.engine.tiers.tiered import KvTiers
 
 
 def cdiv(a: int, b: int) -> int:
@@ -47,6 +50,8 @@ class KVCacheManager:
         self.num_held_blocks = 0
         self.num_computed_held = 0
         self._computed_of: dict[str, int] = {}
+        # Tiers below the pool (disk, remote), set by the engine when configured (docs/prefix-pool.md).
+        self.tiers: KvTiers | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,6 +96,8 @@ class KVCacheManager:
         if self.free_blocks_needed(hits, max(n_new, 0)) > self.pool.num_free_blocks:
             return False
         if hits:
+            if self.tiers is not None:
+                self.tiers.reused(hits)
             self.pool.touch(hits)
             table = table + hits
             req.num_computed_tokens = computed
@@ -159,8 +166,34 @@ class KVCacheManager:
         start = self._num_published.get(req.request_id, 0)
         for i in range(start, n_full):
             self.pool.cache(table[i], req.block_hashes[i])
+            if self.tiers is not None and self.pool.lookup(req.block_hashes[i]) is table[i]:
+                self.tiers.published(table[i])
         self._settle_in_flight(req.request_id, req.block_hashes[start:n_full])
         self._num_published[req.request_id] = max(start, n_full)
+
+    def start_tier_load(self, req: Request, num_hits: int) -> bool:
+        """Send req's full prompt blocks past its num_hits pool hits to the tiers' loader.
+
+        True when req must wait for the load (it leaves the queue until finish_tier_loads hands
+        it back); False when no tier may hold its next block, or there are no tiers."""
+        if self.tiers is None or not self.enable_block_reuse or self.tiers.is_loading(req.request_id):
+            return False
+        limit = (req.num_tokens - 1) // self.tokens_per_block
+        return self.tiers.start_load(req.request_id, num_hits, req.block_hashes[num_hits:limit])
+
+    def finish_tier_loads(self, loading: dict[str, Request]) -> list[Request]:
+        """Requests of loading whose loads are done, their blocks now in the pool (those that fit)."""
+        if self.tiers is None:
+            return []
+        out = []
+        for request_id, hashes, result in self.tiers.finished_loads():
+            req = loading.get(request_id)
+            if req is None:
+                continue
+            if result.blocks and not req.is_finished:
+                self.tiers.place(self.pool, self.find_prefix(req), hashes, result)
+            out.append(req)
+        return out
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request_id, ())]

@@ -112,6 +112,7 @@ class EngineLoop:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.close()
         self._fail_owned("engine stopped before the request finished", ErrorCode.UNAVAILABLE)
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,

@@ -171,6 +171,7 @@ class Request:
         self.stop_trim = 0  # tokens of a matched stop word removed from the output
         self.block_hashes: list[bytes] = []
         self.reserved_blocks = 0
+        self.tier_checked = False  # its prefix was looked up below the pool once (engine/tiers/)
         self.generator: torch.Generator | None = None  # the sampler's, seeded on first use
         self.stats = RequestStats(arrival_time_ns=arrival_time_ns)
 

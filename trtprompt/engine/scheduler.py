@@ -80,9 +80,10 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, use_tiers: bool = False) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.use_tiers = use_tiers  # kv has tiers below its pool (engine/tiers/)
         # Aborted requests stay in `waiting` until a pass reaches them; the counts below
         # leave them out at once. Every count is kept as requests move, never recounted:
         # statistics are read after every step.
@@ -93,6 +94,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.guaranteed = cfg.batch_scheduler_policy == "guaranteed_no_evict"
         self._running_reserved_blocks = 0  # sum of reserved_blocks over `running`
+        # Requests waiting for their prefix blocks to come from a tier below the pool (engine/tiers/):
+        # out of `waiting` meanwhile, so they hold up nobody; still counted in num_waiting.
+        self.loading: dict[str, Request] = {}
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -102,6 +106,8 @@ class Scheduler:
         return req.num_output > 0 and req.num_tokens - req.num_computed_tokens == 1
 
     def schedule(self) -> SchedulerOutput:
+        if self.loading:
+            self._resume_loaded()
         step = _Step(self.cfg.max_num_tokens, self.cfg.max_batch_size)
         # Generation first: a generating request costs one token and holds a
         # client waiting for its next token, so it never waits behind a
@@ -182,10 +188,35 @@ class Scheduler:
             if req.is_finished:  # aborted while waiting
                 self.waiting.popleft()
                 continue
+            if self._wait_for_tiers(req):
+                self.waiting.popleft()
+                continue
             if not self._admit(req, step):
                 break  # first come, first served: no overtaking
             self.waiting.popleft()
             self.num_waiting -= 1
+
+    def _wait_for_tiers(self, req: Request) -> bool:
+        """Once per request: True when its next prefix blocks are being loaded from a tier.
+
+        The request then waits in `loading`, not at the head of the queue, so the requests behind
+        it keep being admitted while the loader reads (docs/prefix-pool.md, "Loads")."""
+        if not self.use_tiers or req.tier_checked or req.request_id in self.loading:
+            return False
+        req.tier_checked = True
+        hits = self.kv.find_prefix(req)
+        if self.kv.next_block_in_flight(req, len(hits)) or not self.kv.start_tier_load(req, len(hits)):
+            return False
+        self.loading[req.request_id] = req
+        return True
+
+    def _resume_loaded(self) -> None:
+        """Requests whose loads are done go back to the front of the queue (they arrived first)."""
+        done = self.kv.finish_tier_loads(self.loading)
+        for req in sorted(done, key=lambda r: r.stats.arrival_time_ns, reverse=True):
+            del self.loading[req.request_id]
+            if not req.is_finished:  # an abort while loading already counted it out
+                self.waiting.appendleft(req)
 
     def _admit(self, req: Request, step: _Step) -> bool:
         hits = self.kv.find_prefix(req)

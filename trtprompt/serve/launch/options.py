@@ -37,6 +37,11 @@ class ServeOptions(knobs.BackendParams):
     max_batch_size: int | None = knobs.runtime_default("max_batch_size")
     max_num_tokens: int | None = knobs.runtime_default("max_num_tokens")
     engine_threads: int | None = knobs.runtime_default("engine_threads")
+    # The torch engine's tiers below its KV pool (docs/prefix-pool.md).
+    disk_cache_path: str | None = knobs.runtime_default("disk_cache_path")
+    disk_cache_size: int = knobs.runtime_default("disk_cache_size")
+    kv_remote_url: str | None = knobs.runtime_default("kv_remote_url")
+    kv_tier_write_policy: str = knobs.runtime_default("kv_tier_write_policy")
     layout: str = knobs.runtime_default("layout")
 
     def __post_init__(self) -> None:
@@ -73,6 +78,9 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
     if engine.target != "torch" and opts.engine_threads is not None:
         raise ValueError("engine_threads sets the torch target's engine process threads; this engine is for "
                          f"the {engine.target} target, which has no such process: leave it unset")
+    if engine.target != "torch" and (opts.disk_cache_path is not None or opts.kv_remote_url is not None):
+        raise ValueError("disk_cache_path and kv_remote_url set the torch engine's KV tiers; this engine is for "
+                         f"the {engine.target} target: leave them unset")
     if engine.target == "torch" and opts.max_beam_width != 1:
         raise ValueError("max_beam_width must be 1 for the torch target (no beam search)")
 

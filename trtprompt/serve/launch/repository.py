@@ -226,6 +226,9 @@ def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
         "cancellation_check_period_ms": o.cancellation_check_period_ms,
         "stats_check_period_ms": o.stats_check_period_ms,
         "engine_threads": o.engine_threads,  # read by the engine process (serve/engine_process/server.py)
+        # The torch engine's KV tiers, read by the engine process too (engine_overrides).
+        "disk_cache_path": o.disk_cache_path, "disk_cache_size": o.disk_cache_size,
+        "kv_remote_url": o.kv_remote_url, "kv_tier_write_policy": o.kv_tier_write_policy,
     }
 
 

@@ -1,0 +1,98 @@
+"""The tier loader: one thread that reads and verifies a waiting request's blocks, tier by tier.
+
+A job is one request's next block keys, in prefix order. For each key the loader asks the tiers
+in order (disk, then remote) and checks what comes back with the codec; it stops at the first
+key no tier has, since a block past a gap cannot be used. A corrupt, truncated, foreign or
+half-written entry is a miss, and is deleted from its store (reclaimed). The engine thread
+collects finished jobs between steps (`done`), so a load never holds up another request's step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trtprompt.engine.tiers.codec import CodecError, Payload, decode
+from trtprompt.engine.tiers.store import BlockStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    request_id: str
+    keys: tuple[bytes, ...]
+
+
+@dataclass
+class LoadResult:
+    request_id: str
+    blocks: list[tuple[str, Payload]] = field(default_factory=list)  # (tier name, payload bytes), in order
+    seconds: float = 0.0
+
+
+class TierLoader:
+    def __init__(self, stores: list[BlockStore], block_bytes: int) -> None:
+        self.stores = stores
+        self.block_bytes = block_bytes
+        self.corrupt = dict.fromkeys((s.name for s in stores), 0)  # entries that failed the codec, reclaimed
+        self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
+        self.ready = threading.Event()  # set when a result is waiting
+        self._thread = threading.Thread(target=self._run, name="trtprompt-tier-loader", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: LoadJob) -> None:
+        self._jobs.put(job)
+
+    def done(self) -> list[LoadResult]:
+        """Finished jobs, without waiting."""
+        self.ready.clear()
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _run(self) -> None:
+        import time
+
+        while (job := self._jobs.get()) is not None:
+            t0 = time.perf_counter()
+            result = LoadResult(job.request_id)
+            try:
+                for key in job.keys:
+                    found = self._read(key)
+                    if found is None:
+                        break
+                    result.blocks.append(found)
+            except Exception:  # noqa: BLE001 - a store bug is a miss, and the request must come back
+                log.exception("tier load failed; the request computes its prefix instead")
+            result.seconds = time.perf_counter() - t0
+            self._done.put(result)
+            self.ready.set()
+
+    def _read(self, key: bytes) -> tuple[str, Payload] | None:
+        for store in self.stores:
+            data = store.get(key)
+            if data is None:
+                continue
+            try:
+                payload = decode(key, data, self.block_bytes)
+            except CodecError as exc:
+                self.corrupt[store.name] += 1
+                store.counters.errors += 1
+                log.warning("tier %s: entry %s is unusable (%s); reclaimed", store.name, key.hex(), exc)
+                store.delete(key)
+                continue
+            return store.name, np.frombuffer(payload, dtype=np.uint8)
+        return None
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(5.0)

@@ -1,0 +1,46 @@
+"""Open the tiers a TierConfig names, over an engine's KV cache."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from trtprompt.engine.config import ModelConfig
+from trtprompt.engine.tiers.config import TierConfig
+from trtprompt.engine.tiers.disk_store import DiskStore
+from trtprompt.engine.tiers.fingerprint import KvLayout
+from trtprompt.engine.tiers.store import BlockStore
+from trtprompt.engine.tiers.tiered import KvCache, KvTiers
+
+log = logging.getLogger(__name__)
+
+
+def kv_layout(model: ModelConfig, tokens_per_block: int, dtype: torch.dtype) -> KvLayout:
+    return KvLayout(model.num_hidden_layers, model.num_key_value_heads, model.head_size, tokens_per_block,
+                    str(dtype).removeprefix("torch."), torch.finfo(dtype).bits // 8)
+
+
+def open_stores(config: TierConfig) -> list[BlockStore]:
+    """The disk tier first (cheaper to read), then the remote one."""
+    stores: list[BlockStore] = []
+    if config.disk_cache_path is not None:
+        stores.append(DiskStore(Path(config.disk_cache_path), config.disk_cache_size))
+    if config.kv_remote_url is not None:
+        # Imported here: redis-py is needed only with a remote tier.
+        from trtprompt.engine.tiers.redis_store import RedisStore, remote_password
+
+        stores.append(RedisStore.from_url(config.kv_remote_url, password=remote_password(None)))
+    return stores
+
+
+def open_tiers(stores: Sequence[BlockStore], fingerprint: bytes | None, layout: KvLayout, caches: list[KvCache],
+               write_policy: str, queue_blocks: int) -> KvTiers:
+    if fingerprint is None:
+        raise ValueError("KV tiers need the engine fingerprint (LLMEngine.from_engine_dir computes it)")
+    tiers = KvTiers(stores, fingerprint, layout, caches, write_policy, queue_blocks)
+    log.info("KV tiers: %s; write policy %s; fingerprint %s; %d bytes per block",
+             ", ".join(tiers.names), write_policy, fingerprint.hex(), layout.block_bytes)
+    return tiers
