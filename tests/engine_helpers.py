@@ -61,12 +61,13 @@ def make_engine(path: Path, *, reuse: bool = True, chunked: bool = True, max_num
                 policy: str = "guaranteed_no_evict", kv_tokens: int = 4096, tokens_per_block: int = 8,
                 max_batch_size: int = 8, max_seq_len: int = 256, max_queue_size: int | None = None,
                 linear_backend: str = "reference",
-                attention_backend: str = DEFAULT_ATTENTION_BACKEND) -> LLMEngine:
+                attention_backend: str = DEFAULT_ATTENTION_BACKEND,
+                eviction_policy: str = KvCacheConfig.eviction_policy) -> LLMEngine:
     mc = model_config(path)
     cfg = EngineConfig(
         model=mc,
         kv_cache=KvCacheConfig(tokens_per_block=tokens_per_block, enable_block_reuse=reuse,
-                               max_tokens_in_paged_kv_cache=kv_tokens),
+                               max_tokens_in_paged_kv_cache=kv_tokens, eviction_policy=eviction_policy),
         scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                   max_seq_len=max_seq_len, enable_chunked_context=chunked,
                                   batch_scheduler_policy=policy, max_queue_size=max_queue_size),

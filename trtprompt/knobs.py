@@ -25,6 +25,8 @@ CAPACITY_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 # Strictest first (trtprompt/prompt/budget.py: a request may move left of its profile's policy, never right).
 OVERFLOW_POLICIES: tuple[str, ...] = ("reject", "truncate_middle", "truncate_left")
 LAYOUTS: tuple[str, ...] = ("fused", "upstream")
+# Which cached free KV block the torch engine evicts first (trtprompt/engine/eviction.py; "lru": the reference).
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "2q", "s3fifo")
 # What the build plan puts in place of an unset max_input_len / max_num_tokens (TensorRT-LLM's BuildConfig).
 DEFAULT_MAX_INPUT_LEN = 1024
 DEFAULT_MAX_NUM_TOKENS = 8192
@@ -195,6 +197,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     # model and model.yaml carry it at this default (both backends take it, under these two names).
     _k("kv_cache_host_memory_bytes", "serve", int, 0, "Host memory for KV blocks offloaded from the GPU (0: none).",
        low=0, high=1 << 50, trtllm="kv_cache_host_memory_bytes", llmapi="kv_cache_config.host_cache_size"),
+    # The torch target's pool only (TensorRT-LLM's is prioritized LRU); docs/prefix-pool.md, "Eviction".
+    _k("kv_cache_eviction_policy", "serve", str, "s3fifo",
+       "Which cached KV block the torch engine evicts first: lru, or scan-resistant 2q / s3fifo.",
+       choices=EVICTION_POLICIES, engine=True, serve=True),
     _k("cancellation_check_period_ms", "serve", int, 100, "How often cancelled requests are looked for.",
        low=1, high=BIG, trtllm="cancellation_check_period_ms", serve=True),
     _k("stats_check_period_ms", "serve", int, 100, "How often engine statistics are published.", low=1,

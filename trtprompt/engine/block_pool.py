@@ -1,18 +1,31 @@
-"""KV blocks: ref counts, content hashes, and an O(1) LRU queue of free blocks.
+"""KV blocks: ref counts, content hashes, and the free blocks a policy evicts from.
 
 A free block keeps its hash (and so its KV) until it is handed out again,
-so a later request with the same prefix can revive it. Eviction takes the
-least recently freed block first.
+so a later request with the same prefix can revive it. Which cached block
+is handed out first is the eviction policy's choice (engine/eviction.py,
+docs/prefix-pool.md "Eviction"), within retention priorities.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
-from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
-BlockHash = bytes
+from trtprompt.engine.eviction import (
+    DEFAULT_PRIORITY,
+    FREQ_CAP,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    Block,
+    BlockHash,
+    FreeBlockQueue,
+    FreeBlocks,
+)
+from trtprompt.knobs import KNOBS
+
+__all__ = ["Block", "BlockHash", "BlockPool", "FreeBlockQueue", "hash_block"]
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None) -> BlockHash:
@@ -29,111 +42,65 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | N
     return h.digest()
 
 
-@dataclass(eq=False)
-class Block:
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: BlockHash | None = None
-    # Links of the free queue; None when the block is not in it.
-    prev: "Block | None" = field(default=None, repr=False)
-    next: "Block | None" = field(default=None, repr=False)
-
-
-class FreeBlockQueue:
-    """Doubly linked list of free blocks: O(1) pop-front, append and remove."""
-
-    def __init__(self, blocks: Sequence[Block]) -> None:
-        self._head = Block(-1)
-        self._tail = Block(-1)
-        self._head.next = self._tail
-        self._tail.prev = self._head
-        self.size = 0
-        for b in blocks:
-            self.append(b)
-
-    def append(self, block: Block) -> None:
-        self._insert_after(self._tail.prev, block)
-
-    def appendleft(self, block: Block) -> None:
-        self._insert_after(self._head, block)
-
-    def _insert_after(self, node: Block | None, block: Block) -> None:
-        assert node is not None and node.next is not None
-        block.prev = node
-        block.next = node.next
-        node.next.prev = block
-        node.next = block
-        self.size += 1
-
-    def popleft(self) -> Block:
-        if self.size == 0:
-            raise RuntimeError("no free KV block left")
-        block = self._head.next
-        assert block is not None
-        self.remove(block)
-        return block
-
-    def remove(self, block: Block) -> None:
-        if block.prev is None or block.next is None:
-            raise RuntimeError(f"block {block.block_id} is not in the free queue")
-        block.prev.next = block.next
-        block.next.prev = block.prev
-        block.prev = block.next = None
-        self.size -= 1
-
-    def __iter__(self) -> Iterable[Block]:
-        node = self._head.next
-        while node is not None and node is not self._tail:
-            yield node
-            node = node.next
-
-
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 eviction_policy: str = KNOBS["kv_cache_eviction_policy"].default,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_blocks = FreeBlocks(num_blocks, eviction_policy, clock)
+        for b in reversed(self.blocks):  # hash-less blocks join at the front: block 0 is handed out first
+            self.free_blocks.add(b)
         self.cached: dict[BlockHash, Block] = {}
-        self.num_cached_free = 0  # free blocks still holding a reusable hash
         self.evicted_blocks = 0  # reusable blocks whose hash was dropped to hand them out again
 
     @property
+    def eviction_policy(self) -> str:
+        return self.free_blocks.policy
+
+    @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.size
+        return self.free_blocks.size
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks still holding a reusable hash."""
+        return self.free_blocks.num_cached
 
     def lookup(self, block_hash: BlockHash) -> Block | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
     def touch(self, blocks: Iterable[Block]) -> None:
-        """Take a reference on cache hits, reviving those sitting in the free queue."""
+        """Take a reference on cache hits, reviving those sitting in the free queues; count the hit."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
-                self.num_cached_free -= 1
+                self.free_blocks.remove(block)
             block.ref_cnt += 1
+            block.freq = min(block.freq + 1, FREQ_CAP)
 
     def allocate(self, n: int) -> list[Block]:
-        if n > self.free_queue.size:
-            raise RuntimeError(f"cannot allocate {n} blocks, {self.free_queue.size} free")
+        if n > self.free_blocks.size:
+            raise RuntimeError(f"cannot allocate {n} blocks, {self.free_blocks.size} free")
         out = []
         for _ in range(n):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None:
-                self.num_cached_free -= 1
+            block = self.free_blocks.pop()
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
 
     def _evict(self, block: Block) -> None:
+        """Forget what a block held: its hash, hits and retention."""
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
                 self.evicted_blocks += 1
             block.block_hash = None
+        block.freq = 0
+        block.priority, block.duration_s, block.expires_at = DEFAULT_PRIORITY, None, None
 
     def cache(self, block: Block, block_hash: BlockHash) -> None:
         """Publish a block whose KV is fully computed. First writer wins."""
@@ -144,16 +111,25 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
+    def set_retention(self, block: Block, priority: int, duration_ms: int | None) -> None:
+        """A held block's retention priority, lasting duration_ms after each release (None: until evicted).
+
+        Set by the request claiming the block (TensorRT-LLM's claimBlock): the latest
+        request that gives a priority for it wins.
+        """
+        if block.queue is not None:
+            raise RuntimeError(f"block {block.block_id} is free: retention is set on held blocks")
+        if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority}")
+        block.priority = priority
+        block.duration_s = None if duration_ms is None else duration_ms / 1000.0
+        block.expires_at = None
+
     def free(self, blocks: Iterable[Block]) -> None:
-        """Drop one reference from each block; blocks reaching zero join the LRU tail."""
+        """Drop one reference from each block; blocks reaching zero join the free queues in this order."""
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt < 0:
                 raise RuntimeError(f"block {block.block_id} freed more often than taken")
             if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    # Holds nothing reusable: hand it out before any cached block.
-                    self.free_queue.appendleft(block)
-                else:
-                    self.free_queue.append(block)
-                    self.num_cached_free += 1
+                self.free_blocks.add(block)

@@ -104,8 +104,10 @@ class KvCacheConfig:
     max_tokens_in_paged_kv_cache: int | None = None
     kv_cache_free_gpu_mem_fraction: float = KNOBS["kv_cache_free_gpu_mem_fraction"].default
     memory_budget_bytes: int | None = None
+    eviction_policy: str = KNOBS["kv_cache_eviction_policy"].default
 
     def __post_init__(self) -> None:
+        KNOBS["kv_cache_eviction_policy"].check(self.eviction_policy)
         for name in ("tokens_per_block", "max_tokens_in_paged_kv_cache", "kv_cache_free_gpu_mem_fraction"):
             KNOBS[name].check(getattr(self, name))
         _positive("memory_budget_bytes", self.memory_budget_bytes, allow_none=True)

@@ -18,7 +18,7 @@ from trtprompt.engine.errors import DuplicateRequestError, QueueFullError
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.loader import engine_config, read_engine_files
 from trtprompt.engine.model import DecoderModel, load_model_from_safetensors
-from trtprompt.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from trtprompt.engine.request import FinishReason, Request, RequestOutput, RetentionConfig, SamplingParams
 from trtprompt.engine.runner import ModelRunner
 from trtprompt.engine.sampler import SampleFailure, sample
 from trtprompt.engine.scheduler import Scheduler, SchedulerOutput
@@ -79,7 +79,8 @@ class LLMEngine:
         dtype = DTYPES[config.dtype]
         tpb = config.kv_cache.tokens_per_block
         num_blocks = self._num_blocks(config, dtype)
-        self.kv = KVCacheManager(num_blocks, tpb, config.kv_cache.enable_block_reuse)
+        self.kv = KVCacheManager(num_blocks, tpb, config.kv_cache.enable_block_reuse,
+                                 config.kv_cache.eviction_policy)
         caches = allocate_kv_cache(config.model, num_blocks, tpb, dtype, self.device)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device,
                                                            config.model.head_size, tpb)
@@ -143,12 +144,14 @@ class LLMEngine:
         return validate_request(prompt_token_ids, params, self.limits)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    cache_salt: str | None = None, arrival_time_ns: int | None = None) -> None:
+                    cache_salt: str | None = None, arrival_time_ns: int | None = None,
+                    retention: RetentionConfig | None = None) -> None:
         self._refuse_duplicate(request_id)  # first: a duplicate is refused as such, whatever it holds
-        self.add_validated(request_id, self.check_request(prompt_token_ids, params), cache_salt, arrival_time_ns)
+        self.add_validated(request_id, self.check_request(prompt_token_ids, params), cache_salt, arrival_time_ns,
+                           retention)
 
     def add_validated(self, request_id: str, checked: ValidatedRequest, cache_salt: str | None = None,
-                      arrival_time_ns: int | None = None) -> None:
+                      arrival_time_ns: int | None = None, retention: RetentionConfig | None = None) -> None:
         """Admit a request check_request passed, without validating it again."""
         self._refuse_duplicate(request_id)
         limit = self.scheduler_config.max_queue_size
@@ -157,7 +160,7 @@ class LLMEngine:
         params = checked.params
         end_ids = frozenset([params.end_id]) if params.end_id is not None else self.end_ids
         req = Request(request_id, list(checked.prompt_token_ids), params, checked.max_output_tokens, end_ids,
-                      cache_salt, arrival_time_ns or time.time_ns(), checked.warning)
+                      cache_salt, arrival_time_ns or time.time_ns(), checked.warning, retention)
         self.requests[request_id] = req
         self.scheduler.add(req)
 

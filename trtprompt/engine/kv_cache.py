@@ -9,6 +9,7 @@ from trtprompt.engine.request import Request
 
 if TYPE_CHECKING:  # the tiers need torch; the prompt linter imports this module without it
     from trtprompt.engine.tiers.tiered import KvTiers
+from trtprompt.knobs import KNOBS
 
 
 def cdiv(a: int, b: int) -> int:
@@ -29,8 +30,9 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], token
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, tokens_per_block: int, enable_block_reuse: bool) -> None:
-        self.pool = BlockPool(num_blocks, enable_block_reuse)
+    def __init__(self, num_blocks: int, tokens_per_block: int, enable_block_reuse: bool,
+                 eviction_policy: str = KNOBS["kv_cache_eviction_policy"].default) -> None:
+        self.pool = BlockPool(num_blocks, enable_block_reuse, eviction_policy)
         self.tokens_per_block = tokens_per_block
         self.enable_block_reuse = enable_block_reuse
         self.block_tables: dict[str, list[Block]] = {}
@@ -108,9 +110,20 @@ class KVCacheManager:
             req.stats.kv_cache_alloc_new_blocks += n_new
         self.num_held_blocks += len(table) - held
         self.block_tables[req.request_id] = table
+        if req.retention is not None:
+            self._claim(req, table, held)
         req.stats.kv_cache_alloc_total_blocks = len(table)
         self._note_computed(req)
         return True
+
+    def _claim(self, req: Request, table: list[Block], start: int) -> None:
+        """Apply req's retention to the blocks it just took (hits and new ones), as TensorRT-LLM's
+        claimBlock does: the latest request giving a priority for a block sets it."""
+        assert req.retention is not None
+        for i in range(start, len(table)):
+            retention = req.retention.for_block(i, self.tokens_per_block, req.num_prompt_tokens)
+            if retention is not None:
+                self.pool.set_retention(table[i], *retention)
 
     def _note_computed(self, req: Request) -> None:
         """Bring num_computed_held up to date with req's computed tokens (req holds a table)."""

@@ -26,6 +26,8 @@ from trtprompt.errors import EngineDirError
 # Runtime policy the engine takes from the engine directory, then from overrides (the knob registry's).
 RUNTIME_KEYS = tuple(k for k in knobs.ENGINE_KEYS if knobs.KNOBS[k].section == "runtime")
 LOWERABLE_BOUNDS = tuple(k for k in knobs.ENGINE_KEYS if knobs.KNOBS[k].lowerable)
+# Engine knobs only `serve` sets (not recorded in the engine directory).
+SERVE_ENGINE_KEYS = tuple(k for k in knobs.ENGINE_KEYS if knobs.KNOBS[k].section == "serve")
 OTHER_KEYS = ("linear_backend", "attention_backend", "device", "memory_budget_bytes")
 
 
@@ -39,7 +41,7 @@ def read_engine_files(path: str | Path) -> EngineDir:
 
 
 def _check_overrides(overrides: Mapping[str, Any], build: Mapping[str, Any]) -> None:
-    known = set(RUNTIME_KEYS) | set(LOWERABLE_BOUNDS) | set(OTHER_KEYS)
+    known = set(RUNTIME_KEYS) | set(LOWERABLE_BOUNDS) | set(SERVE_ENGINE_KEYS) | set(OTHER_KEYS)
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"unknown runtime option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -80,6 +82,7 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
         max_tokens_in_paged_kv_cache=runtime["max_tokens_in_paged_kv_cache"],
         kv_cache_free_gpu_mem_fraction=runtime["kv_cache_free_gpu_mem_fraction"],
         memory_budget_bytes=budget,
+        eviction_policy=overrides.get("kv_cache_eviction_policy") or knobs.KNOBS["kv_cache_eviction_policy"].default,
     )
     sched = SchedulerConfig(
         max_batch_size=overrides.get("max_batch_size") or build["max_batch_size"],

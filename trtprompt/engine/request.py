@@ -101,6 +101,86 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
+# TensorRT-LLM's retention priorities (KvCacheRetentionConfig): higher is evicted later.
+RETENTION_PRIORITY_MIN = 0
+RETENTION_PRIORITY_MAX = 100
+RETENTION_PRIORITY_DEFAULT = 35
+
+
+def _check_retention(field_name: str, priority: int, duration_ms: int | None) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int) or not (
+            RETENTION_PRIORITY_MIN <= priority <= RETENTION_PRIORITY_MAX):
+        raise FieldError(f"{field_name}.priority" if field_name != "decode" else "decode_priority",
+                         f"must be an integer in [{RETENTION_PRIORITY_MIN}, {RETENTION_PRIORITY_MAX}], "
+                         f"got {priority!r}")
+    if duration_ms is not None and (isinstance(duration_ms, bool) or not isinstance(duration_ms, int)
+                                    or duration_ms <= 0):
+        raise FieldError(f"{field_name}.duration_ms" if field_name != "decode" else "decode_duration_ms",
+                         f"must be a positive integer (milliseconds) or unset, got {duration_ms!r}")
+
+
+@dataclass(frozen=True)
+class TokenRangeRetention:
+    """Priority for the prompt's blocks whose first token lies in [token_start, token_end).
+
+    token_end None: to the end of the prompt. duration_ms: how long after each release of
+    a block the priority lasts before reverting to the default (None: until evicted).
+    """
+
+    token_start: int
+    token_end: int | None
+    priority: int
+    duration_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.token_start, bool) or not isinstance(self.token_start, int) or self.token_start < 0:
+            raise FieldError("token_ranges.token_start", f"must be an integer >= 0, got {self.token_start!r}")
+        if self.token_end is not None and (isinstance(self.token_end, bool) or not isinstance(self.token_end, int)
+                                           or self.token_end <= self.token_start):
+            raise FieldError("token_ranges.token_end",
+                             f"must be an integer > token_start ({self.token_start}) or unset, got {self.token_end!r}")
+        _check_retention("token_ranges", self.priority, self.duration_ms)
+
+    def covers(self, token: int) -> bool:
+        return self.token_start <= token and (self.token_end is None or token < self.token_end)
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """Per-request KV retention, as TensorRT-LLM's KvCacheRetentionConfig.
+
+    Prompt blocks take the priority of the range holding their first token (none: the
+    block keeps the priority it has, the default for a new one); blocks starting past the
+    prompt take decode_priority. Ranges are kept sorted by start and must not overlap.
+    """
+
+    token_ranges: tuple[TokenRangeRetention, ...] = ()
+    decode_priority: int = RETENTION_PRIORITY_DEFAULT
+    decode_duration_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        ranges = tuple(sorted(self.token_ranges, key=lambda r: r.token_start))
+        for a, b in zip(ranges, ranges[1:]):
+            if a.token_end is None or a.token_end > b.token_start:
+                raise FieldError("token_ranges", f"must not overlap: [{a.token_start}, {a.token_end}) and "
+                                 f"[{b.token_start}, {b.token_end})")
+        object.__setattr__(self, "token_ranges", ranges)
+        _check_retention("decode", self.decode_priority, self.decode_duration_ms)
+
+    def for_block(self, index: int, tokens_per_block: int, num_prompt_tokens: int) -> tuple[int, int | None] | None:
+        """(priority, duration_ms) for the block at index of a table, or None to leave it as it is.
+
+        A linear scan of the ranges: a request names a handful, and this runs once per claimed block.
+        """
+        first = index * tokens_per_block
+        if first >= num_prompt_tokens:
+            return self.decode_priority, self.decode_duration_ms
+        for r in self.token_ranges:
+            if r.covers(first):
+                return r.priority, r.duration_ms
+        return None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -154,7 +234,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_output_tokens: int, end_ids: frozenset[int], cache_salt: str | None,
-                 arrival_time_ns: int, warning: str | None = None) -> None:
+                 arrival_time_ns: int, warning: str | None = None,
+                 retention: RetentionConfig | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.all_token_ids = list(prompt_token_ids)
@@ -163,6 +244,7 @@ class Request:
         self.end_ids = end_ids
         self.cache_salt = cache_salt
         self.warning = warning
+        self.retention = retention
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0

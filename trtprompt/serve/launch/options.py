@@ -42,6 +42,7 @@ class ServeOptions(knobs.BackendParams):
     disk_cache_size: int = knobs.runtime_default("disk_cache_size")
     kv_remote_url: str | None = knobs.runtime_default("kv_remote_url")
     kv_tier_write_policy: str = knobs.runtime_default("kv_tier_write_policy")
+    kv_cache_eviction_policy: str = knobs.runtime_default("kv_cache_eviction_policy")
     layout: str = knobs.runtime_default("layout")
 
     def __post_init__(self) -> None:
