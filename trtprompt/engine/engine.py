@@ -158,7 +158,7 @@ class LLMEngine:
         if limit is not None and self.scheduler.num_waiting >= limit:
             raise QueueFullError(limit)
         params = checked.params
-        end_ids = frozenset([params.end_id]) if params.end_id is not None else self.end_ids
+        end_ids = params.end_ids(self.end_ids)
         req = Request(request_id, list(checked.prompt_token_ids), params, checked.max_output_tokens, end_ids,
                       cache_salt, arrival_time_ns or time.time_ns(), checked.warning, retention)
         self.requests[request_id] = req

@@ -36,6 +36,7 @@ class Bound:
 FLOAT_BOUNDS: dict[str, Bound] = {
     "temperature": Bound(0.0, 100.0),
     "top_p": Bound(0.0, 1.0),
+    "min_p": Bound(0.0, 1.0),
     "repetition_penalty": Bound(0.0, 100.0, low_open=True),
     "presence_penalty": Bound(-100.0, 100.0),
     "frequency_penalty": Bound(-100.0, 100.0),
@@ -73,6 +74,13 @@ class SamplingParams:
     # Each stop word is a token sequence; a match ends generation and is
     # trimmed from the output.
     stop_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Keep tokens whose probability is at least min_p x the most likely one's (transformers' MinPLogitsWarper).
+    min_p: float = 0.0
+    # The end token no longer ends the request: it is generated and kept, as vLLM's ignore_eos does.
+    ignore_eos: bool = False
+    # Token ids that end the request as the end token does, not kept in the output (vLLM's and
+    # SGLang's stop_token_ids; what transformers does with extra eos_token_id entries).
+    extra_end_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -81,6 +89,7 @@ class SamplingParams:
             check_bound(name, getattr(self, name))
         if self.top_p is not None:
             check_bound("top_p", self.top_p)
+        check_bound("min_p", self.min_p)
         if self.top_k is not None and self.top_k < 0:
             raise FieldError("top_k", f"must be >= 0, got {self.top_k}")
         if self.min_tokens < 0:
@@ -89,6 +98,14 @@ class SamplingParams:
             raise FieldError("seed", f"must be in [0, 2**64), got {self.seed}")
         if any(len(s) == 0 for s in self.stop_token_ids):
             raise FieldError("stop_token_ids", "must not contain an empty sequence")
+        if any(t < 0 for t in self.extra_end_ids):
+            raise FieldError("extra_end_ids", f"must be token ids >= 0, got {list(self.extra_end_ids)}")
+
+    def end_ids(self, model_end_ids: frozenset[int]) -> frozenset[int]:
+        """The ids that end this request: its end_id or the model's end tokens (none with
+        ignore_eos), and its extra_end_ids."""
+        own = frozenset([self.end_id]) if self.end_id is not None else model_end_ids
+        return (frozenset() if self.ignore_eos else own) | frozenset(self.extra_end_ids)
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,5 @@
-"""Turn last-token logits into next tokens: penalties, min_tokens, greedy or seeded sampling.
+"""Turn last-token logits into next tokens: penalties, min_tokens, greedy or seeded sampling
+(temperature, top-k, top-p, min-p).
 
 Each request is sampled inside its own guard: a request whose row cannot be
 sampled (its logits are NaN or all -inf, or sampling raises) gets a
@@ -13,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from trtprompt.engine.request import Request
+from trtprompt.engine.request import Request, SamplingParams
 
 
 def apply_penalties(row: torch.Tensor, req: Request) -> None:
@@ -41,24 +42,33 @@ def mask_end_tokens(row: torch.Tensor, req: Request) -> None:
         row[list(req.end_ids)] = float("-inf")
 
 
+def sampling_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled token is drawn from (unnormalized): temperature, then top-k,
+    top-p and min-p, in transformers' order of its warpers (the oracle of tests/test_openai_extensions.py)."""
+    logits = row / max(params.temperature, 1e-6)
+    if params.top_k and params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p is not None and 0.0 < params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest set whose mass reaches top_p (always at least one token).
+        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if params.min_p > 0.0:
+        # Relative to the most likely token kept, so it needs no renormalization first; that token stays.
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs
+
+
 def sample_row(row: torch.Tensor, req: Request) -> int:
     p = req.params
     if req.generator is None:
         gen = torch.Generator(device=row.device)
         gen.manual_seed(p.seed if p.seed is not None else 0)
         req.generator = gen
-    logits = row / max(p.temperature, 1e-6)
-    if p.top_k and p.top_k > 0 and p.top_k < logits.numel():
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p is not None and 0.0 < p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest set whose mass reaches top_p (always at least one token).
-        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= p.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=req.generator).item())
+    return int(torch.multinomial(sampling_probs(row, p), 1, generator=req.generator).item())
 
 
 @dataclass(frozen=True)
