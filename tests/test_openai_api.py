@@ -50,7 +50,8 @@ def client(served: Served) -> openai.OpenAI:
 
 def test_models_lists_the_engine(served: Served) -> None:
     models = client(served).models.list().data
-    assert [m.id for m in models] == [model_name(served)]
+    # the model's own name (trtprompt.json source.model); requests may also name the engine directory
+    assert [m.id for m in models] == [json.loads((served.engine_dir / "trtprompt.json").read_text())["source"]["model"]]
     assert models[0].model_extra["max_model_len"] == EngineInfo.read(served.engine_dir).build_config["max_seq_len"]
 
 

@@ -32,7 +32,7 @@ def refused(kind: str, body: dict[str, Any]) -> APIError:
 def test_greedy_and_openai_default_sampling() -> None:
     greedy = parse_request("completion", completion(temperature=0, max_tokens=5), LIMITS)
     assert ensemble_sampling(greedy.sampling) == {"temperature": 0.0}
-    assert (greedy.prompt, greedy.max_tokens, greedy.stream) == ("Hello", 5, False)
+    assert (greedy.prompts, greedy.max_tokens, greedy.stream) == (("Hello",), 5, False)
     # OpenAI's default temperature 1 samples from the whole distribution: top_p=1 says so to the engine.
     default = parse_request("completion", completion(), LIMITS)
     assert ensemble_sampling(default.sampling) == {"temperature": 1.0, "top_p": 1.0}
@@ -45,8 +45,9 @@ def test_extensions_and_ignore_eos() -> None:
     gen = parse_request("completion", completion(max_tokens=12, ignore_eos=True, repetition_penalty=1.2,
                                                  presence_penalty=0.5, stop=["\n", "END"], cache_salt="t1"),
                         LIMITS)
-    sampling = ensemble_sampling(gen.sampling)
-    assert sampling["min_tokens"] == 12 and sampling["repetition_penalty"] == 1.2
+    assert gen.sampling.ignore_eos and gen.sampling.min_tokens == 0  # the engine's own ignore_eos
+    sampling = ensemble_sampling(gen.sampling)  # the ensemble has none: EOS masked instead
+    assert sampling["min_tokens"] == 12 and sampling["repetition_penalty"] == 1.2 and "ignore_eos" not in sampling
     assert sampling["presence_penalty"] == 0.5
     assert gen.stop == ("\n", "END") and gen.cache_salt == "t1"
 
@@ -58,7 +59,7 @@ def test_chat_messages_and_stream_options() -> None:
     gen = parse_request("chat", body, LIMITS)
     assert json.loads(gen.messages_json or "") == [{"role": "system", "content": "Be brief."},
                                                    {"role": "user", "content": "Hi there"}]
-    assert (gen.max_tokens, gen.stream, gen.include_usage, gen.prompt) == (7, True, True, None)
+    assert (gen.max_tokens, gen.stream, gen.include_usage, gen.prompts, gen.inputs) == (7, True, True, (), (None,))
 
 
 @pytest.mark.parametrize("kind, body, param", [
@@ -90,11 +91,11 @@ def test_unsupported_parameters_are_refused(kind: str, body: dict[str, Any], par
     (completion(presence_penalty=-3), "presence_penalty", "presence_penalty must be in [-2, 2], got -3"),
     (completion(max_tokens=4, min_tokens=5), "min_tokens", "min_tokens must be in [0, max_tokens=4], got 5"),
     (completion(top_k=-5), "top_k", "top_k must be -1, 0 or a positive integer, got -5"),
-    (completion(seed=-1), "seed", "seed must be in [0, 2**64 - 1], got -1"),
+    (completion(seed=-1), "seed", "seed must be in [0, 2**64), got -1"),
     (completion(max_tokens="8"), "max_tokens", 'max_tokens must be an integer, got "8"'),
     (completion(stream=False, stream_options={"include_usage": True}), "stream_options", "only allowed when stream"),
     (completion(prompt=""), "prompt", "'prompt' is required"),
-    (completion(prompt=["a", "b"]), "prompt", "batches of prompts"),
+    (completion(prompt=[["a"]]), "prompt", "prompt[0][0] must be a token id (an integer), got \"a\""),
     (completion(stop=[""]), "stop", "stop must be"),
     (completion(frobnicate=1), "frobnicate", "unrecognized request argument(s): frobnicate"),
     (chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role", "messages[0].role must be one of"),

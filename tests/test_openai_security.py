@@ -411,10 +411,28 @@ def _body(fields: tuple[str, ...], main: str, main_value: st.SearchStrategy[Any]
 
 
 PLAIN_TEXT = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12)
-COMPLETION_BODIES = _body(COMPLETION_FIELDS, "prompt", PLAIN_TEXT | st.lists(TEXT, max_size=2) | VALUES)
-CHAT_BODIES = _body(CHAT_FIELDS, "messages",
-                    st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": PLAIN_TEXT}),
-                             min_size=1, max_size=2) | st.lists(MESSAGE, min_size=1, max_size=3) | VALUES)
+# Token-id prompts and batches (strings, id lists, both): ids inside the tiny vocabulary, past it, negative.
+TOKEN_IDS = st.lists(st.integers(-2, 800) | SMALL_INTS, min_size=1, max_size=6)
+PROMPTS = (PLAIN_TEXT | st.lists(TEXT, max_size=2) | TOKEN_IDS
+           | st.lists(PLAIN_TEXT | st.lists(st.integers(0, 300), min_size=1, max_size=4), min_size=1, max_size=3)
+           | VALUES)
+# The extensions at values the front end acts on (the random VALUES of _body rarely are): honoured ones,
+# and the router's defaults (tests/test_openai_extensions.py).
+EXTENSION_VALUES = st.fixed_dictionaries({}, optional={
+    "stop_token_ids": st.lists(st.integers(-1, 800), max_size=3), "min_p": st.floats(0, 1) | VALUES,
+    "skip_special_tokens": st.booleans(), "ignore_eos": st.booleans(), "no_stop_trim": st.booleans(),
+    "return_hidden_states": st.booleans(), "length_penalty": st.floats(-2, 2), "rid": TEXT})
+
+
+def _with_extensions(bodies: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
+    return st.tuples(EXTENSION_VALUES, bodies).map(lambda pair: pair[0] | pair[1])
+
+
+COMPLETION_BODIES = _with_extensions(_body(COMPLETION_FIELDS, "prompt", PROMPTS))
+CHAT_BODIES = _with_extensions(_body(CHAT_FIELDS, "messages",
+                                     st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": PLAIN_TEXT}),
+                                              min_size=1, max_size=2) | st.lists(MESSAGE, min_size=1, max_size=3)
+                                     | VALUES))
 
 
 def to_json(value: Any, model: str) -> str:

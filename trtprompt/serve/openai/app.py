@@ -30,11 +30,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from trtprompt.serve.openai import responses as R
+from trtprompt.serve.openai.batch import Item, merged
 from trtprompt.serve.openai.config import FrontendConfig
 from trtprompt.serve.openai.errors import APIError, unauthorized
 from trtprompt.serve.openai.http_limits import BodyLimit, HttpLimits
 from trtprompt.serve.openai.json_body import ClientGone, read_json
-from trtprompt.serve.openai.params import Generation, parse_request
+from trtprompt.serve.openai.params import Generation, Prompt, parse_request
 from trtprompt.serve.openai.to_triton import Piece, TritonEnsemble
 
 
@@ -44,7 +45,7 @@ class Source(Protocol):
 
     async def ready(self) -> bool: ...
 
-    async def inputs_for(self, gen: Generation) -> Any: ...
+    async def inputs_for(self, gen: Generation, prompt: Prompt | None) -> Any: ...
 
     def generate(self, prepared: Any) -> AsyncGenerator[Piece, None]: ...
 
@@ -52,6 +53,7 @@ class Source(Protocol):
 
 
 T = TypeVar("T")
+SGLANG_INFO_PATHS = ("/server_info", "/model_info", "/get_server_info", "/get_model_info")
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the log does
 log = logging.getLogger("trtprompt.openai")
 
@@ -83,6 +85,16 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [card]})
 
 
+async def server_info(request: Request) -> Response:
+    """SGLang's model and server info, under its current and older paths: sglang-router names a
+    worker's model from served_model_name (else model_path) and shows it on its /v1/models."""
+    cfg: FrontendConfig = request.app.state.cfg
+    _authorize(request, cfg)
+    return JSONResponse({"model_path": cfg.limits.name, "served_model_name": cfg.limits.name,
+                         "tokenizer_path": None, "is_generation": True,
+                         "max_context_length": cfg.limits.max_model_len, "vocab_size": cfg.limits.vocab_size})
+
+
 async def completions(request: Request) -> Response:
     return await _generate(request, "completion")
 
@@ -95,33 +107,38 @@ async def _generate(request: Request, kind: str) -> Response:
     cfg: FrontendConfig = request.app.state.cfg
     _authorize(request, cfg)
     gen = parse_request(kind, await read_json(request), cfg.limits)
+    if gen.notes:
+        log.warning("openai front end: accepted, changing nothing here: %s", "; ".join(gen.notes))
     source: Source = request.app.state.source
-    pieces = source.generate(await source.inputs_for(gen))
+    # Every prompt of a batch is fitted before any is submitted: a refused one starts nothing.
+    prepared = [await source.inputs_for(gen, prompt) for prompt in gen.inputs]
+    items = merged([source.generate(p) for p in prepared])
     env = R.Envelope(kind, cfg.limits.name)
     if not gen.stream:
-        tally = await _unless_gone(request, _collect(pieces))
-        if tally is None:
+        tallies = await _unless_gone(request, _collect(items, len(prepared)))
+        if tallies is None:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(R.full_response(env, gen, tally, cfg.tokens_per_block))
-    first = await _unless_gone(request, _first(pieces))  # queued requests wait here: watch the client
+        return JSONResponse(R.full_response(env, gen, tallies, cfg.tokens_per_block))
+    first = await _unless_gone(request, _first(items))  # queued requests wait here: watch the client
     if first is None:
         return Response(status_code=CLIENT_CLOSED)
-    return StreamingResponse(_events(env, gen, first, pieces, cfg.tokens_per_block),
+    return StreamingResponse(_events(env, gen, first, items, len(prepared), cfg.tokens_per_block),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _collect(pieces: AsyncGenerator[Piece, None]) -> R.Tally:
-    tally = R.Tally()
-    async for piece in pieces:
-        tally.add(piece)
-    return tally
+async def _collect(items: AsyncGenerator[Item, None], n: int) -> list[R.Tally]:
+    tallies = [R.Tally() for _ in range(n)]
+    async for index, piece in items:
+        if piece is not None:
+            tallies[index].add(piece)
+    return tallies
 
 
-async def _first(pieces: AsyncGenerator[Piece, None]) -> tuple[Piece | None]:
-    """The first data response (in a 1-tuple, so None can mean "the client went away")."""
+async def _first(items: AsyncGenerator[Item, None]) -> tuple[Item | None]:
+    """The first item (in a 1-tuple, so None can mean "the client went away")."""
     try:
-        return (await pieces.__anext__(),)
+        return (await items.__anext__(),)
     except StopAsyncIteration:
         return (None,)
 
@@ -144,25 +161,35 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
     return None if task.cancelled() else task.result()
 
 
-async def _events(env: R.Envelope, gen: Generation, head: tuple[Piece | None], pieces: AsyncGenerator[Piece, None],
-                  tokens_per_block: int | None) -> AsyncIterator[bytes]:
-    tally, (first,) = R.Tally(), head
+async def _events(env: R.Envelope, gen: Generation, head: tuple[Item | None], items: AsyncGenerator[Item, None],
+                  n: int, tokens_per_block: int | None) -> AsyncIterator[bytes]:
+    tallies, opened = [R.Tally() for _ in range(n)], [False] * n
     try:
-        if first is not None:
-            tally.add(first)
-            yield R.chunk(env, gen, first.text, first=True)
-        async for piece in pieces:
-            tally.add(piece)
-            if piece.text:
-                yield R.chunk(env, gen, piece.text, first=False)
-        yield R.chunk(env, gen, None, tally.finish_reason(gen.max_tokens), first=first is None)
+        if head[0] is not None:
+            for out in _event(env, gen, head[0], tallies, opened):
+                yield out
+        async for item in items:
+            for out in _event(env, gen, item, tallies, opened):
+                yield out
         if gen.include_usage:
-            yield R.usage_chunk(env, tally, tokens_per_block)
+            yield R.usage_chunk(env, tallies, tokens_per_block)
     except APIError as exc:
         yield R.sse(exc.body())
     finally:
-        await pieces.aclose()  # cancelled mid-stream (client gone): cancels the Triton call now
+        await items.aclose()  # cancelled mid-stream (client gone): cancels the engine or Triton calls now
     yield R.DONE
+
+
+def _event(env: R.Envelope, gen: Generation, item: Item, tallies: list[R.Tally], opened: list[bool]) -> list[bytes]:
+    """The chunks one item of choice `index` makes: its first piece always (chat: with the role), later
+    pieces when they carry text, and a closing chunk with the finish_reason when the choice ends."""
+    index, piece = item
+    first = not opened[index]
+    opened[index] = True
+    if piece is None:
+        return [R.chunk(env, gen, None, tallies[index].finish_reason(gen.max_tokens), first, index)]
+    tallies[index].add(piece)
+    return [R.chunk(env, gen, piece.text, None, first, index)] if piece.text or first else []
 
 
 async def _api_error(_request: Request, exc: Any) -> Response:
@@ -206,6 +233,7 @@ def create_app(cfg: FrontendConfig, http: HttpLimits) -> Starlette:
             await app.state.source.close()
 
     routes = [Route("/health", health), Route("/v1/models", models),
+              *(Route(path, server_info) for path in SGLANG_INFO_PATHS),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,6 +10,17 @@ from trtprompt.engine.engine_dir import load_engine_config
 from trtprompt.serve.openai.params import ModelLimits
 
 API_KEY_ENV = "TRTPROMPT_API_KEY"
+
+
+def source_model(root: Path) -> str | None:
+    """The model's own name the build recorded (trtprompt.json source.model), if any."""
+    try:
+        meta = json.loads((root / "trtprompt.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # a plain TensorRT-LLM engine has no trtprompt.json
+        return None
+    source = meta.get("source") if isinstance(meta, dict) else None
+    model = source.get("model") if isinstance(source, dict) else None
+    return model if isinstance(model, str) and model else None
 
 
 @dataclass(frozen=True)
@@ -39,10 +51,18 @@ class FrontendConfig:
     def for_engine(cls, engine_dir: str | Path, grpc_url: str, api_key: str | None = None,
                    name: str | None = None, engine_socket: str | None = None,
                    tokenizer_dir: str | None = None) -> "FrontendConfig":
-        """The served model's name (the engine directory's), max_model_len and block size, read once."""
+        """The served model's id, max_model_len, vocabulary and block size, read once.
+
+        The id is `name`, else the model's own name as the build recorded it (trtprompt.json's
+        source.model, what routers such as sglang-router read from /v1/models or /server_info),
+        else the engine directory's name; the directory's name stays accepted in requests."""
         root = Path(engine_dir).resolve()
-        build = load_engine_config(root)["build_config"]  # config.json only: no tokenizer needed here
+        config = load_engine_config(root)  # config.json only: no tokenizer needed here
+        build = config["build_config"]
         tpb = (build.get("plugin_config") or {}).get("tokens_per_block", build.get("tokens_per_block"))
-        limits = ModelLimits(name or root.name, int(build["max_seq_len"]))
+        vocab = config["pretrained_config"].get("vocab_size")
+        model_id = name or source_model(root) or root.name
+        limits = ModelLimits(model_id, int(build["max_seq_len"]), int(vocab) if vocab is not None else None,
+                             tuple(n for n in (root.name,) if n != model_id))
         return cls(grpc_url, limits, int(tpb) if tpb is not None else None, api_key,
                    engine_socket=engine_socket, engine_dir=str(root), tokenizer_dir=tokenizer_dir)

@@ -1,9 +1,11 @@
 """Parse and check an OpenAI request body into a `Generation`: the sampling parameters built once
-(SamplingParams), the prompt or chat, and how to answer.
+(SamplingParams), the prompts (text or token ids, one or a batch) or the chat, and how to answer.
 
 Strict by design: a parameter this server cannot honour (n > 1, logprobs,
 tools, a response_format other than text, best_of, ...) is refused with a 400
-naming it, and so is a field no OpenAI API defines, as OpenAI does itself.
+naming it, and so is a field neither OpenAI's API nor vLLM's or SGLang's
+extensions define (extensions.py: those not honoured here are accepted at the
+value that asks for this server's behaviour, noted, or refused).
 Bounds are OpenAI's documented ones where OpenAI defines the parameter.
 """
 
@@ -16,16 +18,23 @@ from typing import Any, Mapping
 
 from trtprompt.engine.request import SamplingParams
 from trtprompt.error_codes import FieldError
+from trtprompt.serve.openai import extensions
 from trtprompt.serve.openai.errors import APIError, bad_request
 
 # Parameters with no effect on the output that clients commonly send.
 METADATA_FIELDS = ("user", "metadata", "store", "service_tier")
+# The vLLM/SGLang extensions honoured here (docs/openai.md, "Extension fields").
+HONOURED_EXTENSIONS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
+                       "cache_salt", "skip_special_tokens")
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
-                 "frequency_penalty", "stream", "stream_options", "top_k", "min_tokens", "repetition_penalty",
-                 "ignore_eos", "cache_salt", "n", "logprobs", "logit_bias", "best_of") + METADATA_FIELDS
-COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "suffix")
+                 "frequency_penalty", "stream", "stream_options", "n", "logprobs", "logit_bias",
+                 "best_of") + HONOURED_EXTENSIONS + METADATA_FIELDS
+COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "suffix", "response_format") + extensions.names("completion")
 CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                               "functions", "function_call", "parallel_tool_calls", "response_format")
+                               "functions", "function_call", "parallel_tool_calls",
+                               "response_format") + extensions.names("chat")
+# Each prompt of a batch is one engine request: a batch past this is refused rather than filling the queue.
+MAX_BATCH_PROMPTS = 64
 # OpenAI's bounds for the parameters it defines (closed intervals).
 BOUNDS: dict[str, tuple[float, float]] = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0),
                                           "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
@@ -33,16 +42,24 @@ DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # completions: OpenAI's de
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
+Prompt = str | tuple[int, ...]  # text, or token ids
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     """What validation needs to know about the served model."""
 
-    name: str
+    name: str  # the model id /v1/models reports and answers carry
     max_model_len: int  # the engine's max_seq_len
+    vocab_size: int | None = None  # None: token-id prompts are checked by the engine only
+    aliases: tuple[str, ...] = ()  # other names a request's `model` may use (the engine directory's)
 
     @property
     def max_output_len(self) -> int:
         return self.max_model_len - 1
+
+    def serves(self, model: str) -> bool:
+        return model == self.name or model in self.aliases
 
 
 @dataclass(frozen=True)
@@ -50,17 +67,24 @@ class Generation:
     """One checked request and how to answer it."""
 
     kind: str  # "completion" | "chat"
-    prompt: str | None
+    prompts: tuple[Prompt, ...]  # completions: one per choice; chat: none
     messages_json: str | None
     sampling: SamplingParams
     stop: tuple[str, ...]
     cache_salt: str | None
     stream: bool
     include_usage: bool
+    skip_special_tokens: bool = True
+    notes: tuple[str, ...] = ()  # extension fields accepted that change nothing here (logged)
 
     @property
     def max_tokens(self) -> int:
         return self.sampling.max_tokens
+
+    @property
+    def inputs(self) -> tuple[Prompt | None, ...]:
+        """What each choice is generated from: a prompt, or None for the chat."""
+        return self.prompts if self.kind == "completion" else (None,)
 
 
 def parse_request(kind: str, body: Any, limits: ModelLimits) -> Generation:
@@ -70,14 +94,15 @@ def parse_request(kind: str, body: Any, limits: ModelLimits) -> Generation:
     _check_fields(kind, body)
     _check_model(body, limits)
     _refuse_unsupported(kind, body)
-    prompt, messages = (_prompt(body), None) if kind == "completion" else (None, _messages(body))
+    notes = extensions.check(kind, body)
+    prompts, messages = (_prompts(body, limits), None) if kind == "completion" else ((), _messages(body))
     max_tokens = _max_tokens(kind, body, limits)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    return Generation(kind, prompt, messages, _sampling_params(body, max_tokens), _stop(body),
-                      _salt(body), stream, _include_usage(options))
+    return Generation(kind, prompts, messages, _sampling_params(body, max_tokens, limits), _stop(body),
+                      _salt(body), stream, _include_usage(options), _bool(body, "skip_special_tokens", True), notes)
 
 
 def _check_fields(kind: str, body: Mapping[str, Any]) -> None:
@@ -92,7 +117,7 @@ def _check_model(body: Mapping[str, Any], limits: ModelLimits) -> None:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request(f"'model' is required: this server serves {limits.name!r}", "model")
-    if model != limits.name:
+    if not limits.serves(model):
         raise APIError(404, f"the model {_shown(model)} does not exist; this server serves {limits.name!r}",
                        "invalid_request_error", "model", "model_not_found")
 
@@ -114,7 +139,7 @@ def _refuse_unsupported(kind: str, body: Mapping[str, Any]) -> None:
                      "the engine returns no log probabilities")
     if body.get("logit_bias"):
         _unsupported("logit_bias", body["logit_bias"], "the engine takes no per-token logit bias")
-    if body.get("echo"):
+    if kind == "completion" and body.get("echo"):  # chat's echo (vLLM's) is in extensions.py
         _unsupported("echo", body["echo"], "the prompt is not returned with the completion")
     if body.get("suffix"):
         _unsupported("suffix", body["suffix"], "no insertion (fill-in-the-middle) mode")
@@ -129,16 +154,45 @@ def _refuse_unsupported(kind: str, body: Mapping[str, Any]) -> None:
         _unsupported("response_format", fmt, "only {\"type\": \"text\"}: no JSON mode or schema")
 
 
-def _prompt(body: Mapping[str, Any]) -> str:
+PROMPT_FORMS = ("'prompt' is required: a non-empty string, a list of token ids, or a batch (a list) of "
+                "either")
+
+
+def _prompts(body: Mapping[str, Any], limits: ModelLimits) -> tuple[Prompt, ...]:
+    """A string, a list of token ids, or a batch of either (OpenAI's and vLLM's forms)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # the openai client may send a list of one
-    if isinstance(prompt, list):
-        raise bad_request("'prompt' must be one string: batches of prompts and token-id prompts are not "
-                          "supported (send one request per prompt)", "prompt", "unsupported_parameter")
-    if not isinstance(prompt, str) or not prompt:
-        raise bad_request("'prompt' is required and must be a non-empty string", "prompt")
-    return prompt
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_id(prompt[0])):
+        return (_one_prompt(prompt, "prompt", limits),)
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request(PROMPT_FORMS, "prompt")
+    if len(prompt) > MAX_BATCH_PROMPTS:
+        raise bad_request(f"'prompt' is a batch of {len(prompt)} prompts, more than the {MAX_BATCH_PROMPTS} one "
+                          "request may carry (send several requests)", "prompt")
+    return tuple(_one_prompt(p, f"prompt[{i}]", limits) for i, p in enumerate(prompt))
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _one_prompt(prompt: Any, where: str, limits: ModelLimits) -> Prompt:
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request(PROMPT_FORMS if where == "prompt" else f"{where} must be a non-empty string or a "
+                          "non-empty list of token ids", "prompt")
+    return _token_ids(prompt, where, "prompt", limits)
+
+
+def _token_ids(ids: list[Any], where: str, param: str, limits: ModelLimits) -> tuple[int, ...]:
+    """ids as a tuple, each an integer inside the vocabulary (400 naming param otherwise)."""
+    for i, t in enumerate(ids):
+        if not _is_id(t):
+            raise bad_request(f"{where}[{i}] must be a token id (an integer), got {_shown(t)}", param)
+        if t < 0 or (limits.vocab_size is not None and t >= limits.vocab_size):
+            bound = f"[0, {limits.vocab_size})" if limits.vocab_size is not None else ">= 0"
+            raise bad_request(f"{where}[{i}]: token id {t} is outside the vocabulary {bound}", param)
+    return tuple(ids)
 
 
 def _messages(body: Mapping[str, Any]) -> str:
@@ -234,14 +288,18 @@ def _max_tokens(kind: str, body: Mapping[str, Any], limits: ModelLimits) -> int:
     return value
 
 
-def _sampling_params(body: Mapping[str, Any], max_tokens: int) -> SamplingParams:
+# SamplingParams fields under their OpenAI names, where those differ (for the engine's own refusals).
+OPENAI_NAMES = {"extra_end_ids": "stop_token_ids"}
+
+
+def _sampling_params(body: Mapping[str, Any], max_tokens: int, limits: ModelLimits) -> SamplingParams:
     try:
-        return SamplingParams(max_tokens=max_tokens, **_sampling(body, max_tokens))
-    except FieldError as exc:  # the engine's bounds, where they are tighter than OpenAI's
-        raise bad_request(str(exc), exc.field) from None
+        return SamplingParams(max_tokens=max_tokens, **_sampling(body, max_tokens, limits))
+    except FieldError as exc:  # the engine's bounds (seed's among them), where they are tighter than OpenAI's
+        raise bad_request(str(exc), OPENAI_NAMES.get(exc.field, exc.field)) from None
 
 
-def _sampling(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
+def _sampling(body: Mapping[str, Any], max_tokens: int, limits: ModelLimits) -> dict[str, Any]:
     """Ensemble sampling inputs, following OpenAI's semantics (see docs/openai.md):
     temperature defaults to 1 and samples from the whole distribution, so
     top_p=1 is sent unless top_k/top_p say otherwise; temperature 0 is greedy."""
@@ -255,20 +313,18 @@ def _sampling(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
         out["top_k"] = top_k
     if top_p is not None or ("top_k" not in out and out["temperature"] > 0):
         out["top_p"] = 1.0 if top_p is None else top_p
-    seed = _int(body, "seed")
-    if seed is not None:
-        if not 0 <= seed < 2**64:
-            raise bad_request(f"seed must be in [0, 2**64 - 1], got {seed}", "seed")
-        out["seed"] = seed
-    for name in ("presence_penalty", "frequency_penalty"):
+    if (seed := _int(body, "seed")) is not None:
+        out["seed"] = seed  # bounded by SamplingParams, the one place the engine's seed range is declared
+    for name in ("presence_penalty", "frequency_penalty", "min_p"):
         if (value := _float(body, name)) is not None:
             out[name] = value
-    out.update(_extensions(body, max_tokens))
+    out.update(_extensions(body, max_tokens, limits))
     return out
 
 
-def _extensions(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
-    """vLLM's common extensions: repetition_penalty, min_tokens, ignore_eos."""
+def _extensions(body: Mapping[str, Any], max_tokens: int, limits: ModelLimits) -> dict[str, Any]:
+    """vLLM's and SGLang's honoured extensions: repetition_penalty, min_tokens, ignore_eos, stop_token_ids
+    (min_p and top_k are read with the other sampling fields)."""
     out: dict[str, Any] = {}
     rep = _float(body, "repetition_penalty")
     if rep is not None:
@@ -280,10 +336,12 @@ def _extensions(body: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
         if not 0 <= min_tokens <= max_tokens:
             raise bad_request(f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}", "min_tokens")
         out["min_tokens"] = min_tokens
-    # The ensemble has no ignore_eos input; min_tokens = max_tokens keeps EOS from ending the
-    # request (stop strings still do), which is what ignore_eos means.
-    if _bool(body, "ignore_eos", False):
-        out["min_tokens"] = max_tokens
+    out["ignore_eos"] = _bool(body, "ignore_eos", False)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list):
+            raise bad_request(f"stop_token_ids must be a list of token ids, got {_shown(stop_ids)}", "stop_token_ids")
+        out["extra_end_ids"] = _token_ids(stop_ids, "stop_token_ids", "stop_token_ids", limits)
     return out
 
 

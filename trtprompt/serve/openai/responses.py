@@ -54,6 +54,17 @@ class Tally:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def usage(tallies: list[Tally], tokens_per_block: int | None) -> dict[str, Any] | None:
+    """The request's usage: its choices' summed (None when any choice's counts are unknown)."""
+    each = [t.usage(tokens_per_block) for t in tallies]
+    if any(u is None for u in each):
+        return None
+    known = [u for u in each if u is not None]
+    total = {k: sum(u[k] for u in known) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in known)
+    return total | {"prompt_tokens_details": {"cached_tokens": cached}}
+
+
 @dataclass(frozen=True)
 class Envelope:
     """The id/created/model fields every object of one request shares."""
@@ -68,29 +79,32 @@ class Envelope:
         return {"id": prefix + self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def full_response(env: Envelope, gen: Generation, tally: Tally, tokens_per_block: int | None) -> dict[str, Any]:
-    text, reason = "".join(tally.text), tally.finish_reason(gen.max_tokens)
+def full_response(env: Envelope, gen: Generation, tallies: list[Tally], tokens_per_block: int | None
+                  ) -> dict[str, Any]:
+    """The whole answer: one choice per prompt of the request, in order."""
+    obj = "text_completion" if env.kind == "completion" else "chat.completion"
+    choices = [_choice(env, "".join(t.text), t.finish_reason(gen.max_tokens), i) for i, t in enumerate(tallies)]
+    return env.head(obj) | {"choices": choices, "usage": usage(tallies, tokens_per_block)}
+
+
+def _choice(env: Envelope, text: str, reason: str, index: int) -> dict[str, Any]:
     if env.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": reason}
-        obj = "chat.completion"
-    return env.head(obj) | {"choices": [choice], "usage": tally.usage(tokens_per_block)}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": reason}
 
 
 def chunk(env: Envelope, gen: Generation, text: str | None, finish_reason: str | None = None,
-          first: bool = False) -> bytes:
-    """One streamed choice chunk (text None: the closing chunk with only a finish_reason)."""
+          first: bool = False, index: int = 0) -> bytes:
+    """One streamed chunk of choice `index` (text None: the closing chunk with only a finish_reason)."""
     if env.kind == "completion":
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     payload = env.head(obj) | {"choices": [choice]}
     if gen.include_usage:
@@ -98,6 +112,6 @@ def chunk(env: Envelope, gen: Generation, text: str | None, finish_reason: str |
     return sse(payload)
 
 
-def usage_chunk(env: Envelope, tally: Tally, tokens_per_block: int | None) -> bytes:
+def usage_chunk(env: Envelope, tallies: list[Tally], tokens_per_block: int | None) -> bytes:
     obj = "text_completion" if env.kind == "completion" else "chat.completion.chunk"
-    return sse(env.head(obj) | {"choices": [], "usage": tally.usage(tokens_per_block)})
+    return sse(env.head(obj) | {"choices": [], "usage": usage(tallies, tokens_per_block)})

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any, AsyncGenerator
 
 from trtprompt.engine.engine_dir import read_engine_dir
@@ -24,15 +25,23 @@ from trtprompt.error_codes import RequestError, describe, tagged
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.edge import PromptEdge
 from trtprompt.serve.openai.errors import APIError, from_triton
-from trtprompt.serve.openai.params import Generation
+from trtprompt.serve.openai.params import Generation, Prompt
 from trtprompt.serve.openai.to_triton import Piece
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.engine_client import EngineClient
 from trtprompt.serve.wire.refusals import refusal_reason, report_refused
-from trtprompt.serve.wire.requests import ADD_SPECIAL_TOKENS, SKIP_SPECIAL_TOKENS, TextRequest, TokenRequest, prepare
+from trtprompt.serve.wire.requests import ADD_SPECIAL_TOKENS, TextRequest, TokenRequest, prepare, prepare_ids
 from trtprompt.tokenizer import Tokenizer
 
 log = logging.getLogger("trtprompt.openai")
+
+
+@dataclass(frozen=True)
+class EngineInputs:
+    """One prompt's engine request and how its output is detokenized."""
+
+    request: TokenRequest
+    skip_special_tokens: bool  # the OpenAI extension; the fused ensemble's own is SKIP_SPECIAL_TOKENS
 
 
 def api_error_of(exc: BaseException) -> APIError:
@@ -61,23 +70,29 @@ class EnginePath:
             return False
         return True
 
-    async def inputs_for(self, gen: Generation) -> TokenRequest:
-        """Parse and fit the request off the event loop (tokenizing a long prompt takes a while)."""
-        return await asyncio.to_thread(self._prepare, gen)
+    async def inputs_for(self, gen: Generation, prompt: Prompt | None) -> EngineInputs:
+        """Parse and fit one prompt (None: the chat) off the event loop (tokenizing a long prompt takes a while)."""
+        return await asyncio.to_thread(self._prepare, gen, prompt)
 
-    def _prepare(self, gen: Generation) -> TokenRequest:
+    def _prepare(self, gen: Generation, prompt: Prompt | None) -> EngineInputs:
         try:
-            req = TextRequest(text=gen.prompt or "", sampling=gen.sampling, stream=gen.stream,
-                              messages=gen.messages_json, cache_salt=gen.cache_salt, stop_words=gen.stop)
-            return prepare(req, self.edge, self.tokenizer).request
+            if isinstance(prompt, tuple):  # token ids: no tokenizing, the same budget and salt rule
+                ids = TokenRequest(prompt, gen.sampling, gen.stream, cache_salt=gen.cache_salt)
+                prepared = prepare_ids(ids, gen.stop, self.edge, self.tokenizer)
+            else:
+                text = TextRequest(text=prompt or "", sampling=gen.sampling, stream=gen.stream,
+                                   messages=gen.messages_json, cache_salt=gen.cache_salt, stop_words=gen.stop)
+                prepared = prepare(text, self.edge, self.tokenizer)
+            return EngineInputs(prepared.request, gen.skip_special_tokens)
         except Exception as exc:  # noqa: BLE001 - answered to the client, counted as the ensemble counts it
             if not isinstance(exc, RequestError):
                 log.exception("preparing a request failed")
             report_refused(refusal_reason(exc), self.socket)
             raise api_error_of(exc) from None
 
-    async def generate(self, req: TokenRequest) -> AsyncGenerator[Piece, None]:
+    async def generate(self, inputs: EngineInputs) -> AsyncGenerator[Piece, None]:
         """Pieces until the final one; APIError on an error. Leaving early aborts the engine request."""
+        req = inputs.request
         loop = asyncio.get_running_loop()
         entries: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
@@ -88,7 +103,7 @@ class EnginePath:
             rid = self.client.submit(req, handle)
         except Exception as exc:  # noqa: BLE001 - engine unavailable or a refused submit
             raise api_error_of(exc) from None
-        detok = self.tokenizer.stream(list(req.prompt_token_ids), skip_special_tokens=SKIP_SPECIAL_TOKENS)
+        detok = self.tokenizer.stream(list(req.prompt_token_ids), skip_special_tokens=inputs.skip_special_tokens)
         finished, pending = False, list[int]()
         try:
             while not finished:

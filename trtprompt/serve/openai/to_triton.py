@@ -24,7 +24,7 @@ from tritonclient.grpc import InferInput, InferResult, service_pb2
 from trtprompt.client import aio_channel, grpc_call_metadata, resolve_api_key, stream_request, text_inputs
 from trtprompt.engine.request import SamplingParams
 from trtprompt.serve.openai.errors import APIError, from_triton, unavailable
-from trtprompt.serve.openai.params import Generation
+from trtprompt.serve.openai.params import Generation, Prompt
 
 # Always asked for when the ensemble declares them: usage and cached tokens come from these, and
 # usage needs the perf outputs once, so they come on the final response only where the ensemble
@@ -52,7 +52,11 @@ _SAMPLING_DEFAULTS = SamplingParams()
 
 def ensemble_sampling(params: SamplingParams) -> dict[str, Any]:
     """The ensemble's sampling inputs for params: its text inputs are named as SamplingParams' fields
-    (max_tokens and stop words travel as inputs of their own)."""
+    (max_tokens and stop words travel as inputs of their own). The ensemble has no ignore_eos input:
+    min_tokens = max_tokens keeps the end token from ending the request instead (it is then masked
+    rather than generated: docs/openai.md, "Extension fields")."""
+    if params.ignore_eos:
+        params = dataclasses.replace(params, ignore_eos=False, min_tokens=params.max_tokens)
     out: dict[str, Any] = {}
     for f in dataclasses.fields(SamplingParams):
         value = getattr(params, f.name)
@@ -61,6 +65,29 @@ def ensemble_sampling(params: SamplingParams) -> dict[str, Any]:
         if value is not None and (f.name in ALWAYS_SENT or value != getattr(_SAMPLING_DEFAULTS, f.name)):
             out[f.name] = value
     return out
+
+
+# The OpenAI field each ensemble input comes from, where the names differ.
+OPENAI_FIELD = {"extra_end_ids": "stop_token_ids"}
+
+
+def _refuse_undeclared(gen: Generation, prompt: Prompt | None, sampling: dict[str, Any],
+                       declared: frozenset[str], model: str) -> None:
+    """What this ensemble cannot be asked is refused, naming the field, never dropped."""
+    if isinstance(prompt, tuple):
+        _refuse("prompt", f"this server's {model!r} model takes text: token-id prompts need the engine path "
+                "(the torch target's fused layout)")
+    if not gen.skip_special_tokens:
+        _refuse("skip_special_tokens", f"this server's {model!r} model always detokenizes without special tokens")
+    for name in sampling:
+        if name not in declared:
+            field = OPENAI_FIELD.get(name, name)
+            _refuse(field, f"this server's {model!r} model has no {name!r} input")
+
+
+def _refuse(param: str, why: str) -> None:
+    raise APIError(400, f"{param} is not supported here: {why}", "invalid_request_error", param,
+                   "unsupported_parameter")
 
 
 def _scalar(result: InferResult, name: str) -> int | None:
@@ -122,7 +149,7 @@ class TritonEnsemble:
             self._outputs = tuple(name for name in READ_OUTPUTS if name in declared)
         return self._inputs
 
-    async def inputs_for(self, gen: Generation) -> list[InferInput]:
+    async def inputs_for(self, gen: Generation, prompt: Prompt | None) -> list[InferInput]:
         declared = await self.declared_inputs()
         if gen.messages_json is not None and "messages" not in declared:
             raise APIError(400, f"this server's {self.model!r} model has no 'messages' input (the upstream "
@@ -132,10 +159,12 @@ class TritonEnsemble:
             raise APIError(400, f"this server's {self.model!r} model has no 'cache_salt' input",
                            "invalid_request_error", "cache_salt", "unsupported_parameter")
         optional: dict[str, Any] = ensemble_sampling(gen.sampling)
+        _refuse_undeclared(gen, prompt, optional, declared, self.model)
         optional.update(exclude_input_in_output=True, messages=gen.messages_json, cache_salt=gen.cache_salt)
         optional.update({name: True for name in REPORTING_INPUTS})
         # stop_words unfiltered: a server without the input must refuse it, not ignore the stops
-        return text_inputs(gen.prompt or "", gen.max_tokens, gen.stream, stop_words=list(gen.stop) or None,
+        text = prompt if isinstance(prompt, str) else ""
+        return text_inputs(text, gen.max_tokens, gen.stream, stop_words=list(gen.stop) or None,
                            **{k: v for k, v in optional.items() if k in declared})
 
     async def generate(self, inputs: Sequence[InferInput]) -> AsyncGenerator[Piece, None]:

@@ -105,6 +105,7 @@ def sampling_from_wire(raw: Mapping[str, Any]) -> SamplingParams:
         raise BadRequestError(f"submit params have unknown field(s): {', '.join(unknown)}", "params")
     values = dict(raw)
     values["stop_token_ids"] = tuple(tuple(int(t) for t in s) for s in values.get("stop_token_ids") or ())
+    values["extra_end_ids"] = tuple(int(t) for t in values.get("extra_end_ids") or ())
     return SamplingParams(**values)
 
 
@@ -120,9 +121,24 @@ def prepare(req: TextRequest, edge: PromptEdge, tokenizer: Tokenizer) -> Prepare
     """Fit the prompt (budget, chat window, salt rule: trtprompt.prompt.edge.PromptEdge) and turn
     stop words into token ids: what the fused ensemble and the OpenAI front end both submit."""
     prompt = edge.prepare(req.text, req.messages, req.overflow, req.cache_salt, req.sampling.max_tokens)
-    sampling = req.sampling
-    if req.stop_words:
-        stops = tuple(tuple(tokenizer.encode(w, add_special_tokens=False)) for w in req.stop_words)
-        sampling = dataclasses.replace(sampling, stop_token_ids=stops)
+    sampling = with_stop_words(req.sampling, req.stop_words, tokenizer)
     token_req = TokenRequest(tuple(prompt.ids), sampling, req.stream, req.outputs, req.cache_salt)
     return Prepared(token_req, prompt)
+
+
+def prepare_ids(req: TokenRequest, stop_words: tuple[str, ...], edge: PromptEdge, tokenizer: Tokenizer) -> Prepared:
+    """A prompt given as token ids (an OpenAI completion's), fitted by the rules of a text prompt:
+    the salt requirement, then the budget (max_input_len, the profile's overflow policy)."""
+    edge.policy.check_salt(req.cache_salt)
+    cut = edge.budget().fit(list(req.prompt_token_ids), req.sampling.max_tokens, None)
+    sampling = with_stop_words(req.sampling, stop_words, tokenizer)
+    fitted = dataclasses.replace(req, prompt_token_ids=tuple(cut.ids), sampling=sampling)
+    return Prepared(fitted, EdgePrompt(cut.ids, cut.prompt_truncated_tokens, 0))
+
+
+def with_stop_words(sampling: SamplingParams, words: tuple[str, ...], tokenizer: Tokenizer) -> SamplingParams:
+    """sampling with the stop words as token sequences (the engine matches ids)."""
+    if not words:
+        return sampling
+    stops = tuple(tuple(tokenizer.encode(w, add_special_tokens=False)) for w in words)
+    return dataclasses.replace(sampling, stop_token_ids=stops)
