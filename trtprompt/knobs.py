@@ -20,7 +20,9 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 BIG = 1 << 30  # "no practical upper bound" for token counts
 STAGES: tuple[str, ...] = ("build", "runtime", "prompt", "serve")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "fp8", "int4_awq")
+# int8_w8a8: int8 weights per channel and activations per token (torch target; TensorRT-LLM's quant_algo
+# W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN, unsmoothed). docs/quantization.md.
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "int8_w8a8", "fp8", "int4_awq")
 CAPACITY_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 # Strictest first (trtprompt/prompt/budget.py: a request may move left of its profile's policy, never right).
 OVERFLOW_POLICIES: tuple[str, ...] = ("reject", "truncate_middle", "truncate_left")
@@ -155,7 +157,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
        trtllm="multiple_profiles", flag="--multiple-profiles/--no-multiple-profiles"),
     _k("dtype", "build", str, None, "Engine dtype (unset or auto: the checkpoint's).", choices=DTYPES,
        nullable=True, trtllm="dtype", llmapi="dtype"),
-    _k("quantization", "build", str, "none", "Weight quantization.", choices=QUANTIZATIONS,
+    _k("quantization", "build", str, "none", "Weight quantization (int8_w8a8: int8 activations too).",
+       choices=QUANTIZATIONS,
        trtllm="quantization.quant_algo"),
     # runtime policy: tensorrt_llm config.pbtxt parameters
     _k("enable_chunked_context", "runtime", bool, False, "Split long prompts over several steps.",

@@ -29,10 +29,13 @@ TARGET_DTYPES: dict[str, tuple[str, ...]] = {
     "trtllm": ("float32", "bfloat16", "float16"),
 }
 TARGET_QUANTIZATIONS: dict[str, tuple[str, ...]] = {
-    "torch": ("none", "int8_wo"),
+    "torch": ("none", "int8_wo", "int8_w8a8"),
     "trtllm": ("none", "int8_wo", "fp8", "int4_awq"),
 }
-QUANT_ALGOS: dict[str, str | None] = {"none": None, "int8_wo": "W8A16", "fp8": "FP8", "int4_awq": "W4A16_AWQ"}
+QUANT_ALGOS: dict[str, str | None] = {"none": None, "int8_wo": "W8A16", "fp8": "FP8", "int4_awq": "W4A16_AWQ",
+                                      "int8_w8a8": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"}
+# The quantizations whose layer linears are stored int8 + a float32 scale per output row.
+INT8_WEIGHT_QUANTIZATIONS: tuple[str, ...] = ("int8_wo", "int8_w8a8")
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 NO_FACTOR_ROPE_TYPES: tuple[str, ...] = ("su", "longrope", "llama3")
 MAX_NUM_TOKENS_ADVISED = 16384
@@ -151,7 +154,7 @@ def weight_bytes(pc: Mapping[str, Any], dtype: str, quantization: str) -> int:
     total = 0
     for name, shape in expected_weight_shapes(pc).items():
         count = math.prod(shape)
-        if quantization == "int8_wo" and is_layer_linear(name):
+        if quantization in INT8_WEIGHT_QUANTIZATIONS and is_layer_linear(name):
             total += count + 4 * shape[0]
         else:
             total += count * DTYPE_BYTES[dtype]

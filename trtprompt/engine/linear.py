@@ -5,7 +5,8 @@ On our CPUs oneDNN with a weight reordered once into its blocked layout runs
 CPU for dtypes the CPU's oneDNN supports; everywhere else the reference path
 runs. W8A16 weights (int8 + per-output-channel scale) are dequantized once
 at load: torch's int8 weight-only matmul (`_weight_int8pack_mm`) ran at
-~2 GFLOP/s on our AVX2 CPUs, 30x slower than a dense fp32 GEMM.
+~2 GFLOP/s on our AVX2 CPUs, 30x slower than a dense fp32 GEMM. W8A8 weights
+stay int8 and run an int8 GEMM (quant_w8a8.py, docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from trtprompt.engine.quant_w8a8 import make_w8a8_linear
 
 LINEAR_BACKENDS: tuple[str, ...] = ("onednn", "reference")
 # The M a prepacked weight is tuned for; measured insensitive between decode and prefill sizes.
@@ -105,8 +108,13 @@ def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, dtype: torch.dtype,
-                scale: torch.Tensor | None = None) -> torch.nn.Module:
-    """A linear for `weight` [out, in] (int8 when `scale` is given) on an already resolved backend."""
+                scale: torch.Tensor | None = None, w8a8_backend: str | None = None) -> torch.nn.Module:
+    """A linear for `weight` [out, in] (int8 when `scale` is given) on an already resolved backend.
+
+    int8 weights run the W8A8 kernel `w8a8_backend` when one is given, else are dequantized (W8A16).
+    """
+    if scale is not None and w8a8_backend is not None:
+        return make_w8a8_linear(weight, scale, bias, w8a8_backend)
     if scale is not None:
         weight = dequantize(weight, scale, dtype)
     if backend == "onednn":

@@ -26,8 +26,9 @@ from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model'
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.layer_ops import LayerOps, TorchOps
 from trtprompt.engine.linear import make_linear, resolve_backend
+from trtprompt.engine.quant_w8a8 import resolve_w8a8_backend
 from trtprompt.engine.rope import RotaryEmbedding
-from trtprompt.engine.weights import LinearWeights, check_quant_algo, fuse_linears, take_linear, take_tensor
+from trtprompt.engine.weights import W8A8, LinearWeights, check_quant_algo, fuse_linears, take_linear, take_tensor
 
 
 class RMSNorm(torch.nn.Module):
@@ -107,11 +108,12 @@ class DecoderModel(torch.nn.Module):
         self.embed_tokens: torch.Tensor | None = None
         self.norm: RMSNorm | None = None
         self.lm_head: torch.nn.Module | None = None
+        self.w8a8_backend: str | None = None  # the int8 GEMM of W8A8 linears (quant_w8a8.py); None: not W8A8
 
     # -- weights -----------------------------------------------------------------
 
     def _linear(self, lw: LinearWeights) -> torch.nn.Module:
-        return make_linear(lw.weight, lw.bias, self.linear_backend, self.dtype, lw.scale)
+        return make_linear(lw.weight, lw.bias, self.linear_backend, self.dtype, lw.scale, self.w8a8_backend)
 
     def _norm(self, tensors: Mapping[str, torch.Tensor], name: str, size: int) -> RMSNorm:
         weight = take_tensor(tensors, name, (size,), self.dtype, self.device)
@@ -139,10 +141,11 @@ class DecoderModel(torch.nn.Module):
                             self._norm(tensors, p + "post_attention_layernorm.weight", h))
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], quant_algo: str | None = None) -> None:
-        """Load HF-named tensors; with W8A16 the layer linears are int8 + `<name>_scale`."""
+        """Load HF-named tensors; with a quant_algo the layer linears are int8 + `<name>_scale`."""
         check_quant_algo(quant_algo)
         c = self.cfg
-        quantized = quant_algo == "W8A16"
+        quantized = quant_algo is not None
+        self.w8a8_backend = resolve_w8a8_backend(self.linear_backend) if quant_algo == W8A8 else None
         embed_shape = (c.vocab_size, c.hidden_size)
         self.embed_tokens = take_tensor(tensors, "model.embed_tokens.weight", embed_shape, self.dtype, self.device)
         self.layers = torch.nn.ModuleList(self._layer(tensors, i, quantized)

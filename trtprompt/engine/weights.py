@@ -1,6 +1,7 @@
-"""Read decoder weights under their Hugging Face names, optionally W8A16.
+"""Read decoder weights under their Hugging Face names, optionally with int8 linears.
 
-With quant_algo "W8A16" each linear inside the layers is int8 [out, in] with
+With quant_algo "W8A16" (int8 weight-only) or "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN" (int8 weights and
+activations, docs/quantization.md) each linear inside the layers is int8 [out, in] with
 `<name>_scale` float32 [out] (w ~= int8 * scale[:, None]); embeddings, norms
 and lm_head stay in the engine dtype.
 """
@@ -12,14 +13,18 @@ from typing import Mapping, Sequence
 
 import torch
 
-QUANT_ALGOS: tuple[str, ...] = ("W8A16",)
+W8A16 = "W8A16"
+# TensorRT-LLM's name for per-channel weight / per-token activation int8 (its SmoothQuant format; an
+# unsmoothed checkpoint is the case of smoothing factors 1).
+W8A8 = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
+QUANT_ALGOS: tuple[str, ...] = (W8A16, W8A8)
 
 
 @dataclass(frozen=True)
 class LinearWeights:
     weight: torch.Tensor  # [out, in]: engine dtype, or int8 when scale is set
     bias: torch.Tensor | None
-    scale: torch.Tensor | None  # float32 [out] for W8A16
+    scale: torch.Tensor | None  # float32 [out] for the int8 algos
 
 
 def check_quant_algo(quant_algo: str | None) -> None:
@@ -41,7 +46,7 @@ def _take_quantized(tensors: Mapping[str, torch.Tensor], name: str, shape: Seque
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     key = f"{name}.weight"
     if key in tensors and tensors[key].dtype != torch.int8:
-        raise ValueError(f"W8A16 weight {key!r} must be int8, got {tensors[key].dtype}")
+        raise ValueError(f"quantized weight {key!r} must be int8, got {tensors[key].dtype}")
     weight = take_tensor(tensors, key, shape, torch.int8, device)
     scale = take_tensor(tensors, f"{key}_scale", shape[:1], torch.float32, device)
     return weight, scale
@@ -57,7 +62,7 @@ def take_linear(tensors: Mapping[str, torch.Tensor], name: str, shape: Sequence[
         return LinearWeights(weight, bias, scale)
     key = f"{name}.weight"
     if key in tensors and tensors[key].dtype == torch.int8:
-        raise ValueError(f"weight {key!r} is int8 but quant_algo is not W8A16")
+        raise ValueError(f"weight {key!r} is int8 but quant_algo is not one of {', '.join(QUANT_ALGOS)}")
     return LinearWeights(take_tensor(tensors, key, shape, dtype, device), bias, None)
 
 

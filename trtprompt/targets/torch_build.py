@@ -1,9 +1,10 @@
 """Torch target: convert a checkpoint's weights into rank0.safetensors in the engine dtype.
 
 Weights keep their Hugging Face names. With int8 weight-only quantization
-(quant_algo "W8A16") each linear inside the layers becomes int8 [out, in] plus
-`<name>_scale` float32 [out], symmetric per output channel; embeddings, norms
-and lm_head stay in the engine dtype.
+(quant_algo "W8A16") or W8A8 (int8_w8a8: the same weights; the engine quantizes
+activations per token at run time, docs/quantization.md) each linear inside the
+layers becomes int8 [out, in] plus `<name>_scale` float32 [out], symmetric per
+output channel; embeddings, norms and lm_head stay in the engine dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tqdm import tqdm
 
 from trtprompt.checkpoint import Checkpoint, expected_weight_shapes, is_layer_linear, iter_tensors
 from trtprompt.errors import CheckpointError
+from trtprompt.plan import INT8_WEIGHT_QUANTIZATIONS
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -61,7 +63,7 @@ def convert_weights(ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str, quantiz
             if tuple(tensor.shape) != expected[name]:
                 raise CheckpointError(f"{ckpt.path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                       f"config.json implies {expected[name]}")
-            out.update(_convert_one(name, tensor, TORCH_DTYPES[dtype], quantization == "int8_wo"))
+            out.update(_convert_one(name, tensor, TORCH_DTYPES[dtype], quantization in INT8_WEIGHT_QUANTIZATIONS))
             bar.update(1)
     missing = [n for n in expected if n not in out]
     if missing:

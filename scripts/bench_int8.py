@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+"""W8A8 (quantization int8_w8a8) against fp32, side by side in one run: GEMMs, throughput, quality.
+
+    flock /tmp/bench.lock .venv/bin/python scripts/bench_int8.py gemm [--rounds 7]
+    flock /tmp/bench.lock .venv/bin/python scripts/bench_int8.py throughput [--reps 3]
+    flock /tmp/bench.lock .venv/bin/python scripts/bench_int8.py quality [--checkpoint build/smollm2]
+
+gemm:       every int8 GEMM torch offers on this CPU against fp32 F.linear and the engine's
+            prepacked oneDNN fp32 linear, on the peer checkpoint's and SmolLM2-135M's linear
+            shapes, tokens 1..512; rounds interleave the variants; best-of-rounds GFLOP/s
+            (int8: GOP/s) and each int8 kernel's error against the exact integer product.
+throughput: the peer workload, 32 x (128 in, 64 out), greedy, offline, in process, on a
+            peer-checkpoint engine built fp32 and int8_w8a8, reps alternating.
+quality:    SmolLM2-135M-Instruct (`make real-model`), fp32 against int8_w8a8 (and the
+            same integers with 8-bit activations on the reference path, to show what 7 bits cost):
+            greedy agreement over 32 prompts x 64 tokens, and perplexity on a held-out text
+            (/usr/share/common-licenses/GPL-3, Debian's base-files).
+
+Writes JSON under build/bench-int8/ and prints Markdown. Not part of `make test`.
+docs/quantization.md explains the kernels and the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from trtprompt.engine import quant_w8a8  # noqa: E402
+from trtprompt.engine.quant_w8a8 import FbgemmW8A8Linear, quantize_per_token  # noqa: E402
+
+OUT = ROOT / "build/bench-int8"
+# (name, K, N) per model: fused qkv, o_proj, fused gate_up, down_proj, lm_head.
+SHAPES: dict[str, list[tuple[str, int, int]]] = {
+    "peer": [("qkv", 512, 1024), ("o", 512, 512), ("gate_up", 512, 2752), ("down", 1376, 512),
+             ("lm_head", 512, 4000)],
+    "smollm2": [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
+                ("lm_head", 576, 49152)],
+}
+TOKENS = (1, 8, 32, 128, 512)
+# The bounds of bench_vs_vllm.py's engine, so throughput figures compare with BENCHMARKS.md's.
+ENGINE_OVERRIDES = {"max_batch_size": 64, "max_num_tokens": 2048, "max_seq_len": 2048, "tokens_per_block": 32,
+                    "enable_chunked_context": True}
+# SmolLM2's chat template (build/smollm2/chat_template.jinja) with its default system turn.
+CHAT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWrite a short paragraph about {topic}.<|im_end|>\n<|im_start|>assistant\n")
+HELD_OUT = Path("/usr/share/common-licenses/GPL-3")
+PPL_CHUNK, PPL_TOKENS = 512, 4096
+TOPICS = ("the moon", "bread baking", "volcanoes", "the French revolution", "photosynthesis", "chess openings",
+          "honey bees", "the printing press", "black holes", "coral reefs", "jazz music", "the Roman empire",
+          "electric cars", "penguins", "the water cycle", "origami", "tea ceremonies", "glaciers",
+          "the internet", "dinosaurs", "rainbows", "the stock market", "yoga", "lighthouses", "vaccines",
+          "the Olympic games", "deserts", "submarines", "coffee", "the human heart", "windmills", "kites")
+
+
+def cpu_line() -> str:
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("model name")), platform.processor())
+    flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("flags")), [])
+    isa = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
+    return (f"{model}, {os.cpu_count()} cores, {' '.join(isa)}; torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+
+
+# -- gemm ------------------------------------------------------------------------------------------
+
+def _best_ms(fn: Callable[[], Any], min_s: float = 0.05) -> float:
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < min_s or n < 3:
+        fn()
+        n += 1
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def _onednn_int8(qw: torch.Tensor, sw: torch.Tensor, m: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """oneDNN's int8 linear, per-token scales the same way as fbgemm's (x / s_x, scale 1, zero point 64)."""
+    packed = torch.ops.onednn.qlinear_prepack(qw, [m, qw.shape[1]])
+    zps = torch.zeros(qw.shape[0], dtype=torch.long)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        q, s = quantize_per_token(x)
+        qu = (q + quant_w8a8.ACT_ZERO_POINT).to(torch.uint8)
+        y: torch.Tensor = torch.ops.onednn.qlinear_pointwise(qu, 1.0, quant_w8a8.ACT_ZERO_POINT, packed, sw, zps,
+                                                             None, 1.0, 0, torch.float32, "none", [], "")
+        return y * s
+    return run
+
+
+def _variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    from trtprompt.targets.torch_build import quantize_int8
+
+    qw, sw = quantize_int8(w)
+    packed_fp32 = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    fb = FbgemmW8A8Linear(qw, sw, None)
+    od = _onednn_int8(qw, sw, x.shape[0])
+    q, _ = quantize_per_token(x)
+    qi, qwt = q.to(torch.int8), qw.t()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        qt = torch._make_per_channel_quantized_tensor(qw, sw.double(), torch.zeros(w.shape[0], dtype=torch.long), 0)
+        dyn = torch.ops.quantized.linear_prepack(qt, None)
+    out = {
+        "fp32 F.linear (MKL)": lambda: F.linear(x, w),
+        "fp32 oneDNN prepacked (engine)": lambda: torch.ops.mkldnn._linear_pointwise(x, packed_fp32, None, "none",
+                                                                                     [], ""),
+        "W8A8 fbgemm per-token (engine)": lambda: fb(x),
+        "W8A8 oneDNN qlinear per-token": lambda: od(x),
+        "fbgemm linear_dynamic per-tensor": lambda: torch.ops.quantized.linear_dynamic(x, dyn, True),
+        "per-token quantize only": lambda: quantize_per_token(x)[0],
+    }
+    if x.shape[0] > 16:  # torch._int_mm wants M > 16
+        out["torch._int_mm (int32 out)"] = lambda: torch._int_mm(qi, qwt)
+    return out
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from trtprompt.targets.torch_build import quantize_int8
+
+    qw, sw = quantize_int8(w)
+    q, s = quantize_per_token(x)
+    return ((q.double() @ qw.double().t()) * sw.double() * s.double()).float()
+
+
+def gemm(args: argparse.Namespace) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    for model, shapes in SHAPES.items():
+        for name, k, n in shapes:
+            w = torch.randn(n, k, generator=gen) * 0.05
+            for m in TOKENS:
+                x = torch.randn(m, k, generator=gen)
+                variants = _variants(x, w)
+                exact = _exact(x, w)
+                errs = {v: ((variants[v]() - exact).abs().max() / exact.abs().max()).item()
+                        for v in ("W8A8 fbgemm per-token (engine)", "W8A8 oneDNN qlinear per-token")}
+                times: dict[str, list[float]] = {v: [] for v in variants}
+                for _ in range(args.rounds):
+                    for v, fn in variants.items():
+                        times[v].append(_best_ms(fn))
+                best = {v: min(t) for v, t in times.items()}
+                ops = 2 * m * k * n / 1e9
+                rows.append({"model": model, "linear": name, "M": m, "K": k, "N": n, "ms": best,
+                             "gops": {v: ops / (t / 1e3) for v, t in best.items()}, "rel_err": errs})
+                fp = best["fp32 oneDNN prepacked (engine)"]
+                print(f"{model} {name} M={m}: " + ", ".join(f"{v} {fp / t:.2f}x" for v, t in best.items()),
+                      flush=True)
+    return {"rows": rows}
+
+
+def gemm_markdown(res: dict[str, Any]) -> str:
+    variants = list(res["rows"][0]["gops"])
+    head = "| model | linear | M x K x N | " + " | ".join(variants) + " |"
+    lines = [head, "|" + " --- |" * (3 + len(variants))]
+    for r in res["rows"]:
+        cells = [f"{r['gops'][v]:.1f}" if v in r["gops"] else "—" for v in variants]
+        lines.append(f"| {r['model']} | {r['linear']} | {r['M']} x {r['K']} x {r['N']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# -- engines ---------------------------------------------------------------------------------------
+
+def built(checkpoint: Path, out: Path, quantization: str, overrides: dict[str, Any]) -> Path:
+    from trtprompt.build import BuildRequest, run_build
+
+    if (out / "config.json").exists():
+        return out
+    path = run_build(BuildRequest(checkpoint, out, "cpu-dev", overrides={**overrides, "quantization": quantization},
+                                  force=True, progress=False))
+    assert path is not None
+    return path
+
+
+def run_greedy(engine: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    from trtprompt.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
+    ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, list(p), params)
+    toks: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            toks[o.request_id].extend(o.new_token_ids)
+    return [toks[rid] for rid in ids], time.perf_counter() - t0
+
+
+def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    from trtprompt.checkpoint_maker import DemoSpec, make_demo_checkpoint
+    from trtprompt.engine.engine import LLMEngine
+
+    ckpt = args.peer_checkpoint
+    if not (ckpt / "config.json").exists():
+        make_demo_checkpoint(ckpt, DemoSpec(size="peer"))
+    engines = {q: LLMEngine.from_engine_dir(built(ckpt, OUT / f"peer-{q}", q, ENGINE_OVERRIDES))
+               for q in ("none", "int8_w8a8")}
+    gen = torch.Generator().manual_seed(0)
+    vocab = engines["none"].runner.model.cfg.vocab_size
+    prompts = [torch.randint(10, vocab, (args.input,), generator=gen).tolist() for _ in range(args.requests)]
+    for e in engines.values():
+        run_greedy(e, prompts, args.output)  # warm-up at full size
+    reps: dict[str, list[float]] = {q: [] for q in engines}
+    for i in range(args.reps):
+        order = list(engines) if i % 2 == 0 else list(engines)[::-1]
+        for q in order:
+            toks, wall = run_greedy(engines[q], prompts, args.output)
+            reps[q].append(sum(map(len, toks)) / wall)
+            print(f"rep {i} {q}: {reps[q][-1]:.1f} output tok/s (load {os.getloadavg()[0]:.2f})", flush=True)
+    med = {q: statistics.median(v) for q, v in reps.items()}
+    return {"workload": f"{args.requests} x ({args.input} in, {args.output} out), greedy, offline",
+            "output_tok_s": reps, "median": med, "ratio_int8_over_fp32": med["int8_w8a8"] / med["none"]}
+
+
+# -- quality ---------------------------------------------------------------------------------------
+
+def _forward_all(engine: Any, ids: Sequence[int]) -> torch.Tensor:
+    """[len(ids), vocab] logits of one sequence, prefilled in one step into the engine's pool."""
+    from trtprompt.engine.attention import SeqSlice, build_attention_metadata
+
+    tpb = engine.kv.tokens_per_block
+    meta = build_attention_metadata([SeqSlice(0, len(ids), list(range(-(-len(ids) // tpb))))], tpb, engine.device)
+    with torch.inference_mode():
+        out: torch.Tensor = engine.runner.model(torch.tensor(ids), torch.arange(len(ids)), meta,
+                                                engine.runner.kv_caches, torch.arange(len(ids)))
+    return out
+
+
+def perplexity(engine: Any, tokens: Sequence[int]) -> float:
+    nll, count = 0.0, 0
+    for start in range(0, len(tokens) - 1, PPL_CHUNK):
+        chunk = list(tokens[start:start + PPL_CHUNK + 1])
+        if len(chunk) < 2:
+            break
+        logits = _forward_all(engine, chunk[:-1])
+        nll += F.cross_entropy(logits.float(), torch.tensor(chunk[1:]), reduction="sum").item()
+        count += len(chunk) - 1
+    return math.exp(nll / count)
+
+
+def _agreement(ref: list[list[int]], other: list[list[int]]) -> dict[str, float]:
+    same = sum(a == b for r, o in zip(ref, other) for a, b in zip(r, o))
+    total = sum(len(r) for r in ref)
+    prefix = []
+    for r, o in zip(ref, other):
+        k = next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r))
+        prefix.append(k)
+    return {"position_match": same / total, "mean_common_prefix": statistics.fmean(prefix),
+            "identical_sequences": sum(p == len(r) for p, r in zip(prefix, ref)) / len(ref)}
+
+
+def _teacher_forced(engine: Any, prompts: list[list[int]], ref: list[list[int]]) -> float:
+    """Share of fp32's greedy tokens that this engine also ranks first, fed fp32's own sequence."""
+    hits = total = 0
+    for p, r in zip(prompts, ref):
+        logits = _forward_all(engine, p + r[:-1])[len(p) - 1:]
+        hits += int((logits.argmax(-1) == torch.tensor(r)).sum())
+        total += len(r)
+    return hits / total
+
+
+def quality(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenizers import Tokenizer
+
+    from trtprompt.engine.engine import LLMEngine
+
+    tok = Tokenizer.from_file(str(args.checkpoint / "tokenizer.json"))
+    overrides = {"max_seq_len": 2048, "max_num_tokens": 2048, "max_batch_size": 32}
+    variants: dict[str, tuple[str, str, int]] = {  # name: (quantization, linear_backend, activation qmax)
+        "fp32": ("none", "onednn", 0),
+        "int8_w8a8 (7-bit activations, fbgemm)": ("int8_w8a8", "onednn", 63),
+        "int8 weights, 8-bit activations (reference path)": ("int8_w8a8", "reference", 127),
+        "int8_wo (W8A16)": ("int8_wo", "onednn", 0),
+    }
+    prompts = [tok.encode(CHAT.format(topic=t), add_special_tokens=False).ids for t in TOPICS[:args.prompts]]
+    text = tok.encode(HELD_OUT.read_text(encoding="utf-8"), add_special_tokens=False).ids[:PPL_TOKENS]
+    results: dict[str, Any] = {"held_out": f"{HELD_OUT} (first {len(text)} tokens)"}
+    ref: list[list[int]] = []
+    for name, (quant, backend, qmax) in variants.items():
+        path = built(args.checkpoint, OUT / f"smollm2-{quant}", quant, overrides)
+        engine = LLMEngine.from_engine_dir(path, linear_backend=backend)
+        saved = quant_w8a8.ACT_QMAX
+        quant_w8a8.ACT_QMAX = qmax or saved  # the reference path reads it per call: what 8 bits would give
+        try:
+            toks, wall = run_greedy(engine, prompts, args.tokens)
+            row: dict[str, Any] = {"ppl": perplexity(engine, text), "generate_s": wall}
+            if not ref:
+                ref = toks
+            else:
+                row.update(_agreement(ref, toks))
+                row["teacher_forced_top1"] = _teacher_forced(engine, prompts, ref)
+        finally:
+            quant_w8a8.ACT_QMAX = saved
+        results[name] = row
+        print(name, json.dumps(row), flush=True)
+    base = results["fp32"]["ppl"]
+    for name in variants:
+        results[name]["ppl_increase"] = results[name]["ppl"] / base - 1
+    results["sample"] = {"prompt": tok.decode(prompts[0]), "fp32": tok.decode(ref[0])}
+    return results
+
+
+def quality_markdown(res: dict[str, Any]) -> str:
+    lines = ["| variant | perplexity | increase | teacher-forced top-1 | position match | identical seqs |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in res.items():
+        if not isinstance(r, dict) or "ppl" not in r:
+            continue
+        tf = f"{r['teacher_forced_top1']:.1%}" if "teacher_forced_top1" in r else "—"
+        pm = f"{r['position_match']:.1%}" if "position_match" in r else "—"
+        ident = f"{r['identical_sequences']:.0%}" if "identical_sequences" in r else "—"
+        lines.append(f"| {name} | {r['ppl']:.3f} | {r['ppl_increase']:+.2%} | {tf} | {pm} | {ident} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("gemm", "throughput", "quality"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="gemm: interleaved rounds (best kept)")
+    ap.add_argument("--reps", type=int, default=3, help="throughput: timed reps per side (median)")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--input", type=int, default=128)
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--peer-checkpoint", type=Path, default=ROOT / "build/peer-checkpoint")
+    ap.add_argument("--checkpoint", type=Path, default=ROOT / "build/smollm2", help="quality: SmolLM2 checkpoint")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"CPU: {cpu_line()}", flush=True)
+    res = {"gemm": gemm, "throughput": throughput, "quality": quality}[args.what](args)
+    res["cpu"] = cpu_line()
+    res["loadavg_end"] = os.getloadavg()
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{args.what}.json").write_text(json.dumps(res, indent=2), encoding="utf-8")
+    if args.what == "gemm":
+        print(gemm_markdown(res))
+    elif args.what == "quality":
+        print(quality_markdown(res))
+    else:
+        print(json.dumps({k: res[k] for k in ("workload", "median", "ratio_int8_over_fp32")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
