@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
-	# Build the compiled kernels (paged attention, fused layer ops) now rather than on the first request; a
-	# machine without a C++ compiler gets the pure-torch path, said here.
-	$(PY) -m trtprompt.engine.kernels
+	# Build the compiled kernels (paged attention, fused layer ops) now rather than on the first request, in
+	# every variant this CPU runs (engine/isa.py; tests/test_kernel_variants.py runs each); a machine
+	# without a C++ compiler gets the pure-torch path, said here.
+	$(PY) -m trtprompt.engine.kernels --all
 	# A real Prometheus for tests/test_monitoring_prometheus.py (skipped without it): Debian's
 	# package where apt exists and we may use it; elsewhere say so and go on.
 	command -v prometheus >/dev/null || ! command -v apt-get >/dev/null || \

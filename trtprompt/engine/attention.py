@@ -103,7 +103,7 @@ def resolve_attention_backend(requested: str, device: torch.device, head_size: i
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {requested!r}")
     if requested in ("torch", "reference"):
         return requested
-    misfit = kernels.kernel_fits(head_size or kernels.HEAD_SIZE_MULTIPLE,
+    misfit = kernels.kernel_fits(head_size or kernels.head_size_multiple(),
                                  tokens_per_block or kernels.TOKENS_PER_BLOCK_MULTIPLE, torch.device(device))
     ok, why = (False, misfit) if misfit else kernels.compiled_kernel_status()
     if requested == "compiled" and not ok:

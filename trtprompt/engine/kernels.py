@@ -1,5 +1,7 @@
 """The compiled kernels (csrc/): paged attention and fused layer ops, built on first use.
 
+One build per instruction set (isa.py chooses the variant from the CPU's flags).
+
 torch's C++ extension loader compiles it once per machine with the system's
 C++ compiler and caches it under TORCH_EXTENSIONS_DIR (default
 ~/.cache/torch_extensions). Where no compiler, ninja or Python headers exist,
@@ -10,37 +12,68 @@ so once in the log. Design: docs/design.md, "Attention".
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
+
+from trtprompt.engine import isa
+from trtprompt.engine.isa import KernelVariant
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp")
-# The kernel reads 8-float vectors and tiles rows by four.
-HEAD_SIZE_MULTIPLE = 8
+HEADERS = (CSRC / "vec.h", CSRC / "dtypes.h")
+# The kernel tiles rows by four; head sizes must be a multiple of the variant's vector width.
 TOKENS_PER_BLOCK_MULTIPLE = 4
+_BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi")
 
 
-def _build_flags() -> tuple[str, list[str]]:
-    """(extension name, compiler flags) for this CPU.
+@functools.lru_cache(maxsize=None)
+def variant() -> KernelVariant:
+    """The variant this process builds and runs (isa.py); ValueError for a bad TRTPROMPT_KERNEL_ISA."""
+    return isa.choose(isa.cpu_flags(), isa.requested_variant())
 
-    The name carries the instruction set so a cache shared by machines of
-    different CPUs never hands one a binary it cannot run.
+
+def head_size_multiple() -> int:
+    """Head sizes the compiled kernel takes are multiples of this (8, or 16 for the AVX-512 variant)."""
+    try:
+        return variant().lanes
+    except ValueError:
+        return 8
+
+
+def _build_flags(v: KernelVariant) -> tuple[str, list[str]]:
+    """(extension name, compiler flags) of a variant.
+
+    The name carries the variant so a cache shared by machines of different
+    CPUs never hands one a binary it cannot run.
     """
-    cap = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
-    if cap in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma"]
-    return f"trtprompt_paged_attention_{cap.lower()}", flags
+    return f"trtprompt_kernels_{v.name}", [*_BASE_FLAGS, *v.cflags, f"-DTRTPROMPT_HEADERS={_headers_digest()}"]
+
+
+def _headers_digest() -> str:
+    """A digest of the headers, passed as a define: torch's loader rebuilds when sources or flags change, and
+    it hashes the .cpp files only, so an edited header would otherwise keep the old binary."""
+    h = hashlib.blake2b(digest_size=8)
+    for path in HEADERS:
+        h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_kernel_status() -> tuple[bool, str]:
     """(available, why); builds or loads the kernel once per process."""
-    name, flags = _build_flags()
+    try:
+        v = variant()
+    except ValueError as exc:
+        return False, str(exc)
+    name, flags = _build_flags(v)
     try:
         from torch.utils import cpp_extension
 
@@ -49,15 +82,17 @@ def compiled_kernel_status() -> tuple[bool, str]:
     except Exception as exc:  # noqa: BLE001 - any build failure means: use pure torch
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return False, f"{type(exc).__name__}: {first}"[:300]
-    return True, f"compiled kernel {name}"
+    return True, f"compiled kernel {name} ({v.name}: {v.lanes}-float vectors)"
 
 
 def kernel_fits(head_size: int, tokens_per_block: int, device: torch.device) -> str | None:
     """Why the compiled kernel cannot serve this model, or None when it can."""
     if device.type != "cpu":
         return f"device {device} (the kernel is CPU-only)"
-    if head_size % HEAD_SIZE_MULTIPLE:
-        return f"head_size {head_size} is not a multiple of {HEAD_SIZE_MULTIPLE}"
+    multiple = head_size_multiple()
+    if head_size % multiple:
+        return (f"head_size {head_size} is not a multiple of {multiple} (kernel variant {variant().name}; "
+                f"{isa.ISA_ENV}=avx2 builds 8-float vectors)")
     if tokens_per_block % TOKENS_PER_BLOCK_MULTIPLE:
         return f"tokens_per_block {tokens_per_block} is not a multiple of {TOKENS_PER_BLOCK_MULTIPLE}"
     return None
@@ -70,10 +105,27 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out, lse
 
 
-def main() -> None:
-    """`python -m trtprompt.engine.kernels`: build now (make install does) and say which path runs."""
+def _build_in_child(v: KernelVariant) -> str:
+    """Build one variant in a child process (a process can load one variant only: they define the same ops)."""
+    env = {**os.environ, isa.ISA_ENV: v.name}
+    done = subprocess.run([sys.executable, "-m", "trtprompt.engine.kernels"], env=env, capture_output=True, text=True)
+    return (done.stdout or done.stderr).strip().splitlines()[-1] if (done.stdout or done.stderr).strip() else ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m trtprompt.engine.kernels [--all]`: build now (make install does) and say which path runs.
+
+    --all also builds every other variant this CPU supports (tests/test_kernel_variants.py runs each).
+    """
+    args = sys.argv[1:] if argv is None else argv
+    if args and args != ["--all"]:
+        raise SystemExit("usage: python -m trtprompt.engine.kernels [--all]  (build every variant this CPU runs)")
     ok, why = compiled_kernel_status()
     print(f"paged attention and layer ops: {'compiled kernels' if ok else 'pure-torch fallback'} ({why})")
+    if args == ["--all"] and ok:
+        for v in isa.supported(isa.cpu_flags()):
+            if v != variant():
+                print(f"  also built for tests: {_build_in_child(v)}")
 
 
 if __name__ == "__main__":

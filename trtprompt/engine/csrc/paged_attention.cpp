@@ -69,7 +69,7 @@ inline void weighted_rows(const float* p, const float* rows, int64_t n, int64_t 
 }
 
 // acc[0, d) += sum over rows t < n of p[t] * rows[t], in chunks of at most four vectors
-// (more would not stay in the 16 vector registers of AVX2).
+// (more would not stay in the 16 vector registers of AVX2; AVX-512 has 32).
 inline void accumulate_rows(const float* p, const float* rows, int64_t n, int64_t d, float* acc) {
   int64_t c = 0;
   for (; c + 4 * kLanes <= d; c += 4 * kLanes) weighted_rows<4>(p, rows + c, n, d, acc + c);
@@ -196,8 +196,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
               "paged_decode: q must be [S, H, D] and the caches [blocks, kv_heads, tokens_per_block, D]");
   TORCH_CHECK(q.size(2) == kc.size(3) && q.size(1) % kc.size(1) == 0,
               "paged_decode: head sizes differ or heads are not a multiple of kv_heads");
-  TORCH_CHECK(q.size(2) % kLanes == 0 && kc.size(2) % 4 == 0,
-              "paged_decode: head_size must be a multiple of 8 and tokens_per_block of 4");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && kc.size(2) % 4 == 0, "paged_decode: head_size must be a multiple of ",
+              kLanes, " (this kernel variant's vector width) and tokens_per_block of 4");
   TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(),
               "paged_decode: q and the caches must share a dtype");
   TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt,

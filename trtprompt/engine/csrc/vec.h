@@ -1,15 +1,22 @@
-// 8-float vectors shared by the compiled kernels.
+// Float vectors shared by the compiled kernels: 8 lanes, or 16 where kernels.py builds
+// the AVX-512 variant (-DTRTPROMPT_LANES=16; engine/isa.py lists the variants).
 //
 // GCC/Clang vector extensions, not intrinsics, so the same source builds for any
-// x86-64 or ARM CPU (AVX2/FMA code where kernels.py passes -mavx2 -mfma).
+// x86-64 or ARM CPU: the compiler maps a vector onto the registers of the ISA the
+// variant's flags name (AVX2 ymm, AVX-512 zmm, NEON q pairs), or splits it.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
+#ifndef TRTPROMPT_LANES
+#define TRTPROMPT_LANES 8
+#endif
+static_assert(TRTPROMPT_LANES == 8 || TRTPROMPT_LANES == 16, "TRTPROMPT_LANES must be 8 or 16");
+
 namespace trtprompt_vec {
 
-constexpr int64_t kLanes = 8;
+constexpr int64_t kLanes = TRTPROMPT_LANES;
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline vf load(const float* p) {
@@ -20,12 +27,19 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// Sum of the 8 lanes as a tree of shuffles (3 dependent adds instead of 8); compilers
-// without __builtin_shufflevector (GCC before 12) add lane by lane.
+// Sum of the lanes as a tree of shuffles (3 or 4 dependent adds instead of 8 or 16);
+// compilers without __builtin_shufflevector (GCC before 12) add lane by lane.
 inline float hsum(vf v) {
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
   typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
+#if TRTPROMPT_LANES == 16
+  typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
+  const vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vf4 s = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+#else
   vf4 s = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#endif
   s += __builtin_shufflevector(s, s, 2, 3, 0, 1);
   s += __builtin_shufflevector(s, s, 1, 0, 3, 2);
   return s[0];

@@ -1,0 +1,84 @@
+"""Kernel variants per instruction set (engine/isa.py): chosen from the CPU's flags, each one the
+machine supports equal to the reference.
+
+The parity tests of the compiled kernels (tests/test_layer_ops.py, tests/test_attention_paths.py) run in
+the default variant with the rest of the suite; here they run again in a child process for every other
+variant this CPU supports (one process loads one variant: they define the same ops). `make install`
+builds them all (`python -m trtprompt.engine.kernels --all`), so the children only load them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trtprompt.engine import isa, kernels
+
+AVX2_FLAGS = frozenset("fpu sse2 avx avx2 fma f16c".split())
+AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile"}
+PARITY = "fast_paths_equal_reference or log_sum_exp or rms_norm or silu or rotary"
+
+
+def test_flags_are_read_from_cpuinfo_on_x86_and_arm(tmp_path: Path) -> None:
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma f16c\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert isa.cpu_flags(x86) == frozenset({"fpu", "avx2", "fma", "f16c"})
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm crc32\n")
+    assert isa.cpu_flags(arm) == frozenset({"fp", "asimd", "evtstrm", "crc32"})
+
+
+def test_the_best_supported_variant_is_chosen() -> None:
+    assert isa.choose(AVX512_FLAGS, None).name == "avx512"
+    assert isa.choose(AVX2_FLAGS, None).name == "avx2"
+    assert isa.choose(frozenset({"fp", "asimd"}), None).name == "generic"
+    assert [v.name for v in isa.supported(AVX512_FLAGS)] == ["avx512", "avx2", "generic"]
+    assert isa.choose(AVX512_FLAGS, "avx2").name == "avx2"  # an AVX-512 machine may run the AVX2 build
+
+
+def test_a_requested_variant_the_cpu_lacks_is_refused_naming_the_flags() -> None:
+    with pytest.raises(ValueError, match=r"TRTPROMPT_KERNEL_ISA='avx512': this CPU lacks avx512bw, avx512dq, "
+                                         r"avx512f, avx512vl \(it runs: avx2, generic\)"):
+        isa.choose(AVX2_FLAGS, "avx512")
+    with pytest.raises(ValueError, match=r"not a kernel variant \(choices: avx512, avx2, generic\)"):
+        isa.choose(AVX2_FLAGS, "sse9")
+
+
+def test_each_variant_builds_under_its_own_name_and_flags() -> None:
+    names = {kernels._build_flags(v)[0] for v in isa.VARIANTS}
+    assert names == {"trtprompt_kernels_avx512", "trtprompt_kernels_avx2", "trtprompt_kernels_generic"}
+    avx512 = kernels._build_flags(isa.BY_NAME["avx512"])[1]
+    assert "-mavx512f" in avx512 and "-DTRTPROMPT_LANES=16" in avx512
+    assert not any(f.startswith("-m") for f in kernels._build_flags(isa.BY_NAME["generic"])[1])
+
+
+def _child(variant: str, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, isa.ISA_ENV: variant}
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_an_unsupported_request_falls_back_to_pure_torch_saying_why() -> None:
+    code = "from trtprompt.engine import kernels; print(kernels.compiled_kernel_status())"
+    out = _child("sse9", "-c", code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("(False, \"TRTPROMPT_KERNEL_ISA='sse9': not a kernel variant"), out.stdout
+
+
+OTHERS = [v.name for v in isa.supported(isa.cpu_flags()) if v != kernels.variant()]
+
+
+@pytest.mark.skipif(not kernels.compiled_kernel_status()[0], reason="no compiled kernels on this machine")
+@pytest.mark.parametrize("variant", OTHERS)
+def test_every_other_supported_variant_equals_the_reference(variant: str) -> None:
+    status = _child(variant, "-c", "from trtprompt.engine import kernels; print(kernels.compiled_kernel_status()[1])")
+    assert status.stdout.strip() == f"compiled kernel trtprompt_kernels_{variant} ({variant}: " \
+                                    f"{isa.BY_NAME[variant].lanes}-float vectors)", status.stderr[-2000:]
+    tests = Path(__file__).parent
+    out = _child(variant, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", PARITY,
+                 str(tests / "test_layer_ops.py"), str(tests / "test_attention_paths.py"))
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-500:]

@@ -1,0 +1,95 @@
+"""Which build of the compiled kernels (csrc/) this CPU runs: one variant per instruction set.
+
+The kernels are written once with GCC/Clang vector extensions (csrc/vec.h);
+a variant is the compiler flags and the vector width they are built with.
+The best variant whose CPU flags the machine reports is chosen; the
+environment variable TRTPROMPT_KERNEL_ISA names another one (for example
+`avx2` on an AVX-512 machine, to compare the two side by side). Design and
+figures: docs/design.md, "Kernel variants".
+
+Only variants whose code differs are listed. bf16 / VNNI / AMX variants would
+compile to the same fp32 code as `avx512`: the kernels compute in fp32 (bf16
+caches are converted on load). Those instruction sets reach the linears
+through oneDNN (engine/linear.py), not through these kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ISA_ENV = "TRTPROMPT_KERNEL_ISA"
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    name: str
+    needs: frozenset[str]  # CPU flags as /proc/cpuinfo names them
+    cflags: tuple[str, ...]
+    lanes: int  # floats per vector (csrc/vec.h's TRTPROMPT_LANES)
+
+    def __post_init__(self) -> None:
+        if self.lanes not in (8, 16):
+            raise ValueError(f"KernelVariant.lanes must be 8 or 16, got {self.lanes}")
+
+    def missing(self, flags: frozenset[str]) -> list[str]:
+        return sorted(self.needs - flags)
+
+
+_AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"})
+# Best first. `generic` is the compiler's baseline for the machine (SSE2 on x86-64, NEON on
+# aarch64): it runs everywhere a compiler does.
+VARIANTS: tuple[KernelVariant, ...] = (
+    KernelVariant("avx512", _AVX512, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                                      "-DTRTPROMPT_LANES=16"), 16),
+    KernelVariant("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c", "-DTRTPROMPT_LANES=8"),
+                  8),
+    KernelVariant("generic", frozenset(), ("-DTRTPROMPT_LANES=8",), 8),
+)
+BY_NAME: dict[str, KernelVariant] = {v.name: v for v in VARIANTS}
+
+# What torch's own dispatch reports, for machines without /proc/cpuinfo (it knows no more than these).
+_TORCH_CAPABILITY_FLAGS: dict[str, frozenset[str]] = {
+    "AVX512": _AVX512,
+    "AVX2": frozenset({"avx2", "fma", "f16c"}),
+}
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags: /proc/cpuinfo's first `flags` line, else what torch's dispatch saw."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return _TORCH_CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), frozenset())
+
+
+def supported(flags: frozenset[str]) -> tuple[KernelVariant, ...]:
+    """The variants this CPU can run, best first (always at least `generic`)."""
+    return tuple(v for v in VARIANTS if not v.missing(flags))
+
+
+def choose(flags: frozenset[str], requested: str | None) -> KernelVariant:
+    """The variant to run: the requested one (TRTPROMPT_KERNEL_ISA), else the best supported.
+
+    ValueError names the variable, the choices, and the flags a requested variant needs and the CPU lacks.
+    """
+    if not requested:
+        return supported(flags)[0]
+    variant = BY_NAME.get(requested)
+    if variant is None:
+        raise ValueError(f"{ISA_ENV}={requested!r}: not a kernel variant (choices: {', '.join(BY_NAME)})")
+    missing = variant.missing(flags)
+    if missing:
+        raise ValueError(f"{ISA_ENV}={requested!r}: this CPU lacks {', '.join(missing)} "
+                         f"(it runs: {', '.join(v.name for v in supported(flags))})")
+    return variant
+
+
+def requested_variant() -> str | None:
+    return os.environ.get(ISA_ENV) or None
