@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from engine_helpers import VOCAB, hf_greedy, make_hf_model, run_to_completion
 from tier_helpers import (
     GREEDY,
@@ -25,6 +24,7 @@ from tier_helpers import (
     plain_engine,
     tier_engine,
 )
+
 from trtprompt.engine.tiers.disk_store import DiskStore
 
 BIG = 1 << 30
@@ -264,4 +264,19 @@ def test_an_abort_while_loading_ends_the_request_once(llama, tmp_path, prompts, 
         for o in engine.step():
             out.extend(o.new_token_ids)
     assert out == reference["a"] and engine.stats().waiting_requests == 0
+    engine.close()
+
+
+def test_selective_writes_only_blocks_reused_in_the_pool(llama, tmp_path, prompts, reference):
+    store = DiskStore(tmp_path / "disk", BIG)
+    engine = tier_engine(llama, [store], write_policy="selective")
+    out, _ = _run_one(engine, "a", prompts["a"])
+    engine.kv.tiers.join_writes()
+    assert out == reference["a"] and store.counters.writes == 0  # seen once: nothing written
+    out_b, reused = _run_one(engine, "b", prompts["b"])
+    engine.kv.tiers.join_writes()
+    assert out_b == reference["b"] and reused == 6 and store.counters.writes == 6
+    hashes = block_hashes(prompts["a"])
+    fp = fingerprint_of(llama)
+    assert all(store.contains(fp + h) for h in hashes[:6]) and not store.contains(fp + hashes[6])
     engine.close()

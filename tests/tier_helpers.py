@@ -7,8 +7,8 @@ import threading
 from pathlib import Path
 
 import torch
-
 from engine_helpers import EOS, make_engine, model_config
+
 from trtprompt.engine.block_pool import BlockHash
 from trtprompt.engine.config import EngineConfig, KvCacheConfig, SchedulerConfig
 from trtprompt.engine.engine import LLMEngine

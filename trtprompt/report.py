@@ -7,6 +7,8 @@ from typing import Any, Iterable, Mapping
 from trtprompt import rules
 from trtprompt.checkpoint import Checkpoint
 from trtprompt.engine.engine_dir import EngineDir
+from trtprompt.engine.tiers.config import TIER_KNOBS
+from trtprompt.knobs import KNOBS
 from trtprompt.plan import BuildPlan
 from trtprompt.profile import Profile
 
@@ -84,6 +86,17 @@ def engine_warnings(engine: EngineDir) -> list[str]:
     return [warning] if warning else []
 
 
+def tier_data(engine: EngineDir) -> dict[str, Any]:
+    """The KV tier serve options (their defaults: serve sets them, the engine records none) and the
+    size of one stored block, to size --disk-cache-size with (docs/prefix-pool.md)."""
+    out: dict[str, Any] = {name: KNOBS[name].default for name in TIER_KNOBS}
+    per_token = engine.meta["memory_plan"].get("kv_bytes_per_token")
+    if engine.target == "torch" and isinstance(per_token, int):
+        out["block_bytes"] = per_token * engine.tokens_per_block
+        out["blocks_in_disk_cache_size"] = out["disk_cache_size"] // out["block_bytes"]
+    return out
+
+
 def inspect_data(engine: EngineDir) -> dict[str, Any]:
     meta = engine.meta
     # Scalars only: trtllm-build also records nested settings (lora_config) that are not bounds.
@@ -104,6 +117,7 @@ def inspect_data(engine: EngineDir) -> dict[str, Any]:
                        "built_by": meta["source"].get("built_by", "trtprompt"),
                        "versions": meta.get("versions", {}), "built_at": meta.get("built_at")},
         "warnings": engine_warnings(engine),
+        "kv_tiers": tier_data(engine),
     }
 
 
@@ -117,6 +131,7 @@ def inspect_text(engine: EngineDir) -> str:
     lines += _table("plugin config", data["plugin_config"].items())
     lines += _table("runtime policy", data["runtime"].items())
     lines += _table("prompt policy", data["prompt"].items())
+    lines += _table("KV tiers (serve options, defaults)", data["kv_tiers"].items())
     if mem:
         lines += _table("memory plan", _memory_rows(mem))
     else:  # trtllm-build records none; TensorRT-LLM sizes the pool at load from free GPU memory

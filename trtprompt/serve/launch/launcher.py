@@ -420,6 +420,17 @@ def _cli_name() -> str:
     return rel if not rel.startswith("..") else str(exe)
 
 
+def tier_lines(opts: ServeOptions) -> list[str]:
+    """The banner's KV tier lines (docs/prefix-pool.md); none without tiers."""
+    lines = []
+    if opts.disk_cache_path is not None:
+        lines.append(f"  KV disk {opts.disk_cache_path} (up to {opts.disk_cache_size / 2**30:.1f} GiB, "
+                     f"{opts.kv_tier_write_policy}; kept across restarts)")
+    if opts.kv_remote_url is not None:
+        lines.append(f"  KV remote {opts.kv_remote_url} ({opts.kv_tier_write_policy}; shared by servers)")
+    return lines
+
+
 def ready_message(server: Server) -> str:
     """What serve prints once everything answers: addresses, logs, a first command."""
     from trtprompt.serve.launch.frontend import banner as openai_banner
@@ -433,6 +444,7 @@ def ready_message(server: Server) -> str:
     if server.api_key is not None:
         lines.append(f"  key     required on gRPC and HTTP but health (/metrics stays open); trtprompt's "
                      f"clients read ${API_KEY_ENV} (docs/security.md)")
+    lines += tier_lines(server.options)
     lines.append(f"  try:    {_cli_name()} infer \"Hello\" --url {p.local_host}:{p.grpc}")
     if server.openai:
         lines.append(openai_banner(server.openai, p.local_host, server.engine.path.name))
