@@ -16,11 +16,15 @@ requests without the one-off prompts. Every variant runs side by side in one pro
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any, Callable
 
 from trtprompt.bench.eviction_sim import (
     ARRANGEMENTS,
@@ -56,15 +60,18 @@ HEADER = ("| workload | policy | hot hit rate, no scan | with scan | ratio (targ
 
 def bench_pool(args: argparse.Namespace) -> None:
     print(HEADER)
-    for arrangement in ARRANGEMENTS:
-        for concurrency in (2, 4):
-            for policy in EVICTION_POLICIES:
-                base, scan = HitCounts(), HitCounts()
-                for seed in SEEDS:
-                    w = ScanWorkload(arrangement=arrangement, seed=seed)
-                    _add(base, run_pool(w, make_requests(w, False), policy, concurrency))
-                    _add(scan, run_pool(w, make_requests(w, True), policy, concurrency))
-                print(_row(f"{arrangement}, {concurrency} in flight, seeds 0-9", policy, base, scan))
+    variants = [(f"{a}, {c} in flight", a, c, {}) for a in ARRANGEMENTS for c in (2, 4)]
+    # A hot set that outgrows the main queue: 24 system prompts (96 blocks), Zipf popularity.
+    variants.append(("interleaved, 2 in flight, 24 system prompts, Zipf 1.0", "interleaved", 2,
+                     {"num_hot": 24, "hot_skew": 1.0}))
+    for label, arrangement, concurrency, extra in variants:
+        for policy in EVICTION_POLICIES:
+            base, scan = HitCounts(), HitCounts()
+            for seed in SEEDS:
+                w = ScanWorkload(arrangement=arrangement, seed=seed, **extra)  # type: ignore[arg-type]
+                _add(base, run_pool(w, make_requests(w, False), policy, concurrency))
+                _add(scan, run_pool(w, make_requests(w, True), policy, concurrency))
+            print(_row(f"{label}, seeds 0-9", policy, base, scan))
 
 
 def _tiny_engine_dir(root: Path) -> Path:
@@ -146,21 +153,39 @@ def bench_noreuse(args: argparse.Namespace) -> None:
         print(f"| {policy} | {'on' if reuse else 'off'} | {med:.3f} | {tokens / med:.0f} | {med / ref:.3f} |")
 
 
+# The pool before issue 24 (one LRU queue, no priorities): the reference the micro benchmark times beside.
+OLD_POOL_COMMIT = "a0250bb^"
+
+
+def _old_pool_class() -> type:
+    src = subprocess.run(["git", "show", f"{OLD_POOL_COMMIT}:trtprompt/engine/block_pool.py"], capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parent.parent).stdout
+    spec = importlib.util.spec_from_loader("old_block_pool", loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["old_block_pool"] = module  # dataclasses look their module up
+    exec(compile(src, "old_block_pool.py", "exec"), module.__dict__)
+    return module.BlockPool  # type: ignore[no-any-return]
+
+
 def bench_micro(args: argparse.Namespace) -> None:
     """ns per block for allocate (evicting a cached block), touch (a hit) and free, per policy."""
     n, rounds = 4096, args.rounds
-    print("| policy | allocate+evict ns/block | touch ns/block | free ns/block |\n|---|---|---|---|")
-    results: dict[str, list[tuple[float, float, float]]] = {p: [] for p in EVICTION_POLICIES}
+    old = _old_pool_class()
+    makers: dict[str, Callable[[], Any]] = {"before (one LRU queue)": lambda: old(n, True)}
+    makers |= {p: (lambda p=p: BlockPool(n, True, p)) for p in EVICTION_POLICIES}
+    print(f"{n} blocks, {rounds} rounds alternated, medians\n")
+    print("| pool | allocate+evict ns/block | touch (hit) ns/block | free ns/block |\n|---|---|---|---|")
+    results: dict[str, list[tuple[float, float, float]]] = {k: [] for k in makers}
     for _ in range(rounds):
-        for policy in EVICTION_POLICIES:
-            results[policy].append(_micro_once(policy, n))
-    for policy, rs in results.items():
+        for name, make in makers.items():
+            results[name].append(_micro_once(make(), n))
+    for name, rs in results.items():
         a, t, f = (statistics.median(x[i] for x in rs) for i in range(3))
-        print(f"| {policy} | {a:.0f} | {t:.0f} | {f:.0f} |")
+        print(f"| {name} | {a:.0f} | {t:.0f} | {f:.0f} |")
 
 
-def _micro_once(policy: str, n: int) -> tuple[float, float, float]:
-    pool = BlockPool(n, True, policy)
+def _micro_once(pool: Any, n: int) -> tuple[float, float, float]:
     blocks = pool.allocate(n)
     for i, b in enumerate(blocks):
         pool.cache(b, i.to_bytes(16, "little"))

@@ -94,8 +94,13 @@ class FreeBlockQueue:
         if self.size == 0:
             raise RuntimeError("no free KV block left")
         block = self._head.next
-        assert block is not None
-        self.remove(block)
+        after = block.next if block is not None else None
+        assert block is not None and after is not None
+        self._head.next = after  # unlinked here, not through remove(): the hot path of every eviction
+        after.prev = self._head
+        block.prev = block.next = None
+        block.queue = None
+        self.size -= 1
         return block
 
     def remove(self, block: Block) -> None:
@@ -195,7 +200,8 @@ class FreeBlocks:
         else:
             block = self._pop_main(main)
         self.num_cached -= 1
-        self._note_removed(level)
+        if small.size == 0 and main.size == 0:
+            self._nonempty &= ~(1 << level)
         return block
 
     def _pop_main(self, main: FreeBlockQueue) -> Block:
@@ -207,11 +213,14 @@ class FreeBlocks:
             main.append(block)
 
     def _remember(self, block: Block) -> None:
-        assert block.block_hash is not None
-        self._ghost[block.block_hash] = None
-        self._ghost.move_to_end(block.block_hash)
-        if len(self._ghost) > self._ghost_cap:
-            self._ghost.popitem(last=False)
+        ghost, h = self._ghost, block.block_hash
+        assert h is not None
+        if h in ghost:
+            ghost.move_to_end(h)
+            return
+        ghost[h] = None
+        if len(ghost) > self._ghost_cap:
+            ghost.popitem(last=False)
 
     def _push_expiry(self, block: Block) -> None:
         if block.in_heap:
@@ -223,6 +232,8 @@ class FreeBlocks:
 
     def _expire(self) -> None:
         """Priorities whose duration ran out revert to the default (O(log n) per expiry)."""
+        if not self._expiring:
+            return  # the common case: no timed priority, not even a clock read
         now = self.clock()
         while self._expiring and self._expiring[0][0] <= now:
             _, _, block = heapq.heappop(self._expiring)
