@@ -5,13 +5,20 @@ in order (disk, then remote) and checks what comes back with the codec; it stops
 key no tier has, since a block past a gap cannot be used. A corrupt, truncated, foreign or
 half-written entry is a miss, and is deleted from its store (reclaimed). The engine thread
 collects finished jobs between steps (`done`), so a load never holds up another request's step.
+
+The keys of one job are read by a small pool of threads (file reads, socket reads and crc32 all
+release the GIL), so reading a long prefix uses the cores the engine leaves idle while it waits;
+the results are still taken in prefix order, and reads past the first miss are cancelled.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,11 +42,16 @@ class LoadResult:
     seconds: float = 0.0
 
 
+READ_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
 class TierLoader:
-    def __init__(self, stores: list[BlockStore], block_bytes: int) -> None:
+    def __init__(self, stores: list[BlockStore], block_bytes: int, read_threads: int = READ_THREADS) -> None:
         self.stores = stores
         self.block_bytes = block_bytes
         self.corrupt = dict.fromkeys((s.name for s in stores), 0)  # entries that failed the codec, reclaimed
+        self._corrupt_lock = threading.Lock()
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="trtprompt-tier-read")
         self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self.ready = threading.Event()  # set when a result is waiting
@@ -60,19 +72,20 @@ class TierLoader:
                 return out
 
     def _run(self) -> None:
-        import time
-
         while (job := self._jobs.get()) is not None:
             t0 = time.perf_counter()
             result = LoadResult(job.request_id)
+            reads: list[Future[tuple[str, Payload] | None]] = [self._readers.submit(self._read, k) for k in job.keys]
             try:
-                for key in job.keys:
-                    found = self._read(key)
+                for read in reads:
+                    found = read.result()
                     if found is None:
                         break
                     result.blocks.append(found)
             except Exception:  # noqa: BLE001 - a store bug is a miss, and the request must come back
                 log.exception("tier load failed; the request computes its prefix instead")
+            for read in reads:
+                read.cancel()  # past the first miss: not needed (those already running finish)
             result.seconds = time.perf_counter() - t0
             self._done.put(result)
             self.ready.set()
@@ -85,8 +98,9 @@ class TierLoader:
             try:
                 payload = decode(key, data, self.block_bytes)
             except CodecError as exc:
-                self.corrupt[store.name] += 1
-                store.counters.errors += 1
+                with self._corrupt_lock:
+                    self.corrupt[store.name] += 1
+                    store.counters.errors += 1
                 log.warning("tier %s: entry %s is unusable (%s); reclaimed", store.name, key.hex(), exc)
                 store.delete(key)
                 continue
@@ -96,3 +110,4 @@ class TierLoader:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(5.0)
+        self._readers.shutdown(wait=False, cancel_futures=True)
