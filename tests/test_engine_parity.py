@@ -38,7 +38,7 @@ def check_block_refs(engine) -> None:
     for b in pool.blocks:
         assert b.ref_cnt == refs.get(b.block_id, 0), f"block {b.block_id}"
     assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_cnt == 0)
-    assert pool.num_cached_free == sum(1 for b in pool.free_queue if b.block_hash is not None)
+    assert pool.num_cached_free == sum(1 for q in pool.free_blocks.queues() for b in q if b.block_hash is not None)
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
