@@ -99,6 +99,29 @@ SERIES: tuple[Series, ...] = (
     Series(PROCESS_RSS, "gauge", "Resident memory of the engine process", key("process_resident_memory_bytes")),
 )
 
+# Tiers below the KV pool (docs/prefix-pool.md), one counter family per figure with a `tier` label
+# (disk, redis): family -> (help, key of the engine's per-tier stats, EngineStats.kv_tiers).
+TIERS = ("disk", "redis")
+TIER_COUNTERS: dict[str, tuple[str, str]] = {
+    "trtprompt_kv_tier_hit_blocks_total": ("KV blocks loaded from a tier into the pool and reused", "hit_blocks"),
+    "trtprompt_kv_tier_misses_total": ("Block lookups a tier could not answer", "misses"),
+    "trtprompt_kv_tier_read_bytes_total": ("Bytes read from a tier", "bytes_read"),
+    "trtprompt_kv_tier_written_bytes_total": ("Bytes written to a tier", "bytes_written"),
+    "trtprompt_kv_tier_dropped_writes_total": ("Block writes a tier did not take (queue full, store full or down)",
+                                               "drops"),
+    "trtprompt_kv_tier_evictions_total": ("Entries a tier removed to stay within its budget", "evictions"),
+    "trtprompt_kv_tier_errors_total": ("Faults a tier saw (I/O errors, timeouts, entries failing verification)",
+                                       "errors"),
+}
+
+
+def tier_counter_values(stats: Mapping[str, Any]) -> dict[tuple[str, str], float]:
+    """(family, tier) -> count, for every tier family and tier (0 for a tier not configured)."""
+    by_tier = {t["name"]: t for t in stats.get("kv_tiers", ())}
+    return {(family, tier): float(by_tier.get(tier, {}).get(field, 0))
+            for family, (_help, field) in TIER_COUNTERS.items() for tier in TIERS}
+
+
 FINISHED = "trtprompt_requests_finished_total"
 FINISHED_HELP = "Requests ended, by reason (length, stop, end_id, aborted, error, rejected_queue_full, invalid)"
 
@@ -141,4 +164,4 @@ TTFT, PREFILL_TIME = HISTOGRAM_OF["ttft_s"], HISTOGRAM_OF["prefill_s"]
 
 def trtprompt_families() -> list[str]:
     """Every trtprompt_* family name (what `promtool check metrics` is run on)."""
-    return [s.name for s in SERIES] + [FINISHED, INFO] + [h.name for h in HISTOGRAMS]
+    return [s.name for s in SERIES] + [FINISHED, INFO] + [h.name for h in HISTOGRAMS] + list(TIER_COUNTERS)

@@ -30,6 +30,7 @@ def counter_values(stats: Mapping[str, Any]) -> dict[tuple[str, str], float]:
     """(family, label value) -> cumulative count since the engine process started."""
     out = {(s.name, ""): s.source(stats) for s in C.SERIES if s.kind == "counter"}
     out.update({(C.FINISHED, reason): float(stats["finished"].get(reason, 0)) for reason in C.FINISH_REASONS})
+    out.update(C.tier_counter_values(stats))
     return out
 
 
@@ -51,6 +52,9 @@ class _Families:
         for reason in C.FINISH_REASONS:
             self.counters[(C.FINISHED, reason)] = self.metric(C.FINISHED, C.FINISHED_HELP, "COUNTER",
                                                               {"reason": reason})
+        for family, (help_text, _field) in C.TIER_COUNTERS.items():
+            for tier in C.TIERS:
+                self.counters[(family, tier)] = self.metric(family, help_text, "COUNTER", {"tier": tier})
 
     def metric(self, name: str, help_text: str, kind: str, labels: dict[str, str]) -> Any:
         family = self.families.get(name)
