@@ -124,6 +124,24 @@ def test_the_docs_table_lists_every_field() -> None:
         assert f"`{name}`" in section, name
 
 
+@pytest.mark.parametrize("extra, prompt, param", [
+    ({"min_p": 0.1, "temperature": 0.5}, "hi", "min_p"),
+    ({"stop_token_ids": [5]}, "hi", "stop_token_ids"),
+    ({"skip_special_tokens": False}, "hi", "skip_special_tokens"),
+    ({}, [5, 6], "prompt"),
+])
+def test_through_triton_what_the_ensemble_lacks_is_refused(extra: dict[str, Any], prompt: Any, param: str) -> None:
+    from trtprompt.serve.openai.to_triton import _refuse_undeclared, ensemble_sampling
+
+    declared = frozenset({"text_input", "max_tokens", "temperature", "top_p", "top_k", "min_tokens"})
+    gen = parse_request("completion", body("completion", prompt=prompt, **extra), LIMITS)
+    with pytest.raises(APIError) as info:
+        _refuse_undeclared(gen, gen.prompts[0], ensemble_sampling(gen.sampling), declared, "ensemble")
+    assert (info.value.status, info.value.param, info.value.code) == (400, param, "unsupported_parameter")
+    plain = parse_request("completion", body("completion", ignore_eos=True, top_k=3), LIMITS)  # min_tokens instead
+    _refuse_undeclared(plain, plain.prompts[0], ensemble_sampling(plain.sampling), declared, "ensemble")
+
+
 @pytest.mark.parametrize("temperature, top_k, min_p", [(1.0, None, 0.1), (0.7, 20, 0.05), (1.3, None, 0.3)])
 def test_min_p_filters_as_transformers_warpers_do(temperature: float, top_k: int | None, min_p: float) -> None:
     torch.manual_seed(0)
