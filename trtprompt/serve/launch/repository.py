@@ -208,6 +208,15 @@ def _base(name: str, max_batch_size: int, inputs: Iterable[Tensor], outputs: Ite
     return cfg
 
 
+def tier_parameters(o: ServeOptions) -> dict[str, object]:
+    """The torch engine's KV tier settings (docs/prefix-pool.md), read by the engine process
+    (engine_overrides); none at all when no tier is on."""
+    if o.disk_cache_path is None and o.kv_remote_url is None:
+        return {}
+    return {"disk_cache_path": o.disk_cache_path, "disk_cache_size": o.disk_cache_size,
+            "kv_remote_url": o.kv_remote_url, "kv_tier_write_policy": o.kv_tier_write_policy}
+
+
 def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
     """tensorrt_llm's parameters, named as the TensorRT-LLM backend names them."""
     o = ctx.options
@@ -226,6 +235,7 @@ def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
         "cancellation_check_period_ms": o.cancellation_check_period_ms,
         "stats_check_period_ms": o.stats_check_period_ms,
         "engine_threads": o.engine_threads,  # read by the engine process (serve/engine_process/server.py)
+        **tier_parameters(o),
         # The torch engine's KV tiers, read by the engine process too (engine_overrides).
         "disk_cache_path": o.disk_cache_path, "disk_cache_size": o.disk_cache_size,
         "kv_remote_url": o.kv_remote_url, "kv_tier_write_policy": o.kv_tier_write_policy,
