@@ -83,3 +83,18 @@ def test_pinned_prefix_through_the_engine(llama) -> None:
     tokens, reused = serve_in_order(engine(llama, "lru"), prompts, retention=pin)
     assert tokens == plain_tokens
     assert [reused[i] for i in HOT] == [0, 2, 2, 2, 2]
+
+
+def test_the_knob_reaches_the_pool_from_an_engine_directory(tiny_engine_dir) -> None:
+    """serve writes kv_cache_eviction_policy into the tensorrt_llm parameters; the engine process reads
+    them (engine_overrides) and LLMEngine.from_engine_dir hands the policy to the pool."""
+    from trtprompt.engine.engine import LLMEngine
+    from trtprompt.serve.engine_process.server import engine_overrides
+
+    overrides = engine_overrides({"kv_cache_eviction_policy": "2q", "max_tokens_in_paged_kv_cache": "4096"})
+    assert overrides["kv_cache_eviction_policy"] == "2q"
+    assert LLMEngine.from_engine_dir(tiny_engine_dir, **overrides).kv.pool.eviction_policy == "2q"
+    default = LLMEngine.from_engine_dir(tiny_engine_dir, max_tokens_in_paged_kv_cache=4096)
+    assert default.kv.pool.eviction_policy == "s3fifo"
+    with pytest.raises(ValueError, match="kv_cache_eviction_policy must be one of lru, 2q, s3fifo, got 'arc'"):
+        LLMEngine.from_engine_dir(tiny_engine_dir, kv_cache_eviction_policy="arc", max_tokens_in_paged_kv_cache=4096)
