@@ -152,19 +152,24 @@ def main() -> None:
     ap.add_argument("--no-reuse-requests", type=int, default=24)
     ap.add_argument("--disk-dir", type=Path, help="where the disk tier lives (default: a temp dir on /tmp's disk)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", nargs="+", choices=["ttft", "reads", "no_reuse"],
+                    help="parts to run (reads needs ttft first: it reads the blocks ttft stored)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-prefix-pool-", dir=args.disk_dir))
+    vocab = int(json.loads((args.engine / "config.json").read_text())["pretrained_config"]["vocab_size"])
+    result: dict[str, object] = {"cpu": cpu_name()}
+    parts = {"ttft": lambda: measure_ttft(args.engine, root / "ttft", args.prefix_len, args.repeats, vocab),
+             "reads": lambda: measure_reads(args.engine, root / "ttft"),
+             "no_reuse": lambda: measure_cost(args.engine, root / "cost", args.no_reuse_requests, vocab,
+                                              args.repeats)}
     try:
-        vocab = int(json.loads((args.engine / "config.json").read_text())["pretrained_config"]["vocab_size"])
-        result = {"cpu": cpu_name(), "ttft": measure_ttft(args.engine, root / "ttft", args.prefix_len, args.repeats,
-                                                          vocab),
-                  "no_reuse": measure_cost(args.engine, root / "cost", args.no_reuse_requests, vocab, args.repeats),
-                  "reads": measure_reads(args.engine, root / "ttft")}
+        for name in args.only or list(parts):
+            result[name] = parts[name]()
+            print(json.dumps({name: result[name]}, indent=2), flush=True)  # each part as soon as it is done
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=2))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
 
 
 def cpu_name() -> str:

@@ -1,0 +1,48 @@
+"""The tier knobs on the serve path: flags -> the tensorrt_llm model's parameters -> the engine process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trtprompt.serve.engine_process.server import engine_overrides
+from trtprompt.serve.launch.launcher import tier_lines
+from trtprompt.serve.launch.options import EngineInfo, ServeOptions, resolve_options
+from trtprompt.serve.wire.model_config import read_parameters
+
+
+def _repo(engine: Path, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "trtprompt.cli", "serve", str(engine), "--repo-only", str(out),
+                           *flags], capture_output=True, text=True)
+
+
+def test_serve_flags_reach_the_engine_process(tiny_engine_dir: Path, tmp_path: Path) -> None:
+    out = _repo(tiny_engine_dir, tmp_path / "repo", "--disk-cache-path", str(tmp_path / "kv"),
+                "--disk-cache-size", "67108864", "--kv-tier-write-policy", "selective")
+    assert out.returncode == 0, out.stderr
+    params = read_parameters(tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt")
+    got = {k: v for k, v in engine_overrides(params).items() if k.startswith(("disk_", "kv_tier", "kv_remote"))}
+    assert got == {"disk_cache_path": str(tmp_path / "kv"), "disk_cache_size": 67108864,
+                   "kv_tier_write_policy": "selective"}
+    plain = _repo(tiny_engine_dir, tmp_path / "plain")
+    assert plain.returncode == 0, plain.stderr
+    assert not [k for k in read_parameters(tmp_path / "plain" / "tensorrt_llm" / "config.pbtxt")
+                if k.startswith(("disk_", "kv_tier", "kv_remote"))]  # no tier: nothing written
+
+
+def test_bad_tier_values_are_refused_naming_the_knob(tiny_engine_dir: Path) -> None:
+    engine = EngineInfo.read(tiny_engine_dir)
+    with pytest.raises(ValueError, match=r"disk_cache_size must be an integer in \[1048576"):
+        resolve_options(engine, {"disk_cache_size": 1000})
+    with pytest.raises(ValueError, match="kv_tier_write_policy must be one of write_through, selective"):
+        resolve_options(engine, {"kv_tier_write_policy": "write_back"})
+
+
+def test_the_banner_names_each_tier() -> None:
+    assert tier_lines(ServeOptions()) == []
+    lines = tier_lines(ServeOptions(disk_cache_path="/var/cache/kv", kv_remote_url="redis://cache:6379/0"))
+    assert lines == ["  KV disk /var/cache/kv (up to 4.0 GiB, write_through; kept across restarts)",
+                     "  KV remote redis://cache:6379/0 (write_through; shared by servers)"]
