@@ -280,3 +280,25 @@ def test_selective_writes_only_blocks_reused_in_the_pool(llama, tmp_path, prompt
     fp = fingerprint_of(llama)
     assert all(store.contains(fp + h) for h in hashes[:6]) and not store.contains(fp + hashes[6])
     engine.close()
+
+
+def test_the_cache_salt_separates_tenants_on_disk_too(llama, tmp_path, prompts, reference):
+    store = DiskStore(tmp_path / "disk", BIG)
+    engine = tier_engine(llama, [store])
+    engine.add_request("t1", prompts["a"], GREEDY, cache_salt="tenant-1")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.kv.tiers.join_writes()
+    engine.close()
+    for salt, expected in (("tenant-2", 0), (None, 0), ("tenant-1", 10)):
+        again = tier_engine(llama, [DiskStore(tmp_path / "disk", BIG)])
+        again.add_request("r", prompts["a"], GREEDY, cache_salt=salt)
+        out: list[int] = []
+        reused = -1
+        while again.has_unfinished_requests():
+            for o in again.step():
+                out.extend(o.new_token_ids)
+                reused = o.stats.kv_cache_reused_blocks if o.finished else reused
+        assert (salt, reused, out) == (salt, expected, reference["a"])
+        again.kv.tiers.join_writes()
+        again.close()
