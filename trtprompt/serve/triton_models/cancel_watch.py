@@ -53,10 +53,12 @@ class CancelWatcher:
         with self._lock:
             self._items.discard(item)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Called from finalize(): once it returns, no is_cancelled() call may run (the stub's
+        teardown follows, and a pb_utils call then dereferences a freed stub)."""
         self._stop.set()
         self._busy.set()
-        self._thread.join(2.0)
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         seen, last = self._steps(), time.monotonic()
@@ -73,6 +75,8 @@ class CancelWatcher:
                 if not items:
                     self._busy.clear()
             for item in items:
+                if self._stop.is_set():  # a sweep of many IPC checks must not hold up finalize()
+                    return
                 self._check(item)
 
     def _check(self, item: Watched) -> None:

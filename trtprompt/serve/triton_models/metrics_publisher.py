@@ -8,6 +8,16 @@ grew since the last poll (so they stay monotonic when the engine process
 restarts and its counts start again from zero), and finished requests'
 timings are observed into histograms. Values that did not change are not
 sent again: every metric call is a message to tritonserver.
+
+The pb_utils metric objects must be destroyed before finalize() returns: their
+destructors send a delete message through the stub, and a Metric or
+MetricFamily that lives on into the stub's own teardown (the model object is
+destroyed in Stub::~Stub, after the stub's shared-memory pool is gone)
+dereferences a null pool: the SIGSEGV at address 0x60 every stop used to
+leave in the kernel log (core dump: Metric::SaveToSharedMemory <- Metric::Clear
+<- MetricFamily::~MetricFamily <- Stub::~Stub; docs/design.md, "Stopping").
+`MetricsPublisher.stop()` therefore joins the thread and then releases them,
+metrics before their families.
 """
 
 from __future__ import annotations
@@ -69,6 +79,12 @@ class _Families:
         self.families[h.name] = family
         return family.Metric(labels={}, buckets=list(h.buckets))
 
+    def release(self) -> None:
+        """Destroy every metric, then every family, now (while the stub can still send the deletes)."""
+        for metrics in (self.histograms, self.gauges, self.counters):
+            metrics.clear()
+        self.families.clear()
+
 
 class _StatsConnection:
     """One kept connection to the engine process for the stats and info ops."""
@@ -98,6 +114,15 @@ class _StatsConnection:
             self._sock.close()
             self._sock = None
 
+    def interrupt(self) -> None:
+        """Wake a call blocked in recv() (another thread's), so stop() need not wait for its timeout."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
 
 class MetricsPublisher:
     """Polls the engine's stats in a thread and publishes them."""
@@ -119,10 +144,18 @@ class MetricsPublisher:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the poll thread, then destroy the pb_utils metrics (module docstring: why both, in this order)."""
         self._stop.set()
-        self._thread.join(2.0)
+        self._conn.interrupt()
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():  # still inside a metric call: releasing now would race with it
+            self._log("trtprompt metrics: the poll thread did not stop; metrics left to the stub's teardown")
+            return
         self._conn.close()
+        self._info.clear()
+        self._m.release()
 
     def poll_once(self) -> None:
         stats = self._conn.call({"op": "stats", "since": self._since})

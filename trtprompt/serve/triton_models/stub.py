@@ -8,6 +8,7 @@ requests in flight), their message tagged with their code (error_codes.py).
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import os
@@ -219,6 +220,11 @@ class RowModel:
     watcher: CancelWatcher
 
     def start_relay(self, socket_path: str, params: Mapping[str, str]) -> None:
+        # tritonserver does not log how a stub ended: with this, a crash of the stub (SIGSEGV,
+        # SIGABRT) leaves "Fatal Python error" and every thread's stack in tritonserver.log (the
+        # stub's stderr), not only a kernel log line that may not be readable (docs/design.md,
+        # "Stopping"); tests/test_clean_stop.py looks for it.
+        faulthandler.enable(all_threads=True)
         self.client = EngineClient(socket_path)
         period_ms = params.get("cancellation_check_period_ms") or KNOBS["cancellation_check_period_ms"].default
         self.watcher = CancelWatcher(int(period_ms) / 1000,
