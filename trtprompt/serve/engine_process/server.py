@@ -149,8 +149,8 @@ class Connection:
         for out in outputs:
             if out.finished:
                 self.service.record(out)
-        if not closed:
-            self.send({"type": "step", "outputs": entries})
+        if not closed:  # "t": when it was made, so a reader can tell it is behind (engine_client.behind)
+            self.send({"type": "step", "t": time.monotonic(), "outputs": entries})
 
     def send(self, message: Mapping[str, Any]) -> None:
         self._outbox.put(P.encode_frame(message))

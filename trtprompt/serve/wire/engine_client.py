@@ -17,6 +17,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from typing import Any, Callable, Iterable
 
 from trtprompt.error_codes import ErrorCode
@@ -29,6 +30,10 @@ log = logging.getLogger("trtprompt.relay")
 # entry with "finished" true is the last call. Must not block for long:
 # every other request of the stub waits behind it.
 Handler = Callable[[dict[str, Any]], None]
+# A step frame read this long after the engine made it (its "t", time.monotonic(), a clock every
+# process shares): the reader is behind, and merges the frames it read together (`coalesce`).
+# Less behind, they are handled one by one: one token per entry, as TensorRT-LLM streams.
+BEHIND_S = 0.25
 
 
 class _Session:
@@ -75,10 +80,14 @@ class _Session:
         reader = P.FrameReader()
         try:
             while not reader.closed:
-                for frame in reader.feed(self.sock):
-                    if frame.get("type") == "step":
-                        self._on_step()
-                        self._dispatch(frame["outputs"])
+                steps = [frame for frame in reader.feed(self.sock) if frame.get("type") == "step"]
+                for _ in steps:
+                    self._on_step()
+                if len(steps) > 1 and behind(steps[0]):
+                    self._dispatch(coalesce(steps))
+                else:  # in step: one entry per token, as TensorRT-LLM streams
+                    for step in steps:
+                        self._dispatch(step["outputs"])
         except (OSError, ValueError) as exc:
             log.warning("engine connection lost: %s", exc)
         self.kill(P.LOST_MESSAGE)
@@ -91,6 +100,37 @@ class _Session:
                 handler = self._handlers.pop(rid, None) if entry.get("finished") else self._handlers.get(rid)
             if handler is not None:
                 _call(handler, entry)
+
+
+def behind(step: dict[str, Any], now: float | None = None) -> bool:
+    """True when the step frame was made more than BEHIND_S ago (a frame without "t": never)."""
+    made = step.get("t")
+    return made is not None and (time.monotonic() if now is None else now) - float(made) > BEHIND_S
+
+
+def coalesce(steps: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The entries of step frames that were read together, one per request, in first-seen order.
+
+    Frames pile up only when this reader is behind the engine (BEHIND_S); each entry
+    then costs its handler a response (an IPC send in a stub), so a reader
+    that handled them one by one stayed behind: measured, with 64 streams
+    on 2 cores the stub read the engine's output 3-8 s late, so a client
+    that cancelled after seeing 60 tokens cancelled a request the engine had
+    already run to max_tokens. Merged, a request's tokens of all the frames
+    cost one handler call, and the lag cannot grow. A later entry's counts,
+    stats and finish fields supersede the earlier ones; an error entry
+    replaces the request's tokens (the request ends with the error anyway).
+    """
+    merged: dict[str, dict[str, Any]] = {}
+    for step in steps:
+        for entry in step["outputs"]:
+            prev = merged.get(entry["id"])
+            if prev is None or entry.get("error") is not None:
+                merged[entry["id"]] = entry
+            elif prev.get("error") is None:
+                prev["new_token_ids"].extend(entry["new_token_ids"])
+                prev.update((k, v) for k, v in entry.items() if k != "new_token_ids")
+    return list(merged.values())
 
 
 def _call(handler: Handler, entry: dict[str, Any]) -> None:
