@@ -174,6 +174,10 @@ def test_postprocessing_publishes_one_observation_per_request(trtllm_repo: Path,
     finally:
         proc.terminate()
         proc.wait(30)
+    # The metric families are released in finalize(): left to the stub's teardown they crashed it
+    # (faulthandler, enabled by the model, writes the crash into this log).
+    crashes = [line for line in log.read_text().splitlines() if "Fatal Python error" in line or "Segmentation" in line]
+    assert not crashes, crashes
 
 
 # Stands in for TensorRT-LLM's C++ backend (which cannot run here): two streamed responses per request,

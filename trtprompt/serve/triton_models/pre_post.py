@@ -11,6 +11,7 @@ backend does not export (RequestMetrics; docs/gpu.md, "Metrics").
 
 from __future__ import annotations
 
+import faulthandler
 import time
 from collections import OrderedDict
 from typing import Any
@@ -147,6 +148,7 @@ class PostprocessingModel:
     """
 
     def initialize(self, args: dict[str, str]) -> None:
+        faulthandler.enable(all_threads=True)  # a crash of this stub is then in tritonserver.log (stub.py)
         cfg, params = io.model_parameters(args)
         self.input_names = [t["name"] for t in cfg["input"]]
         self.tokenizer = Tokenizer.from_dir(params["tokenizer_dir"])
@@ -174,6 +176,10 @@ class PostprocessingModel:
             except Exception as exc:  # noqa: BLE001 - reported to the client
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=io.error_for(exc)))
         return responses
+
+    def finalize(self) -> None:
+        if self.metrics is not None:
+            self.metrics.release()
 
     def _text(self, tensors: dict[str, Array], i: int, key: str) -> str:
         length = int(np.asarray(tensors["SEQUENCE_LENGTH"][i]).reshape(-1)[0])
@@ -214,6 +220,14 @@ class RequestMetrics:
         family = pb_utils.MetricFamily(name=name, description=help_text, kind=getattr(pb_utils.MetricFamily, kind))
         self.families.append(family)
         return family.Metric(labels={}, buckets=buckets) if buckets else family.Metric(labels={})
+
+    def release(self) -> None:
+        """Destroy the metrics, then their families, from finalize(): a family that outlives the model
+        into the stub's own teardown sends its delete through a freed shared-memory pool and the stub
+        segfaults (metrics_publisher.py's docstring; found on the torch target's models)."""
+        self.histograms.clear()
+        self.counters.clear()
+        self.families.clear()
 
     def observe_batch(self, tensors: dict[str, Array], request_id: str, n: int) -> None:
         """Observe each row whose perf outputs came (never fails the response it rides on)."""
