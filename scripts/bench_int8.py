@@ -124,7 +124,7 @@ def _variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], torch.
         "fbgemm linear_dynamic per-tensor": lambda: torch.ops.quantized.linear_dynamic(x, dyn, True),
         "per-token quantize only": lambda: quantize_per_token(x)[0],
     }
-    if x.shape[0] > 16:  # torch._int_mm wants M > 16
+    if 16 < x.shape[0] <= 32 and w.shape[0] <= 4096:  # wants M > 16; ~2 GOP/s here, so the small shapes only
         out["torch._int_mm (int32 out)"] = lambda: torch._int_mm(qi, qwt)
     return out
 
@@ -143,7 +143,7 @@ def gemm(args: argparse.Namespace) -> dict[str, Any]:
     for model, shapes in SHAPES.items():
         for name, k, n in shapes:
             w = torch.randn(n, k, generator=gen) * 0.05
-            for m in TOKENS:
+            for m in args.gemm_tokens:
                 x = torch.randn(m, k, generator=gen)
                 variants = _variants(x, w)
                 exact = _exact(x, w)
@@ -291,7 +291,8 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
     text = tok.encode(HELD_OUT.read_text(encoding="utf-8"), add_special_tokens=False).ids[:PPL_TOKENS]
     results: dict[str, Any] = {"held_out": f"{HELD_OUT} (first {len(text)} tokens)"}
     ref: list[list[int]] = []
-    for name, (quant, backend, qmax) in variants.items():
+    wanted = [name for i, name in enumerate(variants) if i == 0 or str(i) in args.variants.split(",")]
+    for name, (quant, backend, qmax) in ((n, variants[n]) for n in wanted):
         path = built(args.checkpoint, OUT / f"smollm2-{quant}", quant, overrides)
         engine = LLMEngine.from_engine_dir(path, linear_backend=backend)
         saved = quant_w8a8.ACT_QMAX
@@ -309,7 +310,7 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
         results[name] = row
         print(name, json.dumps(row), flush=True)
     base = results["fp32"]["ppl"]
-    for name in variants:
+    for name in wanted:
         results[name]["ppl_increase"] = results[name]["ppl"] / base - 1
     results["sample"] = {"prompt": tok.decode(prompts[0]), "fp32": tok.decode(ref[0])}
     return results
@@ -332,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("gemm", "throughput", "quality"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gemm-tokens", type=lambda t: [int(v) for v in t.split(",")], default=list(TOKENS),
+                    help="gemm: comma list of token counts M")
     ap.add_argument("--rounds", type=int, default=5, help="gemm: interleaved rounds (best kept)")
     ap.add_argument("--reps", type=int, default=3, help="throughput: timed reps per side (median)")
     ap.add_argument("--requests", type=int, default=32)
@@ -341,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--checkpoint", type=Path, default=ROOT / "build/smollm2", help="quality: SmolLM2 checkpoint")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--variants", default="1,2,3", help="quality: comma list of variants besides fp32 (0): "
+                    "1 int8_w8a8, 2 int8 weights with 8-bit activations (reference path, slow), 3 int8_wo")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_line()}", flush=True)
