@@ -236,9 +236,6 @@ def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
         "stats_check_period_ms": o.stats_check_period_ms,
         "engine_threads": o.engine_threads,  # read by the engine process (serve/engine_process/server.py)
         **tier_parameters(o),
-        # The torch engine's KV tiers, read by the engine process too (engine_overrides).
-        "disk_cache_path": o.disk_cache_path, "disk_cache_size": o.disk_cache_size,
-        "kv_remote_url": o.kv_remote_url, "kv_tier_write_policy": o.kv_tier_write_policy,
         "kv_cache_eviction_policy": o.kv_cache_eviction_policy,  # the engine process's pool (engine_overrides)
     }
 
