@@ -256,6 +256,14 @@ def test_bench_channel_sends_the_key(secure: Served, monkeypatch: pytest.MonkeyP
             channel.close()
 
     assert REFUSED in (one(SharedTritonChannel(secure.url, api_key="")).error or "")
+    # The fallback that names the refusal when it raced the stream's write (then only INTERNAL came):
+    for key, said in (("", REFUSED), (KEY, None)):
+        channel = SharedTritonChannel(secure.url, api_key=key)
+        try:
+            refusal = channel._run(channel._refusal("ensemble"))
+        finally:
+            channel.close()
+        assert (REFUSED in refusal) if said else refusal is None, refusal
     assert one(SharedTritonChannel(secure.url, api_key=KEY)).error is None
     monkeypatch.setenv(API_KEY_ENV, KEY)
     result = one(SharedTritonChannel(secure.url))

@@ -88,16 +88,34 @@ class SharedTritonChannel:
             result.error = "tritonserver closed the stream before the final response"
             return result
         except grpc.aio.AioRpcError as exc:  # the call itself refused (e.g. no API key) or broken
-            # A refusal that races our request's write surfaces as INTERNAL "Internal error from Core";
-            # the call's own status still holds what the server said.
             code, details = await call.code(), await call.details()
             result.error = details or exc.details() or str(code or exc.code())
             result.error_code, result.finished = str(code or exc.code()), True
+            if code == grpc.StatusCode.INTERNAL and not result.responses:
+                result.error = await self._refusal(request.model_name) or result.error
             return result
         finally:
             sent.set()
             if not result.finished:
                 call.cancel()  # a timeout or an error on our side: Triton cancels the request
+
+
+    async def _refusal(self, model: str) -> str | None:
+        """What the server says to a unary call on the model, when it refuses it.
+
+        A refusal (no or a wrong API key) that races the stream's first write reaches the
+        stream only as INTERNAL "Internal error from Core", its message lost (seen on 2 loaded
+        cores, in about 1 of 3 runs of tests/test_serve_security.py). A unary call with the same
+        metadata gets the refusal whole; None when that call is answered.
+        """
+        from tritonclient.grpc import service_pb2
+
+        try:
+            await self._stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=model), metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            details: str | None = exc.details()
+            return details
+        return None
 
 
 def _take(result: StreamResult, response: Any, at_s: float) -> bool:
