@@ -39,10 +39,14 @@ def test_bad_tier_values_are_refused_naming_the_knob(tiny_engine_dir: Path) -> N
         resolve_options(engine, {"disk_cache_size": 1000})
     with pytest.raises(ValueError, match="kv_tier_write_policy must be one of write_through, selective"):
         resolve_options(engine, {"kv_tier_write_policy": "write_back"})
+    # A password in the URL is refused before anything prints or passes it on (the message never repeats it).
+    with pytest.raises(ValueError, match="the Redis URL carries a password") as refused:
+        resolve_options(engine, {"kv_remote_url": "redis://:hunter2@cache:6379/0"})
+    assert "hunter2" not in str(refused.value)
 
 
 def test_the_banner_names_each_tier() -> None:
     assert tier_lines(ServeOptions()) == []
-    lines = tier_lines(ServeOptions(disk_cache_path="/var/cache/kv", kv_remote_url="redis://cache:6379/0"))
+    lines = tier_lines(ServeOptions(disk_cache_path="/var/cache/kv", kv_remote_url="redis://cache"))
     assert lines == ["  KV disk /var/cache/kv (up to 4.0 GiB, write_through; kept across restarts)",
                      "  KV remote redis://cache:6379/0 (write_through; shared by servers)"]

@@ -30,6 +30,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 from trtprompt import interface as I
 from trtprompt.client import API_KEY_ENV, AUTH_HEADER, bearer
+from trtprompt.engine.tiers.redis_store import RedisTarget
 from trtprompt.serve.launch.options import ApiKey, EngineInfo, OpenAIOptions, ServeOptions
 from trtprompt.serve.launch.process_group import SHM_DIR, remove_shm, stop_group
 from trtprompt.serve.launch.repository import RepoContext, write_repository
@@ -427,7 +428,8 @@ def tier_lines(opts: ServeOptions) -> list[str]:
         lines.append(f"  KV disk {opts.disk_cache_path} (up to {opts.disk_cache_size / 2**30:.1f} GiB, "
                      f"{opts.kv_tier_write_policy}; kept across restarts)")
     if opts.kv_remote_url is not None:
-        lines.append(f"  KV remote {opts.kv_remote_url} ({opts.kv_tier_write_policy}; shared by servers)")
+        label = RedisTarget.parse(opts.kv_remote_url).label  # never a password (options.py refuses one)
+        lines.append(f"  KV remote {label} ({opts.kv_tier_write_policy}; shared by servers)")
     return lines
 
 

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from trtprompt import knobs, rules
 from trtprompt.client import API_KEY_ENV
 from trtprompt.engine.engine_dir import EngineDir
+from trtprompt.engine.tiers.redis_store import RedisTarget
 from trtprompt.interface import OPENAI_PORT
 
 LAYOUTS = knobs.LAYOUTS
@@ -82,6 +83,8 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
     if engine.target != "torch" and (opts.disk_cache_path is not None or opts.kv_remote_url is not None):
         raise ValueError("disk_cache_path and kv_remote_url set the torch engine's KV tiers; this engine is for "
                          f"the {engine.target} target: leave them unset")
+    if opts.kv_remote_url is not None:  # refused here, before the banner or a process could show a password
+        RedisTarget.parse(opts.kv_remote_url)
     if engine.target == "torch" and opts.max_beam_width != 1:
         raise ValueError("max_beam_width must be 1 for the torch target (no beam search)")
 
