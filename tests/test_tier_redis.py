@@ -218,6 +218,25 @@ def test_a_server_with_a_password_needs_it_read_from_env_or_file(
         assert by_file.get(b"k") == b"v" and by_file.probe() is None
 
 
+@needs_redis
+def test_the_password_file_knob_opens_a_store_that_authenticates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trtprompt.engine.tiers.config import TierConfig
+    from trtprompt.engine.tiers.open import open_stores
+
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    secret = tmp_path / "redis-password"
+    secret.write_text("pw-for-tests\n")
+    with RedisServer(tmp_path / "srv", password="pw-for-tests") as locked:
+        (store,) = open_stores(TierConfig(kv_remote_url=locked.url, kv_remote_password_file=str(secret)))
+        assert store.put(b"k", b"v") and store.get(b"k") == b"v" and store.counters.errors == 0
+        (anonymous,) = open_stores(TierConfig(kv_remote_url=locked.url))
+        assert anonymous.get(b"k") is None and anonymous.counters.errors == 1
+    with pytest.raises(ValueError, match="the Redis password file .* is empty"):
+        secret.write_text("")
+        open_stores(TierConfig(kv_remote_url="redis://127.0.0.1:1/0", kv_remote_password_file=str(secret)))
+
+
 # --- faults: stopped, restarted, slow ----------------------------------------------------------------------
 
 @needs_redis

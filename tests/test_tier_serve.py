@@ -27,6 +27,13 @@ def test_serve_flags_reach_the_engine_process(tiny_engine_dir: Path, tmp_path: P
     got = {k: v for k, v in engine_overrides(params).items() if k.startswith(("disk_", "kv_tier", "kv_remote"))}
     assert got == {"disk_cache_path": str(tmp_path / "kv"), "disk_cache_size": 67108864,
                    "kv_tier_write_policy": "selective"}
+    secret = tmp_path / "redis-password"
+    secret.write_text("pw\n")
+    remote = _repo(tiny_engine_dir, tmp_path / "remote", "--kv-remote-url", "redis://cache:6379/0",
+                   "--kv-remote-password-file", str(secret))
+    assert remote.returncode == 0, remote.stderr
+    params = engine_overrides(read_parameters(tmp_path / "remote" / "tensorrt_llm" / "config.pbtxt"))
+    assert (params["kv_remote_url"], params["kv_remote_password_file"]) == ("redis://cache:6379/0", str(secret))
     plain = _repo(tiny_engine_dir, tmp_path / "plain")
     assert plain.returncode == 0, plain.stderr
     assert not [k for k in read_parameters(tmp_path / "plain" / "tensorrt_llm" / "config.pbtxt")
@@ -43,6 +50,8 @@ def test_bad_tier_values_are_refused_naming_the_knob(tiny_engine_dir: Path) -> N
     with pytest.raises(ValueError, match="the Redis URL carries a password") as refused:
         resolve_options(engine, {"kv_remote_url": "redis://:hunter2@cache:6379/0"})
     assert "hunter2" not in str(refused.value)
+    with pytest.raises(ValueError, match="cannot read the Redis password file /no/such/file"):
+        resolve_options(engine, {"kv_remote_url": "redis://cache", "kv_remote_password_file": "/no/such/file"})
 
 
 def test_the_banner_names_each_tier() -> None:

@@ -218,7 +218,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _k("disk_cache_size", "serve", int, 4 << 30, "Byte budget of the disk KV tier (least recently used go first).",
        low=1 << 20, high=1 << 50, engine=True, serve=True),
     _k("kv_remote_url", "serve", str, None, "Remote KV tier shared by servers, redis://HOST:PORT/DB or rediss:// "
-       "(password from TRTPROMPT_KV_REMOTE_PASSWORD; unset: none).", nullable=True, engine=True, serve=True),
+       "(never a password in it; unset: none).", nullable=True, engine=True, serve=True),
+    _k("kv_remote_password_file", "serve", str, None, "File holding the remote KV tier's password (unset: "
+       "TRTPROMPT_KV_REMOTE_PASSWORD, else none).", nullable=True, engine=True, serve=True),
     _k("kv_tier_write_policy", "serve", str, "write_through", "Which blocks go to the KV tiers: every computed "
        "full block (write_through) or only blocks reused once in the pool (selective).",
        choices=("write_through", "selective"), engine=True, serve=True),

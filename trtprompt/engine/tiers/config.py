@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from trtprompt.knobs import KNOBS
 
-TIER_KNOBS: tuple[str, ...] = ("disk_cache_path", "disk_cache_size", "kv_remote_url", "kv_tier_write_policy")
+TIER_KNOBS: tuple[str, ...] = ("disk_cache_path", "disk_cache_size", "kv_remote_url", "kv_remote_password_file",
+                                "kv_tier_write_policy")
 WRITE_POLICIES: tuple[str, ...] = tuple(KNOBS["kv_tier_write_policy"].choices or ())
 
 
@@ -15,6 +16,7 @@ class TierConfig:
     disk_cache_path: str | None = KNOBS["disk_cache_path"].default
     disk_cache_size: int = KNOBS["disk_cache_size"].default
     kv_remote_url: str | None = KNOBS["kv_remote_url"].default
+    kv_remote_password_file: str | None = KNOBS["kv_remote_password_file"].default
     kv_tier_write_policy: str = KNOBS["kv_tier_write_policy"].default
     queue_blocks: int = 256  # per tier writer (writer.py); not a knob: drops are counted and visible
 

@@ -32,7 +32,8 @@ def open_stores(config: TierConfig) -> list[BlockStore]:
         # Imported here: redis-py is needed only with a remote tier.
         from trtprompt.engine.tiers.redis_store import RedisStore, remote_password
 
-        stores.append(RedisStore.from_url(config.kv_remote_url, password=remote_password(None)))
+        password = remote_password(config.kv_remote_password_file)
+        stores.append(RedisStore.from_url(config.kv_remote_url, password=password))
     return stores
 
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from trtprompt import knobs, rules
 from trtprompt.client import API_KEY_ENV
 from trtprompt.engine.engine_dir import EngineDir
-from trtprompt.engine.tiers.redis_store import RedisTarget
+from trtprompt.engine.tiers.redis_store import RedisTarget, remote_password
 from trtprompt.interface import OPENAI_PORT
 
 LAYOUTS = knobs.LAYOUTS
@@ -42,6 +42,7 @@ class ServeOptions(knobs.BackendParams):
     disk_cache_path: str | None = knobs.runtime_default("disk_cache_path")
     disk_cache_size: int = knobs.runtime_default("disk_cache_size")
     kv_remote_url: str | None = knobs.runtime_default("kv_remote_url")
+    kv_remote_password_file: str | None = knobs.runtime_default("kv_remote_password_file")
     kv_tier_write_policy: str = knobs.runtime_default("kv_tier_write_policy")
     kv_cache_eviction_policy: str = knobs.runtime_default("kv_cache_eviction_policy")
     layout: str = knobs.runtime_default("layout")
@@ -85,6 +86,7 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
                          f"the {engine.target} target: leave them unset")
     if opts.kv_remote_url is not None:  # refused here, before the banner or a process could show a password
         RedisTarget.parse(opts.kv_remote_url)
+        remote_password(opts.kv_remote_password_file)  # an unreadable or empty file: refused now, naming it
     if engine.target == "torch" and opts.max_beam_width != 1:
         raise ValueError("max_beam_width must be 1 for the torch target (no beam search)")
 

@@ -210,11 +210,14 @@ def _base(name: str, max_batch_size: int, inputs: Iterable[Tensor], outputs: Ite
 
 def tier_parameters(o: ServeOptions) -> dict[str, object]:
     """The torch engine's KV tier settings (docs/prefix-pool.md), read by the engine process
-    (engine_overrides); none at all when no tier is on."""
+    (engine_overrides); none at all when no tier is on. The password file's path is made absolute:
+    the engine process may run in another directory."""
     if o.disk_cache_path is None and o.kv_remote_url is None:
         return {}
+    password_file = None if o.kv_remote_password_file is None else str(Path(o.kv_remote_password_file).resolve())
     return {"disk_cache_path": o.disk_cache_path, "disk_cache_size": o.disk_cache_size,
-            "kv_remote_url": o.kv_remote_url, "kv_tier_write_policy": o.kv_tier_write_policy}
+            "kv_remote_url": o.kv_remote_url, "kv_remote_password_file": password_file,
+            "kv_tier_write_policy": o.kv_tier_write_policy}
 
 
 def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
