@@ -179,7 +179,9 @@ def test_grpc_cancels_and_disconnects_stop_their_requests(served: Served) -> Non
         threads.append(_threads(triton))
     assert sum(extras) / len(extras) <= MEAN_EXTRA_TOKENS, f"tokens per cancelled request beyond those seen: {extras}"
     steady = threads[WARMUP_ROUNDS:]
-    assert len(set(steady)) == 1, f"tritonserver's threads after each round: {threads}"
+    # Flat: the leak grew 3 threads per round (98 -> 101). gRPC may start one more pool thread late
+    # (seen once: 98, 98, 98, 99), so one thread over the first steady round is allowed, no more.
+    assert max(steady) - steady[0] <= 1, f"tritonserver's threads after each round: {threads}"
     served.assert_healthy()
 
 
