@@ -249,7 +249,8 @@ def check_output_dir(out: Path, force: bool) -> None:
                              "does not look like an engine directory")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs (one owned by another user counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -267,7 +268,7 @@ def _remove_stale_partials(out: Path) -> None:
             pid = int(marker.read_text(encoding="utf-8").strip() or "0")
         except (OSError, ValueError):
             continue
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             shutil.rmtree(sibling, ignore_errors=True)
 
 

@@ -21,21 +21,12 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
+from trtprompt.engine.engine_dir import pid_alive
 from trtprompt.engine.tiers.store import TierCounters
 
 log = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DiskStore:
@@ -86,7 +77,7 @@ class DiskStore:
             pid = int(path.name.rsplit(TMP_MARK, 1)[1].split("-", 1)[0])
         except (IndexError, ValueError):
             pid = 0
-        if pid and pid != os.getpid() and _pid_alive(pid):
+        if pid and pid != os.getpid() and pid_alive(pid):
             return  # another live process is writing it
         path.unlink(missing_ok=True)
         self.reclaimed_temp_files += 1

@@ -21,10 +21,10 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from trtprompt.engine.tiers.store import TierCounters
+from trtprompt.secret_source import read_secret
 
 if TYPE_CHECKING:
     import redis
@@ -95,18 +95,9 @@ class RedisTarget:
 def remote_password(password_file: str | None, env: Mapping[str, str] | None = None) -> str | None:
     """The Redis password: the file's content (surrounding whitespace dropped), else $TRTPROMPT_KV_REMOTE_PASSWORD;
     None when neither is set (an empty variable counts as unset; an empty or unreadable file is refused)."""
-    if password_file is not None:
-        try:
-            text = Path(password_file).read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"cannot read the Redis password file {password_file}: {exc}") from None
-        if not text:
-            raise ValueError(f"the Redis password file {password_file} is empty")
-        value = text
-    else:
-        value = (os.environ if env is None else env).get(PASSWORD_ENV, "").strip()
-        if not value:
-            return None
+    value = read_secret(password_file, os.environ if env is None else env, PASSWORD_ENV, "Redis password")
+    if value is None:
+        return None
     if len(value) > MAX_PASSWORD_CHARS:
         raise ValueError(f"the Redis password must be at most {MAX_PASSWORD_CHARS} characters, got {len(value)}")
     return value

@@ -16,6 +16,7 @@ from trtprompt.client import API_KEY_ENV
 from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.engine.tiers.redis_store import RedisTarget, remote_password
 from trtprompt.interface import OPENAI_PORT
+from trtprompt.secret_source import read_secret
 
 LAYOUTS = knobs.LAYOUTS
 # "--disable-chunked-context", "--disable-kv-cache-reuse": the off half of each knob's flag.
@@ -138,13 +139,5 @@ class ApiKey:
     def read(cls, path: Path | None, env: Mapping[str, str]) -> "ApiKey | None":
         """The key in path (surrounding whitespace dropped), else env's TRTPROMPT_API_KEY; None: no key
         (an empty variable counts as unset; an empty file is refused)."""
-        if path is not None:
-            try:
-                text = Path(path).read_text(encoding="utf-8").strip()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ValueError(f"cannot read the API key file {path}: {exc}") from None
-            if not text:
-                raise ValueError(f"the API key file {path} is empty")
-            return cls(text)
-        value = env.get(API_KEY_ENV, "").strip()
-        return cls(value) if value else None
+        value = read_secret(path, env, API_KEY_ENV, "API key")
+        return None if value is None else cls(value)
