@@ -11,7 +11,8 @@ import transformers
 
 from trtprompt.engine.config import DEFAULT_ATTENTION_BACKEND, EngineConfig, KvCacheConfig, ModelConfig, SchedulerConfig
 from trtprompt.engine.engine import LLMEngine
-from trtprompt.engine.request import SamplingParams
+from trtprompt.engine.kv_cache import KVCacheManager
+from trtprompt.engine.request import Request, RetentionConfig, SamplingParams
 from trtprompt.engine.model import load_model_from_safetensors
 
 ARCHS = {
@@ -116,3 +117,14 @@ def run_to_completion(engine: LLMEngine, prompts: dict[str, list[int]], params: 
     assert set(finished.values()) <= {1}, "every request ends exactly once"
     assert set(prompts) <= set(finished)
     return {rid: outputs.get(rid, []) for rid in prompts}
+
+
+def serve_alone(kv: KVCacheManager, rid: str, tokens: list[int], retention: RetentionConfig | None = None) -> int:
+    """Prefill one request alone, publish its blocks, free it; its cache hits in blocks."""
+    req = Request(rid, tokens, SamplingParams(max_tokens=1), 1, frozenset(), None, 0, retention=retention)
+    hits = kv.find_prefix(req)
+    assert kv.allocate(req, req.num_tokens - len(hits) * kv.tokens_per_block, hits)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_computed(req)
+    kv.free(req)
+    return len(hits)

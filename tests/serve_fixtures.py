@@ -16,7 +16,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 
@@ -179,3 +179,11 @@ class Oracle:
 @pytest.fixture(scope="session")
 def oracle(tiny_engine_dir: Path) -> Oracle:
     return Oracle(tiny_engine_dir)
+
+
+def wait_for(predicate: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:
+    """Poll predicate until it is true; fail naming `what` past the deadline (tests poll, never sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f}s"
+        time.sleep(0.05)

@@ -4,6 +4,7 @@ lower priorities evicted first under every policy, durations that revert to the 
 from __future__ import annotations
 
 import pytest
+from engine_helpers import serve_alone
 
 from trtprompt.engine.block_pool import BlockPool
 from trtprompt.engine.kv_cache import KVCacheManager
@@ -29,20 +30,9 @@ def make_kv(policy: str, clock: FakeClock | None = None) -> KVCacheManager:
     return kv
 
 
-def serve(kv: KVCacheManager, rid: str, tokens: list[int], retention: RetentionConfig | None = None) -> int:
-    """Prefill one request, publish its blocks, free it; its cache hits in blocks."""
-    req = Request(rid, tokens, SamplingParams(max_tokens=1), 1, frozenset(), None, 0, retention=retention)
-    hits = kv.find_prefix(req)
-    assert kv.allocate(req, req.num_tokens - len(hits) * kv.tokens_per_block, hits)
-    req.num_computed_tokens = req.num_tokens
-    kv.cache_computed(req)
-    kv.free(req)
-    return len(hits)
-
-
 def flood(kv: KVCacheManager, n: int, blocks: int = 9) -> None:
     for k in range(n):
-        serve(kv, f"flood{k}", [5000 + 1000 * k + i for i in range(2 * blocks - 1)])
+        serve_alone(kv, f"flood{k}", [5000 + 1000 * k + i for i in range(2 * blocks - 1)])
 
 
 PIN = RetentionConfig((TokenRangeRetention(0, 4, 100),))
@@ -51,11 +41,11 @@ PIN = RetentionConfig((TokenRangeRetention(0, 4, 100),))
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_a_pinned_system_prompt_survives_a_flood_that_evicts_everything_else(policy: str) -> None:
     kv = make_kv(policy)
-    serve(kv, "pin", SYSTEM + [1], PIN)
-    serve(kv, "other", [9, 9, 10, 10, 3])  # the same shape at the default priority
+    serve_alone(kv, "pin", SYSTEM + [1], PIN)
+    serve_alone(kv, "other", [9, 9, 10, 10, 3])  # the same shape at the default priority
     flood(kv, 6)  # 6 x 8 cached blocks: 4x the pool
-    assert serve(kv, "pinned-again", SYSTEM + [2]) == 2
-    assert serve(kv, "other-again", [9, 9, 10, 10, 4]) == 0
+    assert serve_alone(kv, "pinned-again", SYSTEM + [2]) == 2
+    assert serve_alone(kv, "other-again", [9, 9, 10, 10, 4]) == 0
     # Everything but the pinned blocks and the last flood request's was evicted.
     cached = {b.block_id for b in kv.pool.cached.values()}
     assert len(cached) == 2 + 8 + 1  # pinned, last flood prompt, other-again's block [9, 9]
@@ -64,9 +54,9 @@ def test_a_pinned_system_prompt_survives_a_flood_that_evicts_everything_else(pol
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_a_higher_priority_is_evicted_later_not_never(policy: str) -> None:
     kv = make_kv(policy)
-    serve(kv, "pin", SYSTEM + [1], PIN)
-    serve(kv, "big", list(range(3000, 3023)))  # 12 blocks: the whole pool, pinned ones included
-    assert serve(kv, "pinned-again", SYSTEM + [2]) == 0
+    serve_alone(kv, "pin", SYSTEM + [1], PIN)
+    serve_alone(kv, "big", list(range(3000, 3023)))  # 12 blocks: the whole pool, pinned ones included
+    assert serve_alone(kv, "pinned-again", SYSTEM + [2]) == 0
 
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
@@ -74,19 +64,19 @@ def test_an_expired_duration_reverts_to_the_default(policy: str) -> None:
     clock = FakeClock()
     timed = RetentionConfig((TokenRangeRetention(0, 4, 100, duration_ms=1000),))
     kv = make_kv(policy, clock)
-    serve(kv, "pin", SYSTEM + [1], timed)
+    serve_alone(kv, "pin", SYSTEM + [1], timed)
     clock.now += 0.5  # within the duration: still pinned
     flood(kv, 3)
-    assert serve(kv, "within", SYSTEM + [2]) == 2  # its release restarts the duration
+    assert serve_alone(kv, "within", SYSTEM + [2]) == 2  # its release restarts the duration
     pinned = [kv.pool.lookup(h) for h in _hashes(kv, SYSTEM + [0])]
     assert [b.priority if b else None for b in pinned] == [100, 100]
     clock.now += 1.5  # past the duration since that release
     flood(kv, 3)
     assert [b.priority if b else None for b in pinned] == [35, 35]
     if policy == "lru":
-        assert serve(kv, "expired", SYSTEM + [3]) == 0  # evicted as any default block
+        assert serve_alone(kv, "expired", SYSTEM + [3]) == 0  # evicted as any default block
     else:
-        assert serve(kv, "expired", SYSTEM + [3]) == 2  # hit before: the main queue keeps it from the scan
+        assert serve_alone(kv, "expired", SYSTEM + [3]) == 2  # hit before: the main queue keeps it from the scan
 
 
 def _hashes(kv: KVCacheManager, tokens: list[int]) -> list[bytes]:

@@ -4,24 +4,13 @@
 from __future__ import annotations
 
 import pytest
+from engine_helpers import serve_alone
 
 from trtprompt.bench.eviction_sim import ScanWorkload, make_requests, run_pool
 from trtprompt.engine.kv_cache import KVCacheManager
-from trtprompt.engine.request import Request, SamplingParams
 from trtprompt.knobs import EVICTION_POLICIES
 
 SYSTEM = [7, 7, 8, 8]  # two full blocks of 2 tokens
-
-
-def serve(kv: KVCacheManager, rid: str, tokens: list[int]) -> int:
-    """Prefill one request alone, publish its blocks, free it; its cache hits in blocks."""
-    req = Request(rid, tokens, SamplingParams(max_tokens=1), 1, frozenset(), None, 0)
-    hits = kv.find_prefix(req)
-    assert kv.allocate(req, req.num_tokens - len(hits) * kv.tokens_per_block, hits)
-    req.num_computed_tokens = req.num_tokens
-    kv.cache_computed(req)
-    kv.free(req)
-    return len(hits)
 
 
 def one_off(n: int) -> list[int]:
@@ -37,27 +26,27 @@ def test_two_one_offs_between_hot_requests(policy: str, hot_hits: list[int]) -> 
     hit once, live in the main queue; the one-off blocks, never hit, cycle through the small
     FIFO (1 block here) and are the ones evicted."""
     kv = KVCacheManager(12, 2, True, policy)
-    got = [serve(kv, "a1", SYSTEM + [1])]
+    got = [serve_alone(kv, "a1", SYSTEM + [1])]
     assert got == [0]
     got = []
-    got.append(serve(kv, "a2", SYSTEM + [2]))
-    serve(kv, "s1", one_off(1))
-    serve(kv, "s2", one_off(2))
-    got.append(serve(kv, "a3", SYSTEM + [3]))
-    serve(kv, "s3", one_off(3))
-    serve(kv, "s4", one_off(4))
-    got.append(serve(kv, "a4", SYSTEM + [4]))
+    got.append(serve_alone(kv, "a2", SYSTEM + [2]))
+    serve_alone(kv, "s1", one_off(1))
+    serve_alone(kv, "s2", one_off(2))
+    got.append(serve_alone(kv, "a3", SYSTEM + [3]))
+    serve_alone(kv, "s3", one_off(3))
+    serve_alone(kv, "s4", one_off(4))
+    got.append(serve_alone(kv, "a4", SYSTEM + [4]))
     assert got == hot_hits
     # Without the one-off prompts every policy hits every time.
     kv = KVCacheManager(12, 2, True, policy)
-    assert [serve(kv, f"b{i}", SYSTEM + [i]) for i in range(4)] == [0, 2, 2, 2]
+    assert [serve_alone(kv, f"b{i}", SYSTEM + [i]) for i in range(4)] == [0, 2, 2, 2]
 
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_a_one_off_prompt_is_never_hit_again(policy: str) -> None:
     kv = KVCacheManager(12, 2, True, policy)
-    serve(kv, "s1", one_off(1))
-    assert serve(kv, "s1-again", one_off(1)) == 8  # still cached: nothing needed its blocks
+    serve_alone(kv, "s1", one_off(1))
+    assert serve_alone(kv, "s1-again", one_off(1)) == 8  # still cached: nothing needed its blocks
 
 
 def test_scan_workload_figures() -> None:

@@ -16,7 +16,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 
-from serve_fixtures import Oracle, Served
+from serve_fixtures import Oracle, Served, wait_for
 from trtprompt.serve.launch.options import EngineInfo
 
 pytestmark = pytest.mark.server
@@ -182,18 +182,9 @@ def _kv_used(served: Served) -> float | None:
     return served.metric("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used")
 
 
-def _wait_for(predicate: Any, what: str, timeout_s: float = 60.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f}s"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_cancels_and_frees_blocks(served: Served, stream: bool) -> None:
-    _wait_for(lambda: _kv_used(served) == 0, "an idle engine to start with")
+    wait_for(lambda: _kv_used(served) == 0, "an idle engine to start with")
     conn = http.client.HTTPConnection("127.0.0.1", served.openai, timeout=120)
     body = {"model": model_name(served), "prompt": "go on and on " * 20, "max_tokens": 1800, "ignore_eos": True,
             "temperature": 0, "stream": stream}
@@ -202,9 +193,9 @@ def test_client_disconnect_cancels_and_frees_blocks(served: Served, stream: bool
         resp = conn.getresponse()
         assert resp.status == 200
         assert resp.readline().startswith(b"data: {")  # generating now
-    _wait_for(lambda: (_kv_used(served) or 0) > 0, "blocks in use while generating")
+    wait_for(lambda: (_kv_used(served) or 0) > 0, "blocks in use while generating")
     conn.close()
-    _wait_for(lambda: _kv_used(served) == 0 and served.metric("nv_trt_llm_request_metrics", request_type="active")
+    wait_for(lambda: _kv_used(served) == 0 and served.metric("nv_trt_llm_request_metrics", request_type="active")
               == 0, "the engine request aborted and its blocks freed after the client went away")
     served.assert_healthy()
     # A disconnect is an outcome, not a server error (the waiting request unwinds before we answer 499).

@@ -8,14 +8,13 @@ import http.client
 import json
 import os
 import signal
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import openai
 import pytest
 
-from serve_fixtures import Served, _alive, check_stopped_cleanly, start_server
+from serve_fixtures import Served, _alive, check_stopped_cleanly, start_server, wait_for
 from trtprompt.serve.launch.process_group import descendants
 
 pytestmark = pytest.mark.server
@@ -51,13 +50,6 @@ def answer(conn: http.client.HTTPConnection) -> tuple[int, dict[str, str], Any]:
 def body(served: Served, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
     return {"model": served.engine_dir.name, "prompt": "hold the line " * 4, "max_tokens": max_tokens,
             "temperature": 0} | extra
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f}s"
-        time.sleep(0.05)
 
 
 def test_api_key_is_required(strict: Served) -> None:

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_fixtures import ROOT, Served
+from serve_fixtures import ROOT, Served, wait_for
 from trtprompt.serve.launch.frontend import frontend_command
 from trtprompt.serve.launch.options import OpenAIOptions
 from trtprompt.serve.openai.http_limits import HttpLimits, engine_max_request_bytes
@@ -63,13 +63,6 @@ class Frontend:
 
     def connect(self, timeout_s: float = 10.0) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=timeout_s)
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f}s"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

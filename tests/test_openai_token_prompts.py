@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 from typing import Any
 
 import openai
 import pytest
-from serve_fixtures import Oracle, Served
+from serve_fixtures import Oracle, Served, wait_for
 
 from trtprompt.serve.launch.options import EngineInfo
 from trtprompt.serve.openai.config import FrontendConfig
@@ -119,13 +118,6 @@ def test_an_over_long_token_prompt_is_refused_like_text(served: Served) -> None:
     served.assert_healthy()
 
 
-def _wait_for(predicate: Any, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f}s"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_gone_mid_batch_aborts_every_choice(served: Served, stream: bool) -> None:
     def active() -> float | None:
@@ -134,7 +126,7 @@ def test_a_client_gone_mid_batch_aborts_every_choice(served: Served, stream: boo
     def used() -> float | None:
         return served.metric("nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used")
 
-    _wait_for(lambda: used() == 0, "an idle engine to start with")
+    wait_for(lambda: used() == 0, "an idle engine to start with")
     conn = http.client.HTTPConnection("127.0.0.1", served.openai, timeout=120)
     body = {"model": model(served), "prompt": [[5, 6, 7] * 10, "go on and on " * 10], "max_tokens": 1500,
             "ignore_eos": True, "temperature": 0, "stream": stream}
@@ -142,7 +134,7 @@ def test_a_client_gone_mid_batch_aborts_every_choice(served: Served, stream: boo
     if stream:
         resp = conn.getresponse()
         assert resp.status == 200 and resp.readline().startswith(b"data: {")
-    _wait_for(lambda: (active() or 0) == 2, "both choices generating")
+    wait_for(lambda: (active() or 0) == 2, "both choices generating")
     conn.close()
-    _wait_for(lambda: active() == 0 and used() == 0, "both engine requests aborted and their blocks freed")
+    wait_for(lambda: active() == 0 and used() == 0, "both engine requests aborted and their blocks freed")
     served.assert_healthy()

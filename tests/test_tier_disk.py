@@ -214,12 +214,18 @@ def test_a_full_write_queue_drops_blocks_without_stalling_a_step(llama, tmp_path
     engine.close()
 
 
-def test_a_request_waiting_for_a_load_does_not_hold_up_others(llama, tmp_path, prompts, reference):
-    _fill(llama, tmp_path / "disk", prompts["a"])
+def _loading_held(llama, tmp_path, prompt):
+    """An engine whose request "a" has its prefix on disk and waits there: the store's reads are held."""
+    _fill(llama, tmp_path / "disk", prompt)
     gated = GatedStore(DiskStore(tmp_path / "disk", BIG))
     gated.reads_open.clear()
     engine = tier_engine(llama, [gated])
-    engine.add_request("a", prompts["a"], GREEDY)
+    engine.add_request("a", prompt, GREEDY)
+    return engine, gated
+
+
+def test_a_request_waiting_for_a_load_does_not_hold_up_others(llama, tmp_path, prompts, reference):
+    engine, gated = _loading_held(llama, tmp_path, prompts["a"])
     other = [3 + (i * 7) % (VOCAB - 3) for i in range(3 * TPB + 2)]
     engine.add_request("other", other, GREEDY)
     outs: dict[str, list[int]] = {"a": [], "other": []}
@@ -248,11 +254,7 @@ def test_a_request_waiting_for_a_load_does_not_hold_up_others(llama, tmp_path, p
 
 
 def test_an_abort_while_loading_ends_the_request_once(llama, tmp_path, prompts, reference):
-    _fill(llama, tmp_path / "disk", prompts["a"])
-    gated = GatedStore(DiskStore(tmp_path / "disk", BIG))
-    gated.reads_open.clear()
-    engine = tier_engine(llama, [gated])
-    engine.add_request("a", prompts["a"], GREEDY)
+    engine, gated = _loading_held(llama, tmp_path, prompts["a"])
     assert engine.step() == [] and engine.stats().loading_requests == 1
     assert engine.abort("a")
     finals = [o for o in engine.step() if o.finished]
