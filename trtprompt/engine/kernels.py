@@ -109,7 +109,8 @@ def _build_in_child(v: KernelVariant) -> str:
     """Build one variant in a child process (a process can load one variant only: they define the same ops)."""
     env = {**os.environ, isa.ISA_ENV: v.name}
     done = subprocess.run([sys.executable, "-m", "trtprompt.engine.kernels"], env=env, capture_output=True, text=True)
-    return (done.stdout or done.stderr).strip().splitlines()[-1] if (done.stdout or done.stderr).strip() else ""
+    lines = (done.stdout or done.stderr).strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,6 @@ backend does not export (RequestMetrics; docs/gpu.md, "Metrics").
 
 from __future__ import annotations
 
-import faulthandler
 import time
 from collections import OrderedDict
 from typing import Any
@@ -148,7 +147,6 @@ class PostprocessingModel:
     """
 
     def initialize(self, args: dict[str, str]) -> None:
-        faulthandler.enable(all_threads=True)  # a crash of this stub is then in tritonserver.log (stub.py)
         cfg, params = io.model_parameters(args)
         self.input_names = [t["name"] for t in cfg["input"]]
         self.tokenizer = Tokenizer.from_dir(params["tokenizer_dir"])

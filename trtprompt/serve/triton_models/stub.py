@@ -30,7 +30,15 @@ from trtprompt.serve.wire.requests import TokenRequest
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 def model_parameters(args: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """(model config dict, its parameters as plain strings)."""
+    """(model config dict, its parameters as plain strings). Every model's initialize() calls it first.
+
+    It also enables faulthandler. tritonserver does not log how a stub ended, so without it a crash
+    of the stub (SIGSEGV, SIGABRT) leaves only a kernel log line that may not be readable. With it,
+    "Fatal Python error" and every thread's stack go to tritonserver.log (the stub's stderr;
+    docs/design.md, "Stopping"). tests/test_clean_stop.py and test_trtllm_triton_validation.py look
+    for it.
+    """
+    faulthandler.enable(all_threads=True)
     cfg = json.loads(args["model_config"])
     params = {k: v.get("string_value", "") for k, v in (cfg.get("parameters") or {}).items()}
     return cfg, params
@@ -220,11 +228,6 @@ class RowModel:
     watcher: CancelWatcher
 
     def start_relay(self, socket_path: str, params: Mapping[str, str]) -> None:
-        # tritonserver does not log how a stub ended: with this, a crash of the stub (SIGSEGV,
-        # SIGABRT) leaves "Fatal Python error" and every thread's stack in tritonserver.log (the
-        # stub's stderr), not only a kernel log line that may not be readable (docs/design.md,
-        # "Stopping"); tests/test_clean_stop.py looks for it.
-        faulthandler.enable(all_threads=True)
         self.client = EngineClient(socket_path)
         period_ms = params.get("cancellation_check_period_ms") or KNOBS["cancellation_check_period_ms"].default
         self.watcher = CancelWatcher(int(period_ms) / 1000,
