@@ -23,6 +23,7 @@ from trtprompt.engine.eviction import (
     FreeBlockQueue,
     FreeBlocks,
 )
+from trtprompt.engine.pool_events import BlockContent, PoolListener
 from trtprompt.knobs import KNOBS
 
 __all__ = ["Block", "BlockHash", "BlockPool", "FreeBlockQueue", "hash_block"]
@@ -56,6 +57,10 @@ class BlockPool:
             self.free_blocks.add(b)
         self.cached: dict[BlockHash, Block] = {}
         self.evicted_blocks = 0  # reusable blocks whose hash was dropped to hand them out again
+        self.listeners: list[PoolListener] = []  # engine/pool_events.py; empty costs one truth test
+
+    def add_listener(self, listener: PoolListener) -> None:
+        self.listeners.append(listener)
 
     @property
     def eviction_policy(self) -> str:
@@ -98,18 +103,24 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
                 self.evicted_blocks += 1
+                for listener in self.listeners:
+                    listener.removed(block, block.block_hash)
             block.block_hash = None
         block.freq = 0
         block.priority, block.duration_s, block.expires_at = DEFAULT_PRIORITY, None, None
 
-    def cache(self, block: Block, block_hash: BlockHash) -> None:
-        """Publish a block whose KV is fully computed. First writer wins."""
+    def cache(self, block: Block, block_hash: BlockHash, content: BlockContent | None = None) -> None:
+        """Publish a block whose KV is fully computed. First writer wins.
+
+        content (parent hash and tokens) is for listeners; callers build it only when there are any."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
             return  # same content computed twice at once; the first copy serves hits
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        for listener in self.listeners:
+            listener.stored(block, block_hash, content)
 
     def set_retention(self, block: Block, priority: int, duration_ms: int | None) -> None:
         """A held block's retention priority, lasting duration_ms after each release (None: until evicted).

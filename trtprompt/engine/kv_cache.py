@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from trtprompt.engine.block_pool import Block, BlockHash, BlockPool, hash_block
+from trtprompt.engine.pool_events import BlockContent, content_of
 from trtprompt.engine.request import Request
 
 if TYPE_CHECKING:  # the tiers need torch; the prompt linter imports this module without it
@@ -177,8 +178,10 @@ class KVCacheManager:
         self._update_hashes(req, req.num_computed_tokens)
         n_full = req.num_computed_tokens // self.tokens_per_block
         start = self._num_published.get(req.request_id, 0)
+        listened = bool(self.pool.listeners)
         for i in range(start, n_full):
-            self.pool.cache(table[i], req.block_hashes[i])
+            content = content_of(req.all_token_ids, req.block_hashes, i, self.tokens_per_block) if listened else None
+            self.pool.cache(table[i], req.block_hashes[i], content)
             if self.tiers is not None and self.pool.lookup(req.block_hashes[i]) is table[i]:
                 self.tiers.published(table[i])
         self._settle_in_flight(req.request_id, req.block_hashes[start:n_full])
@@ -204,9 +207,17 @@ class KVCacheManager:
             if req is None:
                 continue
             if result.blocks and not req.is_finished:
-                self.tiers.place(self.pool, self.find_prefix(req), hashes, result)
+                self.tiers.place(self.pool, self.find_prefix(req), hashes, result, self._contents(req, hashes))
             out.append(req)
         return out
+
+    def _contents(self, req: Request, hashes: list[bytes]) -> list[BlockContent] | None:
+        """The contents of hashes, a run of req's prompt block hashes, for the pool's listeners (None without any)."""
+        if not self.pool.listeners or not hashes:
+            return None
+        first = req.block_hashes.index(hashes[0])
+        return [content_of(req.all_token_ids, req.block_hashes, first + j, self.tokens_per_block)
+                for j in range(len(hashes))]
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request_id, ())]

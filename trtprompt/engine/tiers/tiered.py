@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from trtprompt.engine.block_pool import Block, BlockPool
+from trtprompt.engine.pool_events import BlockContent
 from trtprompt.engine.tiers.codec import Payload
 from trtprompt.engine.tiers.fingerprint import KvLayout
 from trtprompt.engine.tiers.keys import tier_key
@@ -186,20 +187,23 @@ class KvTiers:
     def is_loading(self, request_id: str) -> bool:
         return request_id in self._loading
 
-    def place(self, pool: BlockPool, hits: list[Block], hashes: list[bytes], result: LoadResult) -> int:
+    def place(self, pool: BlockPool, hits: list[Block], hashes: list[bytes], result: LoadResult,
+              contents: list[BlockContent] | None = None) -> int:
         """Copy loaded blocks into fresh pool blocks and publish them after hits; the blocks placed.
 
-        hits (the request's pool prefix) are held meanwhile, so allocating cannot evict them."""
-        blocks = [(h, tier, payload) for h, (tier, payload) in zip(hashes, result.blocks)
+        hits (the request's pool prefix) are held meanwhile, so allocating cannot evict them.
+        contents, parallel to hashes, is what the pool's listeners hear (None: they hear none)."""
+        given = contents if contents is not None else [None] * len(hashes)
+        blocks = [(h, tier, payload, c) for h, (tier, payload), c in zip(hashes, result.blocks, given)
                   if pool.lookup(h) is None]
         n = min(len(blocks), pool.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0))
         if n <= 0:
             return 0
         pool.touch(hits)
         fresh = pool.allocate(n)
-        for block, (h, tier, payload) in zip(fresh, blocks):
+        for block, (h, tier, payload, content) in zip(fresh, blocks):
             self._fill(block.block_id, payload)
-            pool.cache(block, h)
+            pool.cache(block, h, content)
             self._fresh[block.block_id] = (tier, h)
             self._remember(h)
             self.stats.loaded_blocks[tier] += 1
