@@ -34,3 +34,16 @@ GRPC_PORT = 8001
 METRICS_PORT = 8002
 OPENAI_PORT = 8003
 DEFAULT_GRPC_URL = f"{DEFAULT_HOST}:{GRPC_PORT}"
+
+# TensorRT-LLM's KvCacheRetentionConfig inputs (tensorrtllm_backend's tensorrt_llm model, 1.2), optional, with
+# its names, types and meaning: token ranges [start, end) of the prompt (end -1: to the prompt's end) each with a
+# priority 0-100 and a duration in ms, then one priority and duration for the blocks decoding fills.
+# docs/prefix-pool.md "Retention" maps them, and the OpenAI endpoint's cache_control / retention, to the engine.
+RETENTION_INPUTS: tuple[Tensor, ...] = (
+    ("retention_token_range_starts", "INT32", [-1], True),
+    ("retention_token_range_ends", "INT32", [-1], True),
+    ("retention_token_range_priorities", "INT32", [-1], True),
+    ("retention_token_range_durations_ms", "INT32", [-1], True),
+    ("retention_decode_priority", "INT32", [1], True),
+    ("retention_decode_duration_ms", "INT32", [1], True),
+)
