@@ -11,6 +11,7 @@ so once in the log. Design: docs/design.md, "Attention".
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -18,6 +19,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -66,6 +68,22 @@ def _headers_digest() -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def _interpreter_tools_first() -> Iterator[None]:
+    """PATH with this interpreter's bin directory first while torch builds.
+
+    torch runs the `ninja` it finds on PATH, and ninja releases record a build command differently (the
+    venv's pip ninja 1.13 against Debian's 1.11 here): serve's engine processes (PATH starts with the venv,
+    serve/launch/launcher.py child_env) and a plain `.venv/bin/python` each found the other's build stale
+    and rebuilt the kernel, about 20 s, every time the other had run. One ninja for every process."""
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), before])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_kernel_status() -> tuple[bool, str]:
     """(available, why); builds or loads the kernel once per process."""
@@ -77,8 +95,9 @@ def compiled_kernel_status() -> tuple[bool, str]:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
-                           extra_ldflags=["-fopenmp"], is_python_module=False)
+        with _interpreter_tools_first():
+            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
+                               extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use pure torch
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return False, f"{type(exc).__name__}: {first}"[:300]
