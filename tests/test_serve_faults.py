@@ -119,16 +119,24 @@ def test_sixty_four_concurrent_streams(served: Served) -> None:
 
 
 def test_more_requests_than_max_queue_size(served: Served) -> None:
-    # 16 run (max_batch_size) and 64 wait (max_queue_size); long enough (no early end token:
-    # min_tokens) that none finishes while the burst arrives, so about 16 must be turned away.
-    # At 200 tokens the first 16 could end before the last of the 96 arrived (seen once in 10+ runs).
-    results = _burst(served, 96, 600, min_tokens=600)
+    # 16 long requests fill max_batch_size (no early end token: min_tokens); with all 16 running,
+    # a burst of 80 short ones finds room for 64 in the queue (max_queue_size) and exactly 16 are
+    # turned away. The queued ones are short so that serving them after the long ones is quick.
+    running: list[list[StreamResult]] = [[]]
+    long = threading.Thread(target=lambda: running.__setitem__(0, _burst(served, 16, 600, min_tokens=600)))
+    long.start()
+    deadline = time.monotonic() + 60
+    while served.engine_stats()["active_requests"] < 16 or served.engine_stats()["waiting_requests"]:
+        assert time.monotonic() < deadline, f"the 16 long requests did not all start: {served.engine_stats()}"
+        time.sleep(0.02)
+    results = _burst(served, 80, 8, min_tokens=8)
+    long.join(180)
+    assert len(running[0]) == 16 and all(r.error is None and r.finished and r.text for r in running[0])
     rejected = [r for r in results if r.error]
     accepted = [r for r in results if not r.error]
-    assert len(rejected) >= 8
+    assert len(rejected) == 16 and len(accepted) == 64
     assert all("queue full" in r.error and "max_queue_size=64" in r.error for r in rejected)
     assert all(r.finished and r.text for r in accepted)
-    assert len(accepted) >= 64
     served.assert_healthy()
 
 
