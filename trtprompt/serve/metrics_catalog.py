@@ -25,7 +25,9 @@ def _used_fraction(stats: Mapping[str, Any]) -> float:
     return stats["used_num_blocks"] / stats["max_num_blocks"] if stats["max_num_blocks"] else 0.0
 
 
-# The TensorRT-LLM backend's gauge families: family -> (help, label name, {label value: source}).
+# The TensorRT-LLM backend's gauge families: family -> (help, label name, {label value: source}). Routers
+# read them by these names and labels (llm-d's endpoint picker: docs/monitoring/README.md, "What routers
+# read"); every series also carries the backend's `model` and `version` labels (MODEL_LABELS).
 BACKEND_GAUGES: dict[str, tuple[str, str, dict[str, Source]]] = {
     "nv_trt_llm_kv_cache_block_metrics": ("TRT LLM KV cache block metrics", "kv_cache_block_type", {
         "max": key("max_num_blocks"), "free": key("free_num_blocks"), "used": key("used_num_blocks"),
@@ -40,11 +42,19 @@ BACKEND_GAUGES: dict[str, tuple[str, str, dict[str, Source]]] = {
                                             "inflight_batcher_specific_metric", {
         "total_context_tokens": key("total_context_tokens"), "generation_requests": key("generation_requests"),
         "paused_requests": key("paused_requests"),
+        # One micro batch per step (no pipeline parallelism), so its id is always 0, as on the backend at pp=1.
+        "micro_batch_id": lambda s: 0.0,
     }),
     "nv_trt_llm_general_metrics": ("General TRT LLM metrics", "general_type", {
         "timestamp": lambda s: float(s["timestamp_ns"] // 1000), "iteration_counter": key("iteration_counter"),
     }),
+    # The backend's `cpu` is the runtime's host memory: here the engine process's resident bytes. Its `gpu`
+    # and `pinned` have no counterpart the engine counts, so they are not exported.
+    "nv_trt_llm_runtime_memory_metrics": ("TRT LLM runtime memory metrics", "memory_type", {
+        "cpu": key("process_resident_memory_bytes"),
+    }),
 }
+MODEL_LABELS = ("model", "version")  # values: the publishing Triton model's name and version
 KV_FAMILY = "nv_trt_llm_kv_cache_block_metrics"
 REQUEST_FAMILY = "nv_trt_llm_request_metrics"
 

@@ -47,7 +47,7 @@ def counter_values(stats: Mapping[str, Any]) -> dict[tuple[str, str], float]:
 class _Families:
     """The pb_utils families and metrics; the families must outlive their metrics."""
 
-    def __init__(self, pb: Any) -> None:
+    def __init__(self, pb: Any, model_labels: Mapping[str, str]) -> None:
         self.pb = pb
         self.families: dict[str, Any] = {}
         self.gauges: dict[tuple[str, str], Any] = {}
@@ -55,7 +55,8 @@ class _Families:
         self.histograms = {h.timing_key: self._histogram(h) for h in C.HISTOGRAMS}
         for family, (help_text, label, items) in C.BACKEND_GAUGES.items():
             for value in items:
-                self.gauges[(family, value)] = self.metric(family, help_text, "GAUGE", {label: value})
+                self.gauges[(family, value)] = self.metric(family, help_text, "GAUGE",
+                                                           {label: value, **model_labels})
         for s in C.SERIES:
             target = self.gauges if s.kind == "gauge" else self.counters
             target[(s.name, "")] = self.metric(s.name, s.help, s.kind.upper(), {})
@@ -125,14 +126,19 @@ class _StatsConnection:
 
 
 class MetricsPublisher:
-    """Polls the engine's stats in a thread and publishes them."""
+    """Polls the engine's stats in a thread and publishes them.
 
-    def __init__(self, pb_utils: Any, socket_path: str, period_s: float) -> None:
+    model_labels: the `model` and `version` labels of the nv_trt_llm_* gauges (the publishing model's
+    name and version, as the TensorRT-LLM backend labels its own).
+    """
+
+    def __init__(self, pb_utils: Any, socket_path: str, period_s: float,
+                 model_labels: Mapping[str, str] | None = None) -> None:
         self._log = pb_utils.Logger.log_warn
         self._conn = _StatsConnection(socket_path, timeout_s=2.0)
         self._period = period_s
         self._stop = threading.Event()
-        self._m = _Families(pb_utils)
+        self._m = _Families(pb_utils, model_labels or {})
         self._pid: int | None = None
         self._since = 0
         self._counted: dict[tuple[str, str], float] = {}

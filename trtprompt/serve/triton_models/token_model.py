@@ -78,7 +78,8 @@ class TokenModel(io.RowModel):
         self.socket = io.engine_socket(params)
         self.exclude_default = io.param_bool(params, "exclude_input_in_output", False)
         period_s = int(params.get("stats_check_period_ms") or KNOBS["stats_check_period_ms"].default) / 1000
-        self.metrics = MetricsPublisher(pb_utils, self.socket, period_s).start()
+        model_labels = {"model": args["model_name"], "version": str(args["model_version"])}
+        self.metrics = MetricsPublisher(pb_utils, self.socket, period_s, model_labels).start()
         self.start_relay(self.socket, params)
 
     def max_input_len(self) -> int:
