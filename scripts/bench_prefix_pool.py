@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""The disk tier, measured: TTFT after a restart vs in-pool warm vs cold, the tiers' cost without
-reuse, and the disk tier's read rate beside dd's.
+"""The disk tier, measured: TTFT after a restart vs in-pool warm vs cold, what each write policy keeps
+across a restart, the tiers' cost without reuse, and the disk tier's read rate beside dd's.
 
     flock /tmp/bench.lock .venv/bin/python scripts/bench_prefix_pool.py ENGINE_DIR [--prefix-len 960]
-        [--repeats 5] [--no-reuse-requests 24] [--disk-dir DIR] [--out results.json]
+        [--repeats 5] [--no-reuse-requests 24] [--cost-pool-tokens 8192] [--disk-dir DIR] [--out results.json]
+        [--only ttft policies reads no_reuse]
 
 In one process, alternating within each repeat so the ratios share conditions:
 - cold: an engine without tiers serves prefix + question A, a prefix it has never seen;
@@ -11,9 +12,13 @@ In one process, alternating within each repeat so the ratios share conditions:
 - restart: an engine with a disk tier served prefix + question A and was closed; a NEW engine over
   the same directory (its pool empty, its disk index rebuilt from the files) serves prefix + B.
   The OS page cache keeps the files, as it does for a restarted server on the same machine.
-Greedy tokens of "restart" are checked against "warm". Then throughput of distinct prompts (no
-reuse) with tiers off, write_through and selective, in alternating order; then reads of every
-stored block (get + verify) against `dd` of one large file. docs/prefix-pool.md, "Measurements".
+Greedy tokens of "restart" are checked against "warm". "policies": per write policy, an engine
+serves prefix + A, then a new engine serves prefix + B twice over: once while the first is still
+open (as after a crash: only what was written so far is on disk), once after it was closed (a clean
+stop; write_back writes the pool then). Then throughput of distinct prompts (no reuse) with tiers
+off and under each write policy, in rotating order, over a pool small enough that every round
+evicts the previous round's blocks (--cost-pool-tokens: write_back's steady state); then reads of
+every stored block (get + verify) against `dd` of one large file. docs/prefix-pool.md, "Measurements".
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from trtprompt.engine.tiers.codec import decode
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0)
 POOL_TOKENS = 32768
+POLICIES = ("write_through", "selective", "write_back")
 
 
 def engine(path: Path, **tiers: object) -> LLMEngine:
@@ -88,11 +94,51 @@ def measure_ttft(path: Path, disk: Path, prefix_len: int, repeats: int, vocab: i
             "restart_over_warm": med["restart"] / med["warm"], "restart_over_cold": med["restart"] / med["cold"]}
 
 
+def measure_policies(path: Path, disk: Path, prefix_len: int, repeats: int, vocab: int) -> dict[str, object]:
+    """Per write policy: TTFT and blocks reused by a new engine after a crash and after a clean stop."""
+    rng = random.Random(2)
+    plain = engine(path)
+    ttft(plain, "warmup", [rng.randrange(3, vocab) for _ in range(prefix_len)])
+    rows: dict[str, list[float]] = {"cold": [], "warm": []}
+    reused: dict[str, list[int]] = {}
+    for r in range(repeats):
+        prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
+        qa, qb = [rng.randrange(3, vocab) for _ in range(12)], [rng.randrange(3, vocab) for _ in range(12)]
+        rows["cold"].append(ttft(plain, f"cold{r}", prefix + qa)[0])
+        t_warm, warm_tokens, _ = ttft(plain, f"warm{r}", prefix + qb)
+        rows["warm"].append(t_warm)
+        for policy in POLICIES:
+            root = disk / f"{policy}-{r}"
+            first = engine(path, disk_cache_path=str(root), kv_tier_write_policy=policy)
+            ttft(first, f"fill{r}", prefix + qa)
+            assert first.kv.tiers is not None
+            first.kv.tiers.join_writes()
+            for stop in ("crash", "clean"):
+                if stop == "clean":
+                    first.close()  # write_back writes the pool's blocks here
+                # The new engine reads a copy of the directory as the stop left it, so its own writes
+                # (and the first engine's later close) change no other row.
+                seen = disk / f"{policy}-{r}-{stop}"
+                shutil.copytree(root, seen)
+                again = engine(path, disk_cache_path=str(seen), kv_tier_write_policy=policy)
+                t, tokens, n = ttft(again, f"{stop}{r}", prefix + qb)
+                again.close()
+                assert tokens == warm_tokens, f"{policy} after a {stop} stop changed the greedy tokens"
+                rows.setdefault(f"{policy}_{stop}", []).append(t)
+                reused.setdefault(f"{policy}_{stop}", []).append(n)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    return {"median_s": med, "all_s": rows, "reused_blocks": reused,
+            "full_blocks": (prefix_len + 12 - 1) // plain.kv.tokens_per_block,
+            "over_cold": {k: v / med["cold"] for k, v in med.items()},
+            "over_warm": {k: v / med["warm"] for k, v in med.items()}}
+
+
 def throughput(eng: LLMEngine, prompts: list[list[int]], tag: str) -> float:
+    """Prompt plus output tokens per second (prefill dominates: 256 in, 16 out)."""
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         eng.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=16, temperature=0.0))
-    n = 0
+    n = sum(len(p) for p in prompts)
     while eng.has_unfinished_requests():
         n += sum(len(o.new_token_ids) for o in eng.step())
     if eng.kv.tiers is not None:
@@ -100,26 +146,29 @@ def throughput(eng: LLMEngine, prompts: list[list[int]], tag: str) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def measure_cost(path: Path, disk: Path, n: int, vocab: int, repeats: int) -> dict[str, object]:
-    variants = {"off": {}, "write_through": {"disk_cache_path": str(disk / "wt")},
-                "selective": {"disk_cache_path": str(disk / "sel"), "kv_tier_write_policy": "selective"}}
-    engines = {k: engine(path, **v) for k, v in variants.items()}
+def measure_cost(path: Path, disk: Path, n: int, vocab: int, repeats: int, pool_tokens: int) -> dict[str, object]:
+    variants: dict[str, dict[str, object]] = {"off": {}}
+    variants.update({p: {"disk_cache_path": str(disk / p), "kv_tier_write_policy": p} for p in POLICIES})
+    engines = {k: LLMEngine.from_engine_dir(path, max_tokens_in_paged_kv_cache=pool_tokens, **v)
+               for k, v in variants.items()}
     rng = random.Random(1)
-    for k, e in engines.items():  # first-call costs left out
-        throughput(e, [[rng.randrange(3, vocab) for _ in range(64)]], f"warmup-{k}")
+    fill = [[rng.randrange(3, vocab) for _ in range(256)] for _ in range(n)]
+    for k, e in engines.items():  # first-call costs left out; the pool full, so round 0 evicts too
+        throughput(e, fill, f"warmup-{k}")
     rates: dict[str, list[float]] = {k: [] for k in variants}
+    names = list(variants)
     for r in range(repeats):
         prompts = [[rng.randrange(3, vocab) for _ in range(256)] for _ in range(n)]
-        order = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for k in order:
+        for k in names[r % len(names):] + names[:r % len(names)]:  # each variant first in turn
             rates[k].append(throughput(engines[k], prompts, f"{k}{r}-"))
-    drops = {k: [t.drops for t in e.stats().kv_tiers] for k, e in engines.items()}
+    tiers = {k: [{"writes": t.writes, "drops": t.drops, "bytes_written": t.bytes_written}
+                 for t in e.stats().kv_tiers] for k, e in engines.items()}
+    evicted = {k: e.kv.pool.evicted_blocks for k, e in engines.items()}
     for e in engines.values():
         e.close()
     med = {k: statistics.median(v) for k, v in rates.items()}
-    return {"output_tok_s": med, "all": rates, "drops": drops,
-            "cost_write_through": 1 - med["write_through"] / med["off"],
-            "cost_selective": 1 - med["selective"] / med["off"]}
+    return {"tok_s": med, "all": rates, "tiers": tiers, "evicted_blocks": evicted, "pool_tokens": pool_tokens,
+            **{f"cost_{p}": 1 - med[p] / med["off"] for p in POLICIES}}
 
 
 def measure_reads(path: Path, disk: Path) -> dict[str, object]:
@@ -150,18 +199,22 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=960)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-reuse-requests", type=int, default=24)
+    ap.add_argument("--cost-pool-tokens", type=int, default=8192,
+                    help="KV pool of the no-reuse runs (small: every round evicts the last one's blocks)")
     ap.add_argument("--disk-dir", type=Path, help="where the disk tier lives (default: a temp dir on /tmp's disk)")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--only", nargs="+", choices=["ttft", "reads", "no_reuse"],
+    ap.add_argument("--only", nargs="+", choices=["ttft", "policies", "reads", "no_reuse"],
                     help="parts to run (reads needs ttft first: it reads the blocks ttft stored)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-prefix-pool-", dir=args.disk_dir))
     vocab = int(json.loads((args.engine / "config.json").read_text())["pretrained_config"]["vocab_size"])
     result: dict[str, object] = {"cpu": cpu_name()}
     parts = {"ttft": lambda: measure_ttft(args.engine, root / "ttft", args.prefix_len, args.repeats, vocab),
+             "policies": lambda: measure_policies(args.engine, root / "policies", args.prefix_len, args.repeats,
+                                                  vocab),
              "reads": lambda: measure_reads(args.engine, root / "ttft"),
              "no_reuse": lambda: measure_cost(args.engine, root / "cost", args.no_reuse_requests, vocab,
-                                              args.repeats)}
+                                              args.repeats, args.cost_pool_tokens)}
     try:
         for name in args.only or list(parts):
             result[name] = parts[name]()

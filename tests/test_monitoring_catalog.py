@@ -104,7 +104,7 @@ def test_counters_count_refusals_and_tokens() -> None:
 
 def _declared() -> set[str]:
     names = set(C.trtprompt_families()) | set(C.BACKEND_GAUGES)
-    names |= {f"{h.name}_{suffix}" for h in C.HISTOGRAMS for suffix in ("bucket", "sum", "count")}
+    names |= {f"{h.name}_{suffix}" for h in (*C.HISTOGRAMS, C.TIER_LOAD) for suffix in ("bucket", "sum", "count")}
     return names
 
 

@@ -174,6 +174,20 @@ def test_probe_says_when_the_server_does_not_evict(tmp_path: Path, caplog: pytes
     assert len(warnings_about(caplog, "set maxmemory and maxmemory-policy allkeys-lru")) == 3
 
 
+def test_probe_of_a_server_that_is_down_starts_the_outage_with_its_one_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from trtprompt.serve.ports import free_ports
+
+    (port,) = free_ports(1)
+    store = RedisStore.from_url(f"redis://127.0.0.1:{port}/0", timeout_s=0.2)  # nothing listens there
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert "does not answer" in (store.probe() or "")
+        assert len(warnings_about(caplog, "unreachable")) == 1  # said at start
+        assert store.get(b"k") is None and store.put(b"k", b"v") is False  # the first use: no second warning
+    assert len(warnings_about(caplog, "unreachable")) == 1
+    assert (store.counters.misses, store.counters.drops) == (1, 1)
+
+
 @needs_redis
 def test_a_full_server_that_does_not_evict_drops_writes_and_still_serves_reads(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -44,8 +44,8 @@ def test_bad_tier_values_are_refused_naming_the_knob(tiny_engine_dir: Path) -> N
     engine = EngineInfo.read(tiny_engine_dir)
     with pytest.raises(ValueError, match=r"disk_cache_size must be an integer in \[1048576"):
         resolve_options(engine, {"disk_cache_size": 1000})
-    with pytest.raises(ValueError, match="kv_tier_write_policy must be one of write_through, selective"):
-        resolve_options(engine, {"kv_tier_write_policy": "write_back"})
+    with pytest.raises(ValueError, match="kv_tier_write_policy must be one of write_through, selective, write_back"):
+        resolve_options(engine, {"kv_tier_write_policy": "write_around"})
     # A password in the URL is refused before anything prints or passes it on (the message never repeats it).
     with pytest.raises(ValueError, match="the Redis URL carries a password") as refused:
         resolve_options(engine, {"kv_remote_url": "redis://:hunter2@cache:6379/0"})

@@ -89,7 +89,7 @@ class LLMEngine:
         stores = list(tier_stores) if tier_stores is not None else open_stores(config.tiers)
         if stores and config.kv_cache.enable_block_reuse:
             self.kv.tiers = open_tiers(stores, fingerprint, kv_layout(config.model, tpb, dtype), caches,
-                                       config.tiers.kv_tier_write_policy, config.tiers.queue_blocks)
+                                       config.tiers.kv_tier_write_policy, config.tiers.queue_blocks, self.kv.pool)
         elif stores:
             log.warning("KV tiers are off: they hold reusable blocks, and KV block reuse is disabled")
         self.scheduler = Scheduler(config.scheduler, self.kv, use_tiers=self.kv.tiers is not None)

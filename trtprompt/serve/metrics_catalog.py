@@ -171,7 +171,15 @@ HISTOGRAMS: tuple[Histogram, ...] = (
 HISTOGRAM_OF = {h.timing_key: h.name for h in HISTOGRAMS}  # timing key -> family name
 TTFT, PREFILL_TIME = HISTOGRAM_OF["ttft_s"], HISTOGRAM_OF["prefill_s"]
 
+# One observation per KV block a tier returned (engine/tiers/latency.py), with a `tier` label (TIERS):
+# a block is a few MB at most, read from the page cache or a LAN, hence buckets from 0.1 ms.
+TIER_LOAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TIER_LOAD = Histogram("trtprompt_kv_tier_load_seconds",
+                      "Time to read one KV block from a tier and verify it (each block the tier returned)",
+                      "tier_load_s", TIER_LOAD_BUCKETS)
+
 
 def trtprompt_families() -> list[str]:
     """Every trtprompt_* family name (what `promtool check metrics` is run on)."""
-    return [s.name for s in SERIES] + [FINISHED, INFO] + [h.name for h in HISTOGRAMS] + list(TIER_COUNTERS)
+    return ([s.name for s in SERIES] + [FINISHED, INFO] + [h.name for h in HISTOGRAMS] + list(TIER_COUNTERS)
+            + [TIER_LOAD.name])

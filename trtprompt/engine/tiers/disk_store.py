@@ -99,7 +99,7 @@ class DiskStore:
             if known:
                 self._index.move_to_end(name)
         if not known:
-            self.counters.misses += 1
+            self.counters.add(misses=1)
             return None
         path = self._path(name)
         try:
@@ -108,18 +108,16 @@ class DiskStore:
             os.utime(path)  # the LRU order survives a restart
         except OSError as exc:
             self._forget(name)
-            self.counters.misses += 1
+            self.counters.add(misses=1, errors=0 if isinstance(exc, FileNotFoundError) else 1)
             if not isinstance(exc, FileNotFoundError):
-                self.counters.errors += 1
                 log.warning("disk tier: cannot read %s: %s", path, exc)
             return None
-        self.counters.hits += 1
-        self.counters.bytes_read += len(data)
+        self.counters.add(hits=1, bytes_read=len(data))
         return data
 
     def put(self, key: bytes, value: bytes) -> bool:
         if not self.writing or len(value) > self.capacity:
-            self.counters.drops += 1
+            self.counters.add(drops=1)
             return False
         name = key.hex()
         path = self._path(name)
@@ -135,8 +133,7 @@ class DiskStore:
             self._index[name] = len(value)
             victims = self._evict_over(self.capacity)
         self._unlink(victims)
-        self.counters.writes += 1
-        self.counters.bytes_written += len(value)
+        self.counters.add(writes=1, bytes_written=len(value))
         return True
 
     @staticmethod
@@ -147,14 +144,14 @@ class DiskStore:
         os.replace(tmp, path)
 
     def _write_failed(self, exc: OSError) -> None:
-        self.counters.drops += 1
+        self.counters.add(drops=1)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             if self.writing:
                 log.warning("disk tier %s: the disk is full (%s); no more blocks are written to it, reads go on",
                             self.root, exc.strerror)
             self.writing = False
             return
-        self.counters.errors += 1
+        self.counters.add(errors=1)
         log.warning("disk tier: write failed: %s", exc)
 
     def _evict_over(self, limit: int) -> list[str]:
@@ -164,7 +161,7 @@ class DiskStore:
             name, size = self._index.popitem(last=False)
             self.used_bytes -= size
             victims.append(name)
-        self.counters.evictions += len(victims)
+        self.counters.add(evictions=len(victims))
         return victims
 
     def _unlink(self, names: list[str]) -> None:
@@ -179,6 +176,21 @@ class DiskStore:
         name = key.hex()
         self._forget(name)
         self._path(name).unlink(missing_ok=True)
+
+    def probe(self) -> str | None:
+        """None when the filesystem has room for the budget; else what to fix (logged once, at start)."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError as exc:
+            problem = f"disk tier {self.root}: cannot read the filesystem's free space: {exc}"
+        else:
+            room = st.f_bavail * st.f_frsize + self.used_bytes  # our own entries count as room
+            if room >= self.capacity:
+                return None
+            problem = (f"disk tier {self.root}: disk_cache_size is {self.capacity} bytes but the filesystem has "
+                       f"{room} bytes for it; writes stop with one warning when the disk fills")
+        log.warning("%s", problem)
+        return problem
 
     def close(self) -> None:
         with self._lock:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trtprompt.engine.tiers.codec import CodecError, Payload, decode
+from trtprompt.engine.tiers.latency import LoadLatencies
 from trtprompt.engine.tiers.store import BlockStore
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ class TierLoader:
         self.stores = stores
         self.block_bytes = block_bytes
         self.corrupt = dict.fromkeys((s.name for s in stores), 0)  # entries that failed the codec, reclaimed
-        self._corrupt_lock = threading.Lock()
+        self._corrupt_lock = threading.Lock()  # corrupt: the reader threads update it (counters have their own)
+        self.latencies = LoadLatencies()  # each verified block read, per tier (the metrics' histogram)
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="trtprompt-tier-read")
         self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
@@ -92,6 +94,7 @@ class TierLoader:
 
     def _read(self, key: bytes) -> tuple[str, Payload] | None:
         for store in self.stores:
+            t0 = time.perf_counter()
             data = store.get(key)
             if data is None:
                 continue
@@ -100,10 +103,11 @@ class TierLoader:
             except CodecError as exc:
                 with self._corrupt_lock:
                     self.corrupt[store.name] += 1
-                    store.counters.errors += 1
+                store.counters.add(errors=1)  # under the counters' lock: the store's own threads add too
                 log.warning("tier %s: entry %s is unusable (%s); reclaimed", store.name, key.hex(), exc)
                 store.delete(key)
                 continue
+            self.latencies.observe(store.name, time.perf_counter() - t0)
             return store.name, np.frombuffer(payload, dtype=np.uint8)
         return None
 

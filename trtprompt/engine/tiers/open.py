@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from trtprompt.engine.block_pool import BlockPool
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.tiers.config import TierConfig
 from trtprompt.engine.tiers.disk_store import DiskStore
@@ -38,10 +39,25 @@ def open_stores(config: TierConfig) -> list[BlockStore]:
 
 
 def open_tiers(stores: Sequence[BlockStore], fingerprint: bytes | None, layout: KvLayout, caches: list[KvCache],
-               write_policy: str, queue_blocks: int) -> KvTiers:
+               write_policy: str, queue_blocks: int, pool: BlockPool | None = None) -> KvTiers:
+    """The tiers over caches; each store is probed once here, so a misconfigured tier (a Redis that does
+    not answer or never evicts, a disk smaller than its budget) is said in the log at start, not at
+    the first request that needs it. pool: the engine's (write_back listens to its evictions)."""
     if fingerprint is None:
         raise ValueError("KV tiers need the engine fingerprint (LLMEngine.from_engine_dir computes it)")
-    tiers = KvTiers(stores, fingerprint, layout, caches, write_policy, queue_blocks)
+    tiers = KvTiers(stores, fingerprint, layout, caches, write_policy, queue_blocks, pool)
     log.info("KV tiers: %s; write policy %s; fingerprint %s; %d bytes per block",
              ", ".join(tiers.names), write_policy, fingerprint.hex(), layout.block_bytes)
+    tiers.problems = probe_stores(stores)
     return tiers
+
+
+def probe_stores(stores: Sequence[BlockStore]) -> dict[str, str]:
+    """tier name -> what is wrong with it, for every store whose probe() finds a problem (each logs its own)."""
+    problems = {}
+    for store in stores:
+        probe = getattr(store, "probe", None)  # a store a test wraps may not have one
+        problem = probe() if probe is not None else None
+        if problem is not None:
+            problems[store.name] = problem
+    return problems

@@ -167,7 +167,7 @@ class RedisStore:
         self._outage = _Outage(target.label)
         self._full_warned = False
         self._closed = False
-        self._lock = threading.Lock()  # the counters: the writer thread and the loader both update them
+        self._lock = threading.Lock()  # _full_warned (the counters have their own lock)
         from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
         self._faults: tuple[type[Exception], ...] = (RedisError, OSError)
@@ -204,25 +204,22 @@ class RedisStore:
 
     def get(self, key: bytes) -> bytes | None:
         value = self._call(lambda: self._client.get(self._prefix + key)) if self._usable() else None
-        with self._lock:
-            if isinstance(value, bytes):
-                self.counters.hits += 1
-                self.counters.bytes_read += len(value)
-                return value
-            self.counters.misses += 1
-            return None
+        if isinstance(value, bytes):
+            self.counters.add(hits=1, bytes_read=len(value))
+            return value
+        self.counters.add(misses=1)
+        return None
 
     def put(self, key: bytes, value: bytes) -> bool:
         done = self._usable() and self._call(
             lambda: self._client.set(self._prefix + key, value, px=self._ttl_ms)) is True
+        if not done:
+            self.counters.add(drops=1)
+            return False
+        self.counters.add(writes=1, bytes_written=len(value))
         with self._lock:
-            if done:
-                self.counters.writes += 1
-                self.counters.bytes_written += len(value)
-                self._full_warned = False
-            else:
-                self.counters.drops += 1
-            return done
+            self._full_warned = False
+        return True
 
     def delete(self, key: bytes) -> None:
         if self._usable():
@@ -237,18 +234,25 @@ class RedisStore:
 
     def probe(self) -> str | None:
         """None when the server answers and bounds its memory with an evicting policy; else what to fix
-        (for the serve banner; also logged). Never raises."""
+        (the engine calls it once at start, tiers/open.py; also logged). Never raises.
+
+        A server that does not answer starts an outage (its one warning is logged now, not at the first
+        request's load), so calls stay off the network until a backoff probe finds it up."""
         try:
             self._client.ping()
         except self._faults as exc:
-            return f"{self.target.label} does not answer: {type(exc).__name__}: {exc}"
+            return self._unreachable(exc)
         try:
             config = self._client.config_get("maxmemory*")
         except self._refused:
             return None  # managed services often disable CONFIG: the server answers, its policy is unknown
         except self._faults as exc:
-            return f"{self.target.label} does not answer: {type(exc).__name__}: {exc}"
+            return self._unreachable(exc)
         return _eviction_problem(self.target.label, config, self._ttl_ms is not None)
+
+    def _unreachable(self, exc: Exception) -> str:
+        self._outage.failed(exc)  # logs the outage's one warning
+        return f"{self.target.label} does not answer: {type(exc).__name__}: {exc}"
 
     def _usable(self) -> bool:
         return not self._closed and self._outage.may_try()
@@ -258,16 +262,15 @@ class RedisStore:
         try:
             reply = command()
         except self._full as exc:
+            self.counters.add(errors=1)
             with self._lock:
-                self.counters.errors += 1
                 warn, self._full_warned = not self._full_warned, True
             if warn:
                 log.warning("remote KV tier %s is full and does not evict (%s): writes are dropped; set "
                             "maxmemory-policy allkeys-lru (docs/prefix-pool.md)", self.target.label, exc)
             return None
         except self._faults as exc:
-            with self._lock:
-                self.counters.errors += 1
+            self.counters.add(errors=1)
             self._outage.failed(exc)
             return None
         self._outage.succeeded()

@@ -11,13 +11,18 @@ engine's step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 
 @dataclass
 class TierCounters:
-    """What one tier did since it opened; read by the engine's statistics and the metrics."""
+    """What one tier did since it opened; read by the engine's statistics and the metrics.
+
+    Updated from several threads at once (the tier's writer, the loader's readers, the engine's
+    step), so every update goes through add(), under the counters' own lock: a bare `+=` from two
+    threads can lose a count."""
 
     hits: int = 0
     misses: int = 0
@@ -27,6 +32,18 @@ class TierCounters:
     drops: int = 0  # writes not done: queue full, store full, store down or slow
     evictions: int = 0  # entries the store removed to make room
     errors: int = 0  # faults seen (I/O errors, timeouts, corrupt entries), each also a miss or a drop
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        """Add each count to its field (add(hits=1, bytes_read=n)), atomically."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        """Every count, read at one instant."""
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
 
 class BlockStore(Protocol):
@@ -45,6 +62,10 @@ class BlockStore(Protocol):
 
     def delete(self, key: bytes) -> None:
         """Remove key if present (a corrupt or foreign entry being reclaimed)."""
+        ...
+
+    def probe(self) -> str | None:
+        """None when the store is usable as configured; else what to fix (logged once, at start). Never raises."""
         ...
 
     def close(self) -> None:

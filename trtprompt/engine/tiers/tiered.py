@@ -1,10 +1,15 @@
 """The tiers as the KV manager sees them: save published blocks, load a waiting request's prefix.
 
 Write path (off the step's critical path but for one copy): blocks the policy picks (every
-newly published full block for write_through, a block at its first reuse for selective) are
-gathered once per step out of the pool into a private buffer, so the pool may hand the block
-out again at once, and offered to each tier's writer (writer.py), which drops what its bounded
-queue cannot hold.
+newly published full block for write_through, a block at its first reuse for selective, a
+block the pool evicts for write_back) are gathered once per step out of the pool into a private
+buffer, so the pool may hand the block out again at once, and offered to each tier's writer
+(writer.py), which drops what its bounded queue cannot hold. write_back hears evictions through
+the pool's listener hook (engine/pool_events.py): the pool tells it before it hands the block
+out, and the copy is taken before anything writes the block again (the step's flush runs
+between scheduling and the forward pass; place() flushes before it fills fresh blocks). At a
+clean close, write_back also writes the blocks still cached in the pool (docs/prefix-pool.md,
+"Writes").
 
 Read path: when a request's prefix stops at a pool miss, its next block keys go to the loader
 thread (loader.py); the request waits outside the scheduler's queue while others step. The
@@ -16,6 +21,7 @@ KV statistics count them as reused. `TierStats` splits those hits by tier.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -23,6 +29,7 @@ from typing import Sequence
 import torch
 
 from trtprompt.engine.block_pool import Block, BlockPool
+from trtprompt.engine.eviction import BlockHash
 from trtprompt.engine.pool_events import BlockContent
 from trtprompt.engine.tiers.codec import Payload
 from trtprompt.engine.tiers.fingerprint import KvLayout
@@ -36,6 +43,10 @@ log = logging.getLogger(__name__)
 KvCache = tuple[torch.Tensor, torch.Tensor]
 # Keys written (or queued) recently, so a block is not written twice; bounded, oldest forgotten first.
 SAVED_KEYS_KEPT = 1 << 16
+# write_back at a clean close: the pool's cached blocks are copied out this many at a time (bounds the
+# copies' memory) and queued until this deadline; the engine process gets 10 s to stop (serve/launch).
+CLOSE_CHUNK_BLOCKS = 64
+CLOSE_WRITE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,8 @@ class KvTiers:
 
     def __init__(self, stores: Sequence[BlockStore], fingerprint: bytes, layout: KvLayout,
                  caches: list[KvCache], write_policy: str = "write_through",
-                 queue_blocks: int = DEFAULT_QUEUE_BLOCKS) -> None:
+                 queue_blocks: int = DEFAULT_QUEUE_BLOCKS, pool: BlockPool | None = None) -> None:
+        """pool: the engine's, needed by write_back (its evictions, and what it holds at close)."""
         if not stores:
             raise ValueError("KvTiers needs at least one store")
         if any(k.device.type != "cpu" for kv in caches for k in kv):
@@ -83,7 +95,10 @@ class KvTiers:
         self.stores = list(stores)
         self.fingerprint = fingerprint
         self.layout = layout
+        if write_policy == "write_back" and pool is None:
+            raise ValueError("write_policy write_back needs the pool, whose evictions it writes")
         self.write_policy = write_policy
+        self._pool = pool
         # uint8 views of each layer's K and V, [blocks, kv_heads, tokens_per_block, head_size * dtype bytes]
         self._bytes = [(k.view(torch.uint8), v.view(torch.uint8)) for k, v in caches]
         self.writers = [TierWriter(s, queue_blocks) for s in self.stores]
@@ -93,6 +108,9 @@ class KvTiers:
         self._saved: OrderedDict[bytes, None] = OrderedDict()
         self._loading: dict[str, _Loading] = {}
         self._fresh: dict[int, tuple[str, bytes]] = {}  # block id -> (tier, hash): loaded, not reused yet
+        self.problems: dict[str, str] = {}  # tier -> what its probe at start found wrong (open.py)
+        if pool is not None and write_policy == "write_back":
+            pool.add_listener(self)  # other policies leave the pool's listener list alone: no cost
 
     @property
     def names(self) -> list[str]:
@@ -118,11 +136,25 @@ class KvTiers:
                 self._want(block)
 
     def _want(self, block: Block) -> None:
-        h = block.block_hash
-        if h is None or h in self._saved:
+        if block.block_hash is not None:
+            self._want_hash(block.block_id, block.block_hash)
+
+    def _want_hash(self, block_id: int, h: BlockHash) -> None:
+        if h in self._saved:
             return
         self._remember(h)
-        self._pending.append((block.block_id, h))
+        self._pending.append((block_id, h))
+
+    # PoolListener (engine/pool_events.py), registered for write_back only.
+    def stored(self, block: Block, block_hash: BlockHash, content: BlockContent | None) -> None:
+        """Nothing: write_back waits for the eviction."""
+
+    def removed(self, block: Block, block_hash: BlockHash) -> None:
+        """The pool evicts block: save its bytes (still block_hash's) before the block is written again."""
+        self._want_hash(block.block_id, block_hash)
+
+    def cleared(self) -> None:
+        """Nothing: the pool does not clear its KV bytes, and the tiers keep their copies."""
 
     def _remember(self, block_hash: bytes) -> None:
         self._saved[block_hash] = None
@@ -138,8 +170,7 @@ class KvTiers:
         for (_bid, h), payload in zip(pending, payloads):
             key = self.key(h)
             for writer in self.writers:
-                contains = getattr(writer.store, "contains", None)
-                if contains is None or not contains(key):  # a block read from disk is not written back
+                if not _holds(writer.store, key):  # a block read from disk is not written back
                     writer.offer(key, payload)
 
     def copy_out(self, block_ids: list[int]) -> list[Payload]:
@@ -201,6 +232,7 @@ class KvTiers:
             return 0
         pool.touch(hits)
         fresh = pool.allocate(n)
+        self.flush()  # write_back: the blocks allocate() just evicted, before _fill overwrites them
         for block, (h, tier, payload, content) in zip(fresh, blocks):
             self._fill(block.block_id, payload)
             pool.cache(block, h, content)
@@ -234,8 +266,40 @@ class KvTiers:
             writer.join()
 
     def close(self) -> None:
+        """Stop the threads; write_back first queues the pool's cached blocks (CLOSE_WRITE_S in all)."""
+        deadline = time.monotonic() + CLOSE_WRITE_S
         self.loader.close()
+        if self._pool is not None and self.write_policy == "write_back":
+            self.flush()
+            self._write_back_pool(self._pool, deadline)
         for writer in self.writers:
-            writer.close()
+            writer.close(max(deadline - time.monotonic(), 1.0))
         for store in self.stores:
             store.close()
+
+    def _write_back_pool(self, pool: BlockPool, deadline: float) -> None:
+        """Queue every block cached in the pool that no tier got yet, oldest published first (a prefix's
+        head before its tail), waiting for room in the writers' queues until deadline."""
+        todo = [(b.block_id, h) for h, b in pool.cached.items() if h not in self._saved]
+        for start in range(0, len(todo), CLOSE_CHUNK_BLOCKS):
+            if time.monotonic() >= deadline:
+                for writer in self.writers:
+                    writer.queue_drops += len(todo) - start
+                log.warning("KV tiers: %d of the pool's %d blocks not written back by the close deadline (%gs)",
+                            len(todo) - start, len(todo), CLOSE_WRITE_S)
+                return
+            chunk = todo[start:start + CLOSE_CHUNK_BLOCKS]
+            for (_bid, h), payload in zip(chunk, self.copy_out([bid for bid, _ in chunk])):
+                self._remember(h)
+                key = self.key(h)
+                for writer in self.writers:
+                    if not _holds(writer.store, key):
+                        writer.offer_waiting(key, payload, deadline - time.monotonic())
+        if todo:
+            log.info("KV tiers: %d blocks of the pool queued for write-back at close", len(todo))
+
+
+def _holds(store: BlockStore, key: bytes) -> bool:
+    """Whether the store's own index says it holds key (False for a store without one: write it)."""
+    contains = getattr(store, "contains", None)
+    return contains is not None and bool(contains(key))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from trtprompt.engine.tiers.codec import Payload, encode
 from trtprompt.engine.tiers.store import BlockStore
@@ -41,6 +42,19 @@ class TierWriter:
             return False
         return True
 
+    def offer_waiting(self, key: bytes, payload: Payload, timeout_s: float) -> bool:
+        """Queue one block, waiting up to timeout_s for room (write-back at close, off any step)."""
+        self.offered += 1
+        try:
+            if timeout_s > 0:
+                self._queue.put((key, payload), timeout=timeout_s)
+            else:
+                self._queue.put_nowait((key, payload))
+        except queue.Full:
+            self.queue_drops += 1
+            return False
+        return True
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
@@ -50,8 +64,7 @@ class TierWriter:
                 key, payload = item
                 self.store.put(key, encode(key, payload.data))
             except Exception:  # noqa: BLE001 - a store bug must not end the writer
-                self.store.counters.errors += 1
-                self.store.counters.drops += 1
+                self.store.counters.add(errors=1, drops=1)
                 log.exception("tier %s: a write failed", self.store.name)
             finally:
                 self._queue.task_done()
@@ -61,9 +74,13 @@ class TierWriter:
         self._queue.join()
 
     def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued, then stop; after timeout_s in all, the blocks still queued are lost."""
+        deadline = time.monotonic() + timeout_s
         try:
-            self._queue.put(None, timeout=timeout_s)
+            self._queue.put(None, timeout=max(timeout_s, 0.01))
         except queue.Full:
             log.warning("tier %s: writer still busy at shutdown; queued blocks are lost", self.store.name)
             return
-        self._thread.join(timeout_s)
+        self._thread.join(max(deadline - time.monotonic(), 0.01))
+        if self._thread.is_alive():
+            log.warning("tier %s: writer still busy at shutdown; queued blocks are lost", self.store.name)

@@ -51,13 +51,22 @@ def timing_entry(out: RequestOutput, tokens_per_block: int) -> dict[str, float] 
     return entry
 
 
+def drain_tier_loads(engine: Any) -> list[tuple[str, float]]:  # engine: LLMEngine
+    """(tier, seconds) of every block read from a tier since the last drain (none without tiers)."""
+    tiers = engine.kv.tiers
+    return tiers.loader.latencies.drain() if tiers is not None else []
+
+
 class RequestCounters:
-    """Finished/refused counts by reason and recent timings; thread-safe."""
+    """Finished/refused counts by reason, recent timings and tier block reads; thread-safe."""
 
     def __init__(self, tokens_per_block: int) -> None:
         self._tpb = tokens_per_block
         self._lock = threading.Lock()
         self._timings: deque[dict[str, float]] = deque(maxlen=TIMINGS_KEPT)
+        # (seq, tier, seconds) of block reads for trtprompt_kv_tier_load_seconds; apart from the
+        # request timings, so a long prefix's many reads never push those out.
+        self._tier_loads: deque[tuple[int, str, float]] = deque(maxlen=TIMINGS_KEPT)
         self._seq = 0
         self._finished = dict.fromkeys(FINISH_REASONS, 0)
         self._tokens = {"prompt_tokens": 0, "generation_tokens": 0}  # of finished requests
@@ -79,10 +88,18 @@ class RequestCounters:
         with self._lock:
             self._finished[reason] += 1
 
+    def record_tier_loads(self, loads: list[tuple[str, float]]) -> None:
+        """Keep block reads (tier, seconds) for the tier-load histogram, in the timings' sequence."""
+        with self._lock:
+            for tier, seconds in loads:
+                self._seq += 1
+                self._tier_loads.append((self._seq, tier, seconds))
+
     def snapshot(self, since: int) -> dict[str, Any]:
-        """seq, the timings newer than `since`, the finished counts and their tokens."""
+        """seq, the timings and tier loads newer than `since`, the finished counts and their tokens."""
         with self._lock:
             return {"seq": self._seq, "timings": [t for t in self._timings if t["seq"] > since],
+                    "tier_loads": [[tier, s] for seq, tier, s in self._tier_loads if seq > since],
                     "finished": dict(self._finished), **self._tokens}
 
 

@@ -32,7 +32,12 @@ from trtprompt import knobs
 from trtprompt.engine.request import RequestOutput, RequestStats
 from trtprompt.error_codes import ErrorCode, RequestError, describe
 from trtprompt.prompt.budget import PromptPolicy
-from trtprompt.serve.engine_process.counters import RequestCounters, config_labels, process_usage
+from trtprompt.serve.engine_process.counters import (
+    RequestCounters,
+    config_labels,
+    drain_tier_loads,
+    process_usage,
+)
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.model_config import read_parameters
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
@@ -109,6 +114,7 @@ class EngineService:
                 "config_labels": self.config_labels}
 
     def stats(self, since: int) -> dict[str, Any]:
+        self.counters.record_tier_loads(drain_tier_loads(self.engine))  # for trtprompt_kv_tier_load_seconds
         return {"type": "stats", **asdict(self.loop.stats()), **self.counters.snapshot(since),
                 "in_flight": self.loop.num_in_flight(), "pid": os.getpid(), "restarts": self.restarts,
                 **process_usage()}

@@ -66,6 +66,7 @@ class _Families:
         for family, (help_text, _field) in C.TIER_COUNTERS.items():
             for tier in C.TIERS:
                 self.counters[(family, tier)] = self.metric(family, help_text, "COUNTER", {"tier": tier})
+        self.tier_loads = self._tier_histograms(C.TIER_LOAD)
 
     def metric(self, name: str, help_text: str, kind: str, labels: dict[str, str]) -> Any:
         family = self.families.get(name)
@@ -80,9 +81,14 @@ class _Families:
         self.families[h.name] = family
         return family.Metric(labels={}, buckets=list(h.buckets))
 
+    def _tier_histograms(self, h: C.Histogram) -> dict[str, Any]:
+        family = self.pb.MetricFamily(name=h.name, description=h.help, kind=self.pb.MetricFamily.HISTOGRAM)
+        self.families[h.name] = family
+        return {tier: family.Metric(labels={"tier": tier}, buckets=list(h.buckets)) for tier in C.TIERS}
+
     def release(self) -> None:
         """Destroy every metric, then every family, now (while the stub can still send the deletes)."""
-        for metrics in (self.histograms, self.gauges, self.counters):
+        for metrics in (self.histograms, self.tier_loads, self.gauges, self.counters):
             metrics.clear()
         self.families.clear()
 
@@ -174,6 +180,9 @@ class MetricsPublisher:
             for key, metric in self._m.histograms.items():
                 if key in timing:
                     metric.observe(timing[key])
+        for tier, seconds in stats.get("tier_loads", ()):
+            if tier in self._m.tier_loads:
+                self._m.tier_loads[tier].observe(seconds)
         self._since = stats["seq"]
 
     def _on_new_engine(self, pid: int) -> None:
