@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,replicas]'
 	# Build the compiled kernels (paged attention, fused layer ops) now rather than on the first request, in
 	# every variant this CPU runs (engine/isa.py; tests/test_kernel_variants.py runs each); a machine
 	# without a C++ compiler gets the pure-torch path, said here.

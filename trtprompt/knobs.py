@@ -212,6 +212,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     # engine shares with tritonserver and the front end, their work stalls its barrier-synchronized threads).
     _k("engine_threads", "serve", int, None, "Intra-op threads of the torch engine process (unset: one per "
        "core); fewer leave cores to tritonserver and the front end.", low=1, high=4096, nullable=True, serve=True),
+    # serve --replicas (docs/replicas.md): N complete servers on disjoint cores behind sglang-router.
+    _k("replicas", "serve", int, 1, "Engine processes, each with its own KV pool, cores and tritonserver, behind "
+       "the one OpenAI port, routed by sglang-router's cache-aware policy (torch target).", low=1, high=1024,
+       serve=True),
     # Tiers below the torch engine's KV pool (docs/prefix-pool.md): read by the engine process.
     _k("disk_cache_path", "serve", str, None, "Directory of the disk KV tier, kept across restarts (unset: none).",
        nullable=True, engine=True, serve=True),
@@ -222,9 +226,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _k("kv_remote_password_file", "serve", str, None, "File holding the remote KV tier's password (unset: "
        "TRTPROMPT_KV_REMOTE_PASSWORD, else none).", nullable=True, engine=True, serve=True),
     _k("kv_tier_write_policy", "serve", str, "write_through", "Which blocks go to the KV tiers: every computed "
-       "full block (write_through), only blocks reused once in the pool (selective), or blocks the pool evicts "
-       "plus, at a clean stop, those it still holds (write_back).",
-       choices=("write_through", "selective", "write_back"), engine=True, serve=True),
+       "full block (write_through) or only blocks reused once in the pool (selective).",
+       choices=("write_through", "selective"), engine=True, serve=True),
     _k("layout", "serve", str, "fused", "Model repository layout (fused stubs or TensorRT-LLM's upstream models).",
        choices=LAYOUTS, serve=True),
 )}

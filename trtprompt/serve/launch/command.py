@@ -62,6 +62,10 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
                  f"tritonserver: python -m trtprompt.serve.openai {engine.path} --grpc-url "
                  f"{ports.local_host}:{ports.grpc} --host {ports.host} --port {openai.port}")
         return serve_trtllm(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s, echo=echo)
+    if options.replicas > 1:  # N servers on disjoint cores behind sglang-router (docs/replicas.md)
+        from trtprompt.serve.launch.replicas import serve_replicas
+
+        return serve_replicas(engine, options, ports, openai, run_dir, ready_timeout_s, restart, echo, api_key)
     server = Server(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s,
                     restart_engine=restart, log=echo, openai=openai, api_key=api_key)
     return serve_forever(server)

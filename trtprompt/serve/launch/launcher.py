@@ -208,12 +208,25 @@ def _die_with_parent() -> None:
         pass  # not Linux: a killed launcher may leave its children running
 
 
-def _child_setup() -> None:
+def _child_setup(cpus: frozenset[int] | None = None) -> None:
     """In the child, before exec: what it creates is its user's alone (the engine socket, any file a
     stub writes), and it dies with the launcher. The python backend's /dev/shm regions ignore the
-    umask (measured with 2.51: still 0644 under umask 077; Boost fchmods them), hence protect_shm."""
+    umask (measured with 2.51: still 0644 under umask 077; Boost fchmods them), hence protect_shm.
+    cpus: the cores a replica's processes run on (serve --replicas; docs/replicas.md, "Cores")."""
     os.umask(0o077)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     _die_with_parent()
+
+
+def spawn_child(cmd: Sequence[str], log_path: Path, env: Mapping[str, str],
+                cpus: frozenset[int] | None = None) -> subprocess.Popen[bytes]:
+    """A child in its own process group, output appended to log_path, set up by _child_setup. It
+    gets SIGTERM when the *thread* that spawned it ends (PR_SET_PDEATHSIG): spawn from a thread
+    that lives as long as the child should."""
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(list(cmd), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=lambda: _child_setup(cpus), env=dict(env))
 
 
 SHM_MODE = 0o600
@@ -250,8 +263,10 @@ class Server:
     def __init__(self, engine: EngineInfo, options: ServeOptions, ports: Ports,
                  run_dir: Path | None = None, ready_timeout_s: float = 120.0,
                  restart_engine: bool = True, log: Callable[[str], None] = print,
-                 openai: OpenAIOptions | None = None, api_key: ApiKey | None = None) -> None:
+                 openai: OpenAIOptions | None = None, api_key: ApiKey | None = None,
+                 cpus: frozenset[int] | None = None) -> None:
         self.engine, self.options, self.ports = engine, options, ports
+        self.cpus = cpus  # None: every core this process may use (one replica of several: its own)
         self.api_key = server_key(api_key, openai)  # None: every port open (docs/security.md)
         # The OpenAI front end (trtprompt.serve.openai), started after tritonserver, with the same key.
         self.openai = openai if openai is None or self.api_key is None else \
@@ -286,10 +301,7 @@ class Server:
     def _spawn(self, cmd: Sequence[str], log_path: Path,
                extra_env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         env = child_env(self.install, self.socket_path) | dict(extra_env or {})
-        with open(log_path, "ab") as log_file:
-            return subprocess.Popen(list(cmd), stdout=log_file, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=_child_setup, env=env)
+        return spawn_child(cmd, log_path, env, self.cpus)
 
     def start_engine(self) -> None:
         # A restart is counted before it is started: the engine reports the count on /metrics.

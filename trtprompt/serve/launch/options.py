@@ -39,6 +39,7 @@ class ServeOptions(knobs.BackendParams):
     max_batch_size: int | None = knobs.runtime_default("max_batch_size")
     max_num_tokens: int | None = knobs.runtime_default("max_num_tokens")
     engine_threads: int | None = knobs.runtime_default("engine_threads")
+    replicas: int = knobs.runtime_default("replicas")  # serve --replicas (serve/launch/replicas.py)
     # The torch engine's tiers below its KV pool (docs/prefix-pool.md).
     disk_cache_path: str | None = knobs.runtime_default("disk_cache_path")
     disk_cache_size: int = knobs.runtime_default("disk_cache_size")
@@ -79,6 +80,9 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
         raise ValueError("enable_kv_cache_reuse cannot work with an engine built with "
                          "gather_context_logits; rebuild without it or serve with --disable-kv-cache-reuse")
     rules.check_not_raised({k: getattr(opts, k) for k in knobs.LOWERABLE_KEYS}, build)
+    if engine.target != "torch" and opts.replicas != 1:
+        raise ValueError(f"replicas runs several torch engine processes; this engine is for the {engine.target} "
+                         "target: leave it at 1 (docs/replicas.md)")
     if engine.target != "torch" and opts.engine_threads is not None:
         raise ValueError("engine_threads sets the torch target's engine process threads; this engine is for "
                          f"the {engine.target} target, which has no such process: leave it unset")

@@ -1,0 +1,160 @@
+"""`trtprompt serve --replicas 2` on the tiny engine: two complete servers on disjoint cores behind
+sglang-router (docs/replicas.md). One group for the module: OpenAI calls through the router, the
+same prefix kept on one replica, Triton gRPC on each replica's port, a killed engine process (no
+hang, clear errors, the other replica serves, the dead one comes back), and the core split."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any, Iterator
+
+import openai
+import pytest
+from serve_fixtures import Served, check_stopped_cleanly, start_server, wait_for
+
+from trtprompt.client import LLMClient, text_inputs
+from trtprompt.serve.launch import router as R
+from trtprompt.serve.launch.cpu_sets import parse_cpulist, replica_cpu_sets
+from trtprompt.serve.launch.replicas import LAYOUT_FILE, replica_options
+from trtprompt.serve.wire import protocol as P
+
+PREFIX = "You are a careful assistant for the shipping desk. Answer in one short line. " * 6
+
+
+def test_cpu_sets_split_nodes_and_refuse_too_many(tmp_path: Path) -> None:
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert replica_cpu_sets(2, [0, 1], tmp_path) == [frozenset({0}), frozenset({1})]
+    assert replica_cpu_sets(2, [0, 1, 2, 3, 4], tmp_path) == [frozenset({0, 1, 2}), frozenset({3, 4})]
+    for node, cpus in (("node0", "0-3"), ("node1", "4-7")):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpus)
+    # One replica per node before two on any; a replica's cores never span nodes.
+    assert replica_cpu_sets(2, range(8), tmp_path) == [frozenset(range(4)), frozenset(range(4, 8))]
+    assert replica_cpu_sets(3, range(8), tmp_path) == [frozenset({0, 1}), frozenset({2, 3}), frozenset(range(4, 8))]
+    with pytest.raises(ValueError, match="replicas 3 exceeds the 2 cores"):
+        replica_cpu_sets(3, [0, 1], tmp_path)
+
+
+def test_engine_threads_beyond_a_replicas_cores_refused(tiny_engine_dir: Path) -> None:
+    from trtprompt.serve.launch.options import EngineInfo, resolve_options
+
+    opts = resolve_options(EngineInfo.read(tiny_engine_dir), {"replicas": 2, "engine_threads": 3})
+    with pytest.raises(ValueError, match="engine_threads 3 exceeds the 2 core"):
+        replica_options(opts, frozenset({0, 1}))
+    assert replica_options(resolve_options(EngineInfo.read(tiny_engine_dir), {"replicas": 2}),
+                           frozenset({0, 1})).engine_threads == 2
+
+
+@pytest.fixture(scope="module")
+def group(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two replicas need two cores")
+    server = start_server(tiny_engine_dir, tmp_path_factory.mktemp("replicas") / "run", "--replicas", "2")
+    yield server
+    check_stopped_cleanly(server)
+
+
+def layout(group: Served) -> dict[str, Any]:
+    return json.loads((group.run_dir / LAYOUT_FILE).read_text())
+
+
+def stats(replica: dict[str, Any]) -> dict[str, Any]:
+    return P.call(replica["engine_socket"], {"op": "stats", "since": 1 << 62})
+
+
+def client(group: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=group.openai_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(group: Served, system: str, user: str) -> str:
+    c = client(group)
+    reply = c.chat.completions.create(
+        model=c.models.list().data[0].id, messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        max_tokens=4, temperature=0)
+    return reply.choices[0].message.content or ""
+
+
+def router_opts(group: Served) -> R.RouterOptions:
+    return R.RouterOptions("127.0.0.1", group.openai or 0, 1)
+
+
+def test_layout_pins_each_replica_to_its_own_core(group: Served) -> None:
+    replicas = layout(group)["replicas"]
+    assert [r["cpus"] for r in replicas] == [[0], [1]]
+    assert replicas[0]["grpc"] == group.grpc
+    for r in replicas:  # the engine process runs on the replica's cores only
+        pid = stats(r)["pid"]
+        assert sorted(os.sched_getaffinity(pid)) == r["cpus"]
+
+
+def test_openai_through_the_router(group: Served) -> None:
+    c = client(group)
+    model_ids = [m.id for m in c.models.list().data]
+    direct = openai.OpenAI(base_url=f"{layout(group)['replicas'][0]['url']}/v1", api_key="unused")
+    assert model_ids == [m.id for m in direct.models.list().data]  # the replicas' own id, not "unknown"
+    # Greedy text through the router equals a replica's own (which test_openai_api checks against generate()).
+    done = c.completions.create(model=model_ids[0], prompt="Hello there", max_tokens=5, temperature=0)
+    alone = direct.completions.create(model=model_ids[0], prompt="Hello there", max_tokens=5, temperature=0)
+    assert done.choices[0].text == alone.choices[0].text and done.usage == alone.usage
+    streamed = c.chat.completions.create(model=model_ids[0], messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4, temperature=0, stream=True)
+    assert [ch.choices[0].finish_reason for ch in streamed if ch.choices][-1] == "length"
+
+
+def test_same_prefix_stays_on_one_replica(group: Served) -> None:
+    replicas = layout(group)["replicas"]
+    before = [stats(r) for r in replicas]
+    for i in range(6):
+        chat(group, PREFIX, f"question {i}")
+    after = [stats(r) for r in replicas]
+    queried = [a["queried_tokens"] - b["queried_tokens"] for a, b in zip(after, before)]
+    hits = [a["hit_tokens"] - b["hit_tokens"] for a, b in zip(after, before)]
+    assert sorted(q > 0 for q in queried) == [False, True], f"prefix spread over replicas: {queried}"
+    owner = queried.index(max(queried))
+    # Five of six requests reuse the prefix's full blocks on the replica that holds them.
+    assert hits[owner] >= 5 * 32 and hits[owner] / queried[owner] > 0.6
+
+
+def test_triton_grpc_on_each_replica(group: Served) -> None:
+    for r in layout(group)["replicas"]:
+        with LLMClient(f"127.0.0.1:{r['grpc']}") as c:
+            result = c.infer("ensemble", text_inputs("Hello", 3, True, temperature=0.0), 60.0)
+        assert result.error is None and result.finished
+
+
+def test_killed_engine_leaves_rotation_errors_clearly_and_rejoins(group: Served) -> None:
+    replicas = layout(group)["replicas"]
+    # The replica that owns PREFIX (routed there by the previous test, or now).
+    chat(group, PREFIX, "warm")
+    owner = max(replicas, key=lambda r: stats(r)["queried_tokens"])
+    old = stats(owner)
+    os.kill(old["pid"], signal.SIGKILL)
+
+    def one(i: int) -> str:
+        try:
+            chat(group, PREFIX if i % 2 else f"Other prompt {i}. " * 8, f"during {i}")
+            return "ok"
+        except openai.APIStatusError as exc:  # a clear status and message, never a hang
+            assert exc.status_code in (500, 502, 503, 504) and str(exc), exc
+            return "error"
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(one, range(12), timeout=120))
+    assert outcomes.count("ok") >= 6, outcomes  # the other replica (and retries) kept serving
+    opts = router_opts(group)
+    wait_for(lambda: stats_or_none(owner) is not None and stats_or_none(owner)["restarts"] == 1,  # type: ignore[index]
+             "the killed engine process restarted", 120)
+    wait_for(lambda: owner["url"] in R.healthy_workers(opts), "the router took the replica back", 60)
+    chat(group, PREFIX, "after")  # routed (and answered) normally again
+    assert "router exited" not in group.log_path.read_text(errors="replace")
+
+
+def stats_or_none(replica: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        return stats(replica)
+    except (P.EngineUnavailableError, P.EngineError):
+        return None
