@@ -226,8 +226,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _k("kv_remote_password_file", "serve", str, None, "File holding the remote KV tier's password (unset: "
        "TRTPROMPT_KV_REMOTE_PASSWORD, else none).", nullable=True, engine=True, serve=True),
     _k("kv_tier_write_policy", "serve", str, "write_through", "Which blocks go to the KV tiers: every computed "
-       "full block (write_through) or only blocks reused once in the pool (selective).",
-       choices=("write_through", "selective"), engine=True, serve=True),
+       "full block (write_through), only blocks reused once in the pool (selective), or blocks the pool evicts "
+       "plus, at a clean stop, those it still holds (write_back).",
+       choices=("write_through", "selective", "write_back"), engine=True, serve=True),
     _k("layout", "serve", str, "fused", "Model repository layout (fused stubs or TensorRT-LLM's upstream models).",
        choices=LAYOUTS, serve=True),
 )}
