@@ -308,7 +308,8 @@ def lint(file: Path, engine_dir: Path | None, tokenizer_dir: Path | None, tokens
 @click.option("--field-len", type=int, help="template: tokens per field (default 16).")
 @click.option("--file", type=click.Path(path_type=Path), help='file: JSONL of {"prompt"} or {"messages"}.')
 @click.option("--compare", help="A/B variants, e.g. reuse=on,off  chunked=on,off  policy=guaranteed_no_evict,"
-                                "max_utilization  profile=cpu-dev,chat (';' combines axes).")
+                                "max_utilization  profile=cpu-dev,chat  start=cold,warm,restart (restart: primed "
+                                "through a disk KV tier, then a new server) (';' combines axes).")
 @click.option("--url", help="Bench a running server instead of starting one: a Triton gRPC host:port, or an "
                             "OpenAI-compatible http(s)://host:port/v1 (trtprompt's or any other, e.g. vLLM).")
 @click.option("--api", type=click.Choice(["triton", "openai"]),

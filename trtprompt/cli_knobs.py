@@ -19,7 +19,9 @@ SERVE_OPTIONS: tuple[str, ...] = (*RUNTIME_POLICY, "max_batch_size", "max_num_to
                                   "cancellation_check_period_ms", "stats_check_period_ms", "engine_threads", "layout",
                                   "disk_cache_path", "disk_cache_size", "kv_remote_url", "kv_remote_password_file",
                                   "kv_tier_write_policy", "replicas",
-                                  "kv_cache_eviction_policy")
+                                  "kv_cache_eviction_policy",
+                                  "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
+                                  "kv_events_layout")
 
 
 def option_help(knob: Knob, serve: bool) -> str:

@@ -229,6 +229,18 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
        "full block (write_through), only blocks reused once in the pool (selective), or blocks the pool evicts "
        "plus, at a clean stop, those it still holds (write_back).",
        choices=("write_through", "selective", "write_back"), engine=True, serve=True),
+    # KV events for KV-aware routers, vLLM's ZMQ/msgpack format (engine/kv_events.py, docs/kv-events.md).
+    _k("kv_events_endpoint", "serve", str, None, "ZMQ endpoint the torch engine binds to publish KV block "
+       "stored/removed/cleared events in vLLM's format: tcp://HOST:PORT, ipc://PATH, or a port for "
+       "tcp://127.0.0.1:PORT (unset: no events).", nullable=True, engine=True, serve=True),
+    _k("kv_events_replay_endpoint", "serve", str, None, "ZMQ ROUTER endpoint that resends recent KV event "
+       "batches from a sequence number, as vLLM's replay socket (unset: none).", nullable=True, engine=True,
+       serve=True),
+    _k("kv_events_topic", "serve", str, None, "ZMQ topic of the KV event messages, e.g. kv@POD@MODEL as llm-d "
+       "reads it (unset: the empty topic, as vLLM's default).", nullable=True, engine=True, serve=True),
+    _k("kv_events_layout", "serve", str, "map", "KV event encoding: vLLM's current tagged maps, or the "
+       "positional arrays older vLLM releases sent (for consumers that read only those).",
+       choices=("map", "array"), engine=True, serve=True),
     _k("layout", "serve", str, "fused", "Model repository layout (fused stubs or TensorRT-LLM's upstream models).",
        choices=LAYOUTS, serve=True),
 )}

@@ -7,6 +7,7 @@ from typing import Any, Iterable, Mapping
 from trtprompt import rules
 from trtprompt.checkpoint import Checkpoint
 from trtprompt.engine.engine_dir import EngineDir
+from trtprompt.engine.kv_events import KV_EVENT_KNOBS
 from trtprompt.engine.tiers.config import TIER_KNOBS
 from trtprompt.knobs import KNOBS
 from trtprompt.plan import BuildPlan
@@ -97,6 +98,12 @@ def tier_data(engine: EngineDir) -> dict[str, Any]:
     return out
 
 
+def kv_event_data(engine: EngineDir) -> dict[str, Any]:
+    """The KV event serve options (their defaults) and the block size a router must be given
+    (docs/kv-events.md); the torch target's engine process publishes them."""
+    return {name: KNOBS[name].default for name in KV_EVENT_KNOBS} | {"router_block_size": engine.tokens_per_block}
+
+
 def inspect_data(engine: EngineDir) -> dict[str, Any]:
     meta = engine.meta
     # Scalars only: trtllm-build also records nested settings (lora_config) that are not bounds.
@@ -118,6 +125,7 @@ def inspect_data(engine: EngineDir) -> dict[str, Any]:
                        "versions": meta.get("versions", {}), "built_at": meta.get("built_at")},
         "warnings": engine_warnings(engine),
         "kv_tiers": tier_data(engine),
+        "kv_events": kv_event_data(engine),
     }
 
 
@@ -132,6 +140,7 @@ def inspect_text(engine: EngineDir) -> str:
     lines += _table("runtime policy", data["runtime"].items())
     lines += _table("prompt policy", data["prompt"].items())
     lines += _table("KV tiers (serve options, defaults)", data["kv_tiers"].items())
+    lines += _table("KV events (serve options, defaults)", data["kv_events"].items())
     if mem:
         lines += _table("memory plan", _memory_rows(mem))
     else:  # trtllm-build records none; TensorRT-LLM sizes the pool at load from free GPU memory

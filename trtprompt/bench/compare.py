@@ -1,9 +1,10 @@
 """`trtprompt bench`: run one seeded workload against one or more server variants.
 
 A variant is a set of serve overrides (`reuse=on,off`, `chunked=on,off`,
-`policy=guaranteed_no_evict,max_utilization`) or a build profile
+`policy=guaranteed_no_evict,max_utilization`), a build profile
 (`profile=cpu-dev,chat`: an engine is built per profile from the engine's
-source checkpoint). Variants run one after another, each on a fresh server
+source checkpoint), or how its server starts (`start=cold,warm,restart`:
+bench/starts.py; restart goes through a disk KV tier). Variants run one after another, each on a fresh server
 started through the serve launcher, so each starts with a cold KV cache;
 with --url a single variant runs against an already running server. Each
 concurrency level gets its own seed (seed + level), so a later level never
@@ -23,7 +24,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from trtprompt import rules
 from trtprompt.bench import report
-from trtprompt.bench.runner import LoadSpec, RunResult, run_load
+from trtprompt.bench.runner import LoadSpec, RunResult, resolve_model, run_load, send_once
+from trtprompt.bench.starts import check_start, run_started
 from trtprompt.bench.workloads import Workload, WorkloadSpec, make_workload
 
 _BOOL = {"on": True, "off": False, "true": True, "false": False}
@@ -34,7 +36,9 @@ COMPARE_KEYS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "max_num_tokens": ("max_num_tokens", int),
     "max_batch_size": ("max_batch_size", int),
     "profile": ("profile", str),
+    "start": ("start", check_start),
 }
+_VALUES = {"reuse": "on/off", "chunked": "on/off", "start": "cold, warm or restart"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class Variant:
     name: str
     overrides: tuple[tuple[str, Any], ...] = ()
     profile: str | None = None
+    start: str = "cold"  # bench/starts.py
 
     @property
     def serve_overrides(self) -> dict[str, Any]:
@@ -61,14 +66,15 @@ def parse_compare(spec: str | None) -> list[Variant]:
         try:
             axes.append([(key, name, v, cast(v)) for v in values.split(",")])
         except (KeyError, ValueError):
-            raise ValueError(f"--compare {key}: values must be {'on/off' if key in ('reuse', 'chunked') else 'valid'}, "
+            raise ValueError(f"--compare {key}: values must be {_VALUES.get(key, 'valid')}, "
                              f"got {values!r}") from None
     variants = []
     for combo in itertools.product(*axes):
         label = " ".join(f"{k}={raw}" for k, _n, raw, _v in combo)
         profile = next((v for k, _n, _r, v in combo if k == "profile"), None)
-        overrides = tuple((n, v) for k, n, _r, v in combo if k != "profile")
-        variants.append(Variant(label, overrides, profile))
+        start = next((v for k, _n, _r, v in combo if k == "start"), "cold")
+        overrides = tuple((n, v) for k, n, _r, v in combo if k not in ("profile", "start"))
+        variants.append(Variant(label, overrides, profile, start))
     return variants
 
 
@@ -221,9 +227,23 @@ def _run_variant(plan: BenchPlan, variant: Variant, workloads: Sequence[Workload
     if variant.profile is not None:
         echo(f"bench: building {engine_dir.name} with profile {variant.profile}")
         engine_dir = engine_for_profile(plan.engine_dir, variant.profile, plan.out_dir)
-    echo(f"bench: starting a server for {variant.name}")
-    with served(engine_dir, variant.serve_overrides, log=lambda m: None, api=plan.api) as (url, metrics_url):
+    def serve(overrides: Mapping[str, Any]) -> contextlib.AbstractContextManager[tuple[str, str]]:
+        echo(f"bench: starting a server for {variant.name}")
+        return served(engine_dir, overrides, log=lambda m: None, api=plan.api)
+
+    if variant.start != "cold":
+        return run_started(variant.start, plan.loads, workloads, variant.serve_overrides, serve,
+                           lambda url, wl, load: _prime(plan, url, wl, load),
+                           lambda url, murl, wl, load: run_load(url, wl, load, murl, plan.model, plan.progress,
+                                                                api=plan.api), plan.out_dir, echo)
+    with serve(variant.serve_overrides) as (url, metrics_url):
         return run_all(url, metrics_url)
+
+
+def _prime(plan: BenchPlan, url: str, workload: Workload, load: LoadSpec) -> int:
+    """Every request of the workload once, unmeasured; the count that failed."""
+    records = send_once(url, workload.requests, load, resolve_model(url, plan.model, plan.api), plan.api)
+    return sum(not r.ok for r in records)
 
 
 def _run_baselines(plan: BenchPlan, tokenizer: Any, workloads: Sequence[Workload], outcome: BenchOutcome,

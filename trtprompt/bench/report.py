@@ -5,7 +5,9 @@ so p50 of [1, 2, 3, 4] is 2.5. Latencies are kept in seconds in JSON and
 shown in milliseconds in tables. KV reuse comes from the per-request
 `return_perf_metrics` outputs: a request's reusable prompt blocks are its
 full blocks before the last prompt token (which is always recomputed), as
-the engine counts hits and misses.
+the engine counts hits and misses. Where the reused blocks came from (the
+pool, or a tier below it: disk, redis) comes from the server's per-tier
+counters on /metrics, before and after the measured window.
 """
 
 from __future__ import annotations
@@ -103,6 +105,30 @@ def server_summary(result: RunResult) -> dict[str, Any]:
         out[f"{h.name.removeprefix('trtprompt_')}_mean"] = total / count if total is not None and count else None
     out["finished"] = {reason: series_delta(result, C.FINISHED, reason=reason) for reason in C.FINISH_REASONS}
     out["engine_restarts"] = series_delta(result, C.RESTARTS)
+    out["tiers"] = tier_summary(result)
+    hits = series_delta(result, C.PREFIX_HIT_BLOCKS)
+    tier_hits = sum(t["hit_blocks"] for t in out["tiers"].values())
+    out["pool_hit_blocks"] = None if hits is None else hits - tier_hits
+    return out
+
+
+def _tier_field(family: str) -> str:
+    """trtprompt_kv_tier_hit_blocks_total -> hit_blocks."""
+    return family.removeprefix("trtprompt_kv_tier_").removesuffix("_total")
+
+
+def tier_summary(result: RunResult) -> dict[str, dict[str, float]]:
+    """Per tier below the pool (disk, redis), what its counters did in the measured window: hit
+    blocks (loaded and reused), misses, bytes read and written, dropped writes, evictions, errors.
+
+    A tier appears when any of its counters moved: the server exports every tier's series, at 0
+    for one that is not configured (serve/metrics_catalog.py, TIER_COUNTERS).
+    """
+    out = {}
+    for tier in C.TIERS:
+        figures = {_tier_field(f): series_delta(result, f, tier=tier) for f in C.TIER_COUNTERS}
+        if any(figures.values()):
+            out[tier] = {k: v or 0.0 for k, v in figures.items()}
     return out
 
 
@@ -168,6 +194,29 @@ RATIO_KEYS = {"output tok/s": ("output_tok_s",), "requests/s": ("req_per_s",),
               "e2e p50 (ms)": ("e2e_s", "p50"), "prefill tokens computed": ("kv", "prefill_tokens_computed")}
 
 
+def _tier(tier: str, field: str, fmt: str = "{:.0f}", scale: float = 1.0) -> Any:
+    def cell(s: Mapping[str, Any]) -> str:
+        figures = s["server"].get("tiers", {}).get(tier)
+        return "–" if figures is None else _num(figures[field] * scale, fmt)
+    return cell
+
+
+def tier_rows(summaries: Iterable[Mapping[str, Any]]) -> list[tuple[str, Any]]:
+    """Rows for the tiers below the pool, when any run used one: where the reused blocks came from
+    (the pool or a tier, from /metrics) and what each tier did."""
+    tiers = [t for t in C.TIERS if any(t in s["server"].get("tiers", {}) for s in summaries)]
+    if not tiers:
+        return []
+    pool = ("KV blocks hit in the pool", lambda s: _num(s["server"].get("pool_hit_blocks"), "{:.0f}"))
+    rows: list[tuple[str, Any]] = [pool]
+    for t in tiers:
+        rows += [(f"KV blocks hit on {t}", _tier(t, "hit_blocks")), (f"{t} misses", _tier(t, "misses")),
+                 (f"{t} MB read", _tier(t, "read_bytes", "{:.1f}", 1e-6)),
+                 (f"{t} MB written", _tier(t, "written_bytes", "{:.1f}", 1e-6)),
+                 (f"{t} dropped writes", _tier(t, "dropped_writes")), (f"{t} errors", _tier(t, "errors"))]
+    return rows
+
+
 def _get(summary: Mapping[str, Any], path: Sequence[str]) -> float | None:
     value: Any = summary
     for key in path:
@@ -182,7 +231,7 @@ def markdown_table(summaries: Mapping[str, Mapping[str, Any]], ratio: bool = Tru
     ratio_head = [f"{n} / {names[0]}" for n in names[1:]] if with_ratio else []
     lines = ["| metric | " + " | ".join(names + ratio_head) + " |",
              "| --- | " + " | ".join("---:" for _ in names + ratio_head) + " |"]
-    for label, fn in ROWS:
+    for label, fn in (*ROWS, *tier_rows(summaries.values())):
         cells = [fn(summaries[n]) for n in names]
         if with_ratio:
             cells += [_ratio(summaries[names[0]], summaries[n], label) for n in names[1:]]

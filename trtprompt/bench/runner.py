@@ -267,6 +267,25 @@ def _declared(url: str, model: str) -> tuple[set[str], set[str]]:
         return set(), set()
 
 
+def resolve_model(url: str, model: str, api: str) -> str:
+    """The model to address: with api="openai", "ensemble" means the first model /v1/models lists."""
+    if api not in APIS:
+        raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
+    return served_model(url) if api == "openai" and model == "ensemble" else model
+
+
+def send_once(url: str, requests: Sequence[BenchRequest], load: LoadSpec, model: str = "ensemble",
+              api: str = "triton") -> list[RequestRecord]:
+    """Send requests once, unmeasured (warm-up, priming a cache), with load's timeout and EOS rule at
+    up to load's workers in flight; model as resolve_model gives it. The records say which failed."""
+    spec = LoadSpec(concurrency=max(1, min(load.workers, len(requests))), warmup=0, timeout_s=load.timeout_s,
+                    ignore_eos=load.ignore_eos)
+    done = {r.index: threading.Event() for r in requests}
+    phase = _Phase(url, model, spec, requests, done, lambda: None, api)
+    phase.run()
+    return phase.records
+
+
 def run_load(url: str, workload: Workload, load: LoadSpec, metrics_url: str | None = None,
              model: str = "ensemble", progress: bool = True, settle_s: float = 0.35,
              api: str = "triton") -> RunResult:
@@ -286,15 +305,12 @@ def run_load(url: str, workload: Workload, load: LoadSpec, metrics_url: str | No
     if not measured:
         raise ValueError(f"the workload has {len(workload.requests)} requests: none left after "
                          f"{load.warmup} warm-up request(s)")
-    if api not in APIS:
-        raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
-    if api == "openai" and model == "ensemble":
-        model = served_model(url)
+    model = resolve_model(url, model, api)
     done = {r.index: threading.Event() for r in workload.requests}
     if warm:
-        warm_load = LoadSpec(concurrency=min(load.workers, len(warm)), warmup=0, timeout_s=load.timeout_s,
-                             ignore_eos=load.ignore_eos)
-        _Phase(url, model, warm_load, warm, done, lambda: None, api).run()
+        send_once(url, warm, load, model, api)
+        for r in warm:
+            done[r.index].set()  # a measured request may follow a warm-up one (multi-turn)
     if metrics_url is not None:
         time.sleep(settle_s)
     before = scrape_metrics(metrics_url)

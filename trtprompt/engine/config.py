@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from trtprompt import rules
+from trtprompt.engine.kv_events import KvEventsConfig
 from trtprompt.engine.tiers.config import TierConfig
 from trtprompt.knobs import CAPACITY_POLICIES, KNOBS
 
@@ -159,6 +160,8 @@ class EngineConfig:
     attention_backend: str = DEFAULT_ATTENTION_BACKEND
     # Disk and remote tiers below the KV pool (engine/tiers/, docs/prefix-pool.md); default: none.
     tiers: TierConfig = field(default_factory=TierConfig)
+    # KV events for routers (engine/kv_events.py, docs/kv-events.md); None: off.
+    kv_events: KvEventsConfig | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def kv_num_blocks(self, bytes_per_token: int) -> int:

@@ -16,6 +16,7 @@ from trtprompt.engine.config import EngineConfig
 from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.engine.errors import DuplicateRequestError, QueueFullError
 from trtprompt.engine.kv_cache import KVCacheManager
+from trtprompt.engine.kv_events import KvEventPublisher, kv_events_config
 from trtprompt.engine.loader import engine_config, read_engine_files
 from trtprompt.engine.model import DecoderModel, load_model_from_safetensors
 from trtprompt.engine.request import FinishReason, Request, RequestOutput, RetentionConfig, SamplingParams
@@ -93,6 +94,7 @@ class LLMEngine:
         elif stores:
             log.warning("KV tiers are off: they hold reusable blocks, and KV block reuse is disabled")
         self.scheduler = Scheduler(config.scheduler, self.kv, use_tiers=self.kv.tiers is not None)
+        self.kv_events = self._open_kv_events(config)
         self.end_ids = frozenset(end_ids)
         self.limits = RequestLimits(config.scheduler.max_input_len, config.scheduler.max_seq_len,
                                     config.model.vocab_size, num_blocks, tpb)
@@ -101,6 +103,18 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._last_step = SchedulerOutput()
         self.files: EngineDir | None = None
+
+    def _open_kv_events(self, config: EngineConfig) -> KvEventPublisher | None:
+        """The KV event publisher listening to the pool (docs/kv-events.md), when configured."""
+        if config.kv_events is None:
+            return None
+        if not config.kv_cache.enable_block_reuse:
+            log.warning("KV events are off: they describe reusable blocks, and KV block reuse is disabled")
+            return None
+        publisher = KvEventPublisher(config.kv_events, config.kv_cache.tokens_per_block)
+        self.kv.pool.add_listener(publisher.recorder)
+        log.info("KV events on %s (%s layout)", config.kv_events.endpoint, config.kv_events.layout)
+        return publisher
 
     @staticmethod
     def _num_blocks(config: EngineConfig, dtype: torch.dtype) -> int:
@@ -116,7 +130,8 @@ class LLMEngine:
     def from_engine_dir(cls, path: str | Path, **overrides: Any) -> "LLMEngine":
         files = read_engine_files(path)
         tiers = TierConfig(**{k: v for k, v in overrides.items() if k in TIER_KNOBS and v is not None})
-        config = dataclasses.replace(engine_config(files, overrides), tiers=tiers)
+        config = dataclasses.replace(engine_config(files, overrides), tiers=tiers,
+                                     kv_events=kv_events_config(overrides))
         quant = (files.pretrained_config.get("quantization") or {}).get("quant_algo")
         dtype = DTYPES[config.dtype]
         model = load_model_from_safetensors(files.weights_path, config.model, dtype,
@@ -184,6 +199,8 @@ class LLMEngine:
         """Stop the tiers' threads (queued writes get a few seconds to finish)."""
         if self.kv.tiers is not None:
             self.kv.tiers.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def step(self) -> list[RequestOutput]:
         try:
@@ -192,6 +209,8 @@ class LLMEngine:
             # Blocks to save are copied before the next scheduling pass may hand them out again.
             if self.kv.tiers is not None:
                 self.kv.tiers.flush()
+            if self.kv_events is not None:
+                self.kv_events.flush()  # one batch per step, sent by the publisher's thread
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []

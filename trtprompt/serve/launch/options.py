@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from trtprompt import knobs, rules
 from trtprompt.client import API_KEY_ENV
 from trtprompt.engine.engine_dir import EngineDir
+from trtprompt.engine.kv_events import KV_EVENT_KNOBS, kv_events_config
 from trtprompt.engine.tiers.redis_store import RedisTarget, remote_password
 from trtprompt.interface import OPENAI_PORT
 from trtprompt.secret_source import read_secret
@@ -47,6 +48,11 @@ class ServeOptions(knobs.BackendParams):
     kv_remote_password_file: str | None = knobs.runtime_default("kv_remote_password_file")
     kv_tier_write_policy: str = knobs.runtime_default("kv_tier_write_policy")
     kv_cache_eviction_policy: str = knobs.runtime_default("kv_cache_eviction_policy")
+    # KV events for routers (trtprompt/engine/kv_events.py, docs/kv-events.md): read by the engine process.
+    kv_events_endpoint: str | None = knobs.runtime_default("kv_events_endpoint")
+    kv_events_replay_endpoint: str | None = knobs.runtime_default("kv_events_replay_endpoint")
+    kv_events_topic: str | None = knobs.runtime_default("kv_events_topic")
+    kv_events_layout: str = knobs.runtime_default("kv_events_layout")
     layout: str = knobs.runtime_default("layout")
 
     def __post_init__(self) -> None:
@@ -64,6 +70,11 @@ def resolve_options(engine: EngineInfo, overrides: Mapping[str, Any]) -> ServeOp
     opts = ServeOptions(**values)
     check_engine_allows(engine, opts)
     return opts
+
+
+def kv_event_overrides(opts: ServeOptions) -> dict[str, Any]:
+    """The KV event knobs as the engine takes them (engine/kv_events.kv_events_config)."""
+    return {name: getattr(opts, name) for name in KV_EVENT_KNOBS}
 
 
 def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
@@ -89,6 +100,11 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
     if engine.target != "torch" and (opts.disk_cache_path is not None or opts.kv_remote_url is not None):
         raise ValueError("disk_cache_path and kv_remote_url set the torch engine's KV tiers; this engine is for "
                          f"the {engine.target} target: leave them unset")
+    if opts.kv_events_endpoint is not None or opts.kv_events_replay_endpoint is not None:
+        if engine.target != "torch":
+            raise ValueError("kv_events_endpoint publishes the torch engine's KV events; this engine is for the "
+                             f"{engine.target} target: leave it unset")
+        kv_events_config(kv_event_overrides(opts))  # a bad endpoint is refused now, naming it
     if opts.kv_remote_url is not None:  # refused here, before the banner or a process could show a password
         RedisTarget.parse(opts.kv_remote_url)
         remote_password(opts.kv_remote_password_file)  # an unreadable or empty file: refused now, naming it

@@ -220,6 +220,15 @@ def tier_parameters(o: ServeOptions) -> dict[str, object]:
             "kv_tier_write_policy": o.kv_tier_write_policy}
 
 
+def kv_event_parameters(o: ServeOptions) -> dict[str, object]:
+    """The torch engine's KV event settings (docs/kv-events.md), read by the engine process
+    (engine_overrides); none at all when events are off."""
+    if o.kv_events_endpoint is None:
+        return {}
+    return {"kv_events_endpoint": o.kv_events_endpoint, "kv_events_replay_endpoint": o.kv_events_replay_endpoint,
+            "kv_events_topic": o.kv_events_topic, "kv_events_layout": o.kv_events_layout}
+
+
 def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
     """tensorrt_llm's parameters, named as the TensorRT-LLM backend names them."""
     o = ctx.options
@@ -239,6 +248,7 @@ def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
         "stats_check_period_ms": o.stats_check_period_ms,
         "engine_threads": o.engine_threads,  # read by the engine process (serve/engine_process/server.py)
         **tier_parameters(o),
+        **kv_event_parameters(o),
         "kv_cache_eviction_policy": o.kv_cache_eviction_policy,  # the engine process's pool (engine_overrides)
     }
 
