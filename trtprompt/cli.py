@@ -255,6 +255,10 @@ def infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool, temp
     raise SystemExit(run_infer(prompt, url, model, max_tokens, stream, temperature, as_json, api_key))
 
 
+# The serve tier knobs `lint` takes to say which prefixes a restart keeps (trtprompt/prompt/restart.py).
+LINT_TIER_OPTIONS = ("disk_cache_path", "kv_remote_url", "kv_tier_write_policy")
+
+
 @main.command()
 @click.argument("file", type=click.Path(path_type=Path))
 @click.option("--engine", "engine_dir", type=click.Path(path_type=Path),
@@ -268,14 +272,19 @@ def infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool, temp
 @click.option("--samples", default=8, show_default=True, help="Instances made of a template file.")
 @click.option("--write-reordered", type=click.Path(path_type=Path),
               help="Write the suggested (reordered) prompts here as JSONL.")
+@knob_options(LINT_TIER_OPTIONS, serve=True)  # as serve takes them: what survives a restart
 def lint(file: Path, engine_dir: Path | None, tokenizer_dir: Path | None, tokens_per_block: int | None,
-         as_json: bool, fail_under: float | None, samples: int, write_reordered: Path | None) -> None:
-    """Report how much of FILE's prefill KV-block reuse can skip (JSONL prompts or a {template})."""
+         as_json: bool, fail_under: float | None, samples: int, write_reordered: Path | None,
+         **tiers: Any) -> None:
+    """Report how much of FILE's prefill KV-block reuse can skip (JSONL prompts or a {template}), and
+    which shared prefixes the serve tiers given would keep across a restart."""
     from trtprompt.prompt.lint_report import run_lint
+    from trtprompt.prompt.restart import TierSetup
 
     try:
+        setup = TierSetup(**{k: v for k, v in tiers.items() if v is not None})
         code = run_lint(file, engine_dir, tokenizer_dir, tokens_per_block, as_json, fail_under, samples,
-                        write_reordered, click.echo, lambda m: click.echo(m, err=True))
+                        write_reordered, click.echo, lambda m: click.echo(m, err=True), setup)
     except (UserError, ValueError) as exc:
         raise _fail(exc) from exc
     raise SystemExit(code)

@@ -17,6 +17,7 @@ from trtprompt.knobs import KNOBS
 from trtprompt.prompt import segments as seg
 from trtprompt.prompt.lint_input import LintPrompt, Template, parse_template, read_lint_file
 from trtprompt.prompt.prefix_tree import Branch, build_tree
+from trtprompt.prompt.restart import RestartReport, TierSetup, restart_report
 from trtprompt.prompt.reuse import ReuseEstimate, estimate_reuse
 from trtprompt.rules import max_input_len
 
@@ -74,6 +75,7 @@ class LintReport:
     reordered_template: str | None = None
     placeholders_before_static: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    restart: RestartReport | None = None  # what a restart keeps (prompt/restart.py)
 
     @property
     def reusable_fraction(self) -> float:
@@ -155,7 +157,8 @@ def _salts(prompts: Sequence[LintPrompt]) -> list[str | None]:
 
 
 def analyze(prompts: list[LintPrompt], tokenizer: Any, tokens_per_block: int, file: str = "",
-            template: Template | None = None) -> LintReport:
+            template: Template | None = None, tiers: TierSetup | None = None) -> LintReport:
+    """tiers: the serve tier knobs, for what survives a restart (none configured: nothing does)."""
     ids = [encode(tokenizer, p) for p in prompts]
     estimate = estimate_reuse(ids, tokens_per_block, _salts(prompts))
     units = [prompt_units(p) for p in prompts]
@@ -164,9 +167,11 @@ def analyze(prompts: list[LintPrompt], tokenizer: Any, tokens_per_block: int, fi
              if (s := find_span(i, p, units[i], shared, tokenizer, len(ids[i]), tokens_per_block))]
     suggested = [reorder_prompt(p, shared) for p in prompts]
     suggested_ids = [encode(tokenizer, p) for p in suggested]
+    tree = build_tree(ids, tokens_per_block, _salts(prompts))
     report = LintReport(file, "template" if template else "jsonl", tokens_per_block, prompts, ids, estimate,
-                        build_tree(ids, tokens_per_block, _salts(prompts)), spans, suggested,
-                        estimate_reuse(suggested_ids, tokens_per_block, _salts(suggested)), template)
+                        tree, spans, suggested, estimate_reuse(suggested_ids, tokens_per_block, _salts(suggested)),
+                        template, restart=restart_report(ids, tokens_per_block, _salts(prompts), tree,
+                                                         tiers or TierSetup()))
     if template is not None:
         _template_findings(report, tokenizer)
     return report
@@ -196,9 +201,9 @@ def preview(report: LintReport, tokenizer: Any, branch: Branch, chars: int = 48)
 
 
 def lint_file(path: Path, tokenizer: Any, tokens_per_block: int, samples: int = 8,
-              fill_words: int = 6, max_input_len: int | None = None) -> LintReport:
+              fill_words: int = 6, max_input_len: int | None = None, tiers: TierSetup | None = None) -> LintReport:
     prompts, template = read_lint_file(path, samples, fill_words)
-    report = analyze(prompts, tokenizer, tokens_per_block, str(path), template)
+    report = analyze(prompts, tokenizer, tokens_per_block, str(path), template, tiers)
     if max_input_len is not None:
         for p, ids in zip(prompts, report.ids):
             if len(ids) > max_input_len:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 from trtprompt.prompt.lint import ASSUMPTIONS, LintReport, Span, lint_file, load_tokenizer_and_block, preview
 from trtprompt.prompt.lint_input import LintPrompt
 from trtprompt.prompt.prefix_tree import render_tree
+from trtprompt.prompt.restart import TierSetup, restart_lines
 from trtprompt.prompt.reuse import ReuseEstimate
 from trtprompt.prompt.segments import mask_volatile
 
@@ -42,6 +43,8 @@ def as_dict(report: LintReport, tokenizer: Any) -> dict[str, Any]:
                        "prompts": [prompt_json(p) for p in report.suggested]},
         "assumptions": ASSUMPTIONS, "warnings": report.warnings,
     }
+    if report.restart is not None:
+        data["restart"] = report.restart.as_dict(tpb)
     if report.template is not None:
         data["template"] = {"placeholders": report.template.placeholders,
                             "placeholders_before_static": report.placeholders_before_static,
@@ -97,6 +100,8 @@ def as_text(report: LintReport, tokenizer: Any) -> str:
                 f"{sug.reusable_fraction:.1%} ({sug.reused_blocks} blocks; prefill computes {sug.prefill_tokens})"]
     if report.reordered_template is not None:
         out += ["reordered template:", report.reordered_template]
+    if report.restart is not None:
+        out += [""] + restart_lines(report.restart, tpb)
     out += [f"warning: {w}" for w in report.warnings]
     out += ["", f"assumes: {ASSUMPTIONS}"]
     return "\n".join(out)
@@ -104,10 +109,10 @@ def as_text(report: LintReport, tokenizer: Any) -> str:
 
 def run_lint(file: Path, engine: Path | None, tokenizer_dir: Path | None, tokens_per_block: int | None,
              as_json: bool, fail_under: float | None, samples: int, write_reordered: Path | None,
-             echo: Callable[[str], None], echo_err: Callable[[str], None]) -> int:
+             echo: Callable[[str], None], echo_err: Callable[[str], None], tiers: TierSetup | None = None) -> int:
     """The command: print the report; 1 when the reusable fraction is under --fail-under."""
     tokenizer, tpb, max_input_len = load_tokenizer_and_block(engine, tokenizer_dir, tokens_per_block)
-    report = lint_file(file, tokenizer, tpb, samples=samples, max_input_len=max_input_len)
+    report = lint_file(file, tokenizer, tpb, samples=samples, max_input_len=max_input_len, tiers=tiers)
     echo(json.dumps(as_dict(report, tokenizer), ensure_ascii=False, indent=2) if as_json
          else as_text(report, tokenizer))
     if write_reordered is not None:

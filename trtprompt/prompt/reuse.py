@@ -14,7 +14,7 @@ generated text) and a cache large enough that nothing is evicted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from trtprompt.engine.block_pool import BlockHash
 from trtprompt.engine.kv_cache import extend_block_hashes
@@ -69,21 +69,37 @@ class ReuseEstimate:
         return self.reused_tokens / self.total_tokens if self.total_tokens else 0.0
 
 
-def estimate_reuse(prompts: Iterable[Sequence[int]], tokens_per_block: int,
-                   salts: Iterable[str | None] | None = None) -> ReuseEstimate:
-    """Reused blocks per prompt, in order, as the engine would count them."""
+def walk_reuse(prompts: Iterable[Sequence[int]], tokens_per_block: int,
+               salts: Iterable[str | None] | None = None,
+               cached: set[BlockHash] | None = None) -> Iterator[tuple[list[BlockHash], int]]:
+    """Per prompt, in order: the hashes of its full blocks and how many of them the engine reuses.
+
+    cached: blocks already cached before the first prompt (e.g. those a tier kept over a restart);
+    updated in place with every prompt's blocks, as the pool publishes them.
+    """
     if tokens_per_block < 1:
         raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
     salt_list = list(salts) if salts is not None else None
-    cached: set[BlockHash] = set()
-    est = ReuseEstimate(tokens_per_block)
+    seen: set[BlockHash] = set() if cached is None else cached
     for i, ids in enumerate(prompts):
         salt = salt_list[i] if salt_list is not None else None
         hashes = block_hashes(ids, tokens_per_block, salt)
         lookable = max(len(ids) - 1, 0) // tokens_per_block
         hits = 0
-        while hits < lookable and hashes[hits] in cached:
+        while hits < lookable and hashes[hits] in seen:
             hits += 1
-        cached.update(hashes)
+        seen.update(hashes)
+        yield hashes, hits
+
+
+def estimate_reuse(prompts: Iterable[Sequence[int]], tokens_per_block: int,
+                   salts: Iterable[str | None] | None = None,
+                   cached: set[BlockHash] | None = None) -> ReuseEstimate:
+    """Reused blocks per prompt, in order, as the engine would count them (cached: walk_reuse's)."""
+    if tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    ids_list = [list(ids) for ids in prompts]
+    est = ReuseEstimate(tokens_per_block)
+    for ids, (_hashes, hits) in zip(ids_list, walk_reuse(ids_list, tokens_per_block, salts, cached)):
         est.prompts.append(PromptReuse(len(ids), hits, tokens_per_block))
     return est
