@@ -37,7 +37,7 @@ from trtprompt.engine.model import load_model_from_safetensors
 from trtprompt.engine.request import SamplingParams
 from trtprompt.report import inspect_data, inspect_text
 from trtprompt.serve.engine_process.server import engine_overrides
-from trtprompt.serve.launch.options import ServeOptions
+from trtprompt.serve.launch.options import ServeOptions, check_engine_allows
 from trtprompt.serve.launch.repository import kv_event_parameters
 
 TPB = 4
@@ -132,6 +132,19 @@ def test_inspect_shows_the_kv_event_options_and_the_router_block_size(tiny_engin
     assert shown == {"kv_events_endpoint": None, "kv_events_replay_endpoint": None, "kv_events_topic": None,
                      "kv_events_layout": "map", "router_block_size": engine.tokens_per_block}
     assert "KV events (serve options, defaults)" in inspect_text(engine)
+    port = _free_port()  # the engine process's path: its parameters become from_engine_dir's overrides
+    loaded = LLMEngine.from_engine_dir(tiny_engine_dir, kv_events_endpoint=str(port), kv_events_layout="array")
+    try:
+        assert loaded.kv_events is not None and loaded.kv_events.config == KvEventsConfig(
+            f"tcp://127.0.0.1:{port}", layout="array")
+        assert loaded.kv.pool.listeners == [loaded.kv_events.recorder]
+    finally:
+        loaded.close()
+    assert LLMEngine.from_engine_dir(tiny_engine_dir).kv_events is None  # off by default
+    with pytest.raises(ValueError, match="with --replicas each replica needs its own"):
+        check_engine_allows(engine, ServeOptions(replicas=2, kv_events_endpoint="5557"))
+    with pytest.raises(ValueError, match="kv events endpoint must be"):
+        check_engine_allows(engine, ServeOptions(kv_events_endpoint="localhost"))
 
 
 def _recv(sub: zmq.Socket[bytes], timeout_ms: int) -> tuple[bytes, int, list[Any]] | None:

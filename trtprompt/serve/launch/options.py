@@ -105,6 +105,10 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
             raise ValueError("kv_events_endpoint publishes the torch engine's KV events; this engine is for the "
                              f"{engine.target} target: leave it unset")
         kv_events_config(kv_event_overrides(opts))  # a bad endpoint is refused now, naming it
+        if opts.replicas != 1:  # each engine process binds its own endpoint: offset_endpoint, not wired yet
+            raise ValueError("kv_events_endpoint gives one engine process's endpoint; with --replicas each "
+                             "replica needs its own, which serve does not assign yet: leave one of them unset "
+                             "(docs/kv-events.md)")
     if opts.kv_remote_url is not None:  # refused here, before the banner or a process could show a password
         RedisTarget.parse(opts.kv_remote_url)
         remote_password(opts.kv_remote_password_file)  # an unreadable or empty file: refused now, naming it
