@@ -23,7 +23,7 @@ from typing import Iterable, Iterator, Protocol, Sequence
 
 from trtprompt.engine.engine import EngineStats, LLMEngine
 from trtprompt.engine.errors import DuplicateRequestError, EngineRequestError, EngineStoppingError, QueueFullError
-from trtprompt.engine.request import FinishReason, RequestOutput, SamplingParams
+from trtprompt.engine.request import FinishReason, RequestOutput, RetentionConfig, SamplingParams
 from trtprompt.engine.validation import ValidatedRequest
 from trtprompt.error_codes import ErrorCode
 
@@ -75,6 +75,7 @@ class _Add:
     checked: ValidatedRequest
     cache_salt: str | None
     arrival_ns: int
+    retention: RetentionConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -116,14 +117,14 @@ class EngineLoop:
         self._fail_owned("engine stopped before the request finished", ErrorCode.UNAVAILABLE)
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-               cache_salt: str | None = None) -> RequestStream:
+               cache_salt: str | None = None, retention: RetentionConfig | None = None) -> RequestStream:
         """Accept a request or raise EngineRequestError; its outputs arrive on the stream."""
         stream = RequestStream(request_id, self)
-        self.add(request_id, prompt_token_ids, params, stream, cache_salt)
+        self.add(request_id, prompt_token_ids, params, stream, cache_salt, retention)
         return stream
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-            sink: OutputSink, cache_salt: str | None = None) -> None:
+            sink: OutputSink, cache_salt: str | None = None, retention: RetentionConfig | None = None) -> None:
         """Accept a request whose outputs go to sink, or raise EngineRequestError (client-ready)."""
         # Validated here, once: the caller hears a refusal now, and the loop admits the result as it is.
         checked = self.engine.check_request(prompt_token_ids, params)
@@ -139,7 +140,7 @@ class EngineLoop:
             self._pending_adds += 1
             # Arrival is stamped here, not when the loop next drains the inbox,
             # so time spent waiting for a running step counts toward TTFT.
-            self._inbox.append(_Add(request_id, checked, cache_salt, time.time_ns()))
+            self._inbox.append(_Add(request_id, checked, cache_salt, time.time_ns(), retention))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -166,7 +167,8 @@ class EngineLoop:
         for item in items:
             if isinstance(item, _Add):
                 try:
-                    self.engine.add_validated(item.request_id, item.checked, item.cache_salt, item.arrival_ns)
+                    self.engine.add_validated(item.request_id, item.checked, item.cache_salt, item.arrival_ns,
+                                              item.retention)
                 except EngineRequestError as exc:
                     rejected.append(error_output(item.request_id, str(exc), exc.code))
             elif not self.engine.abort(item.request_id):

@@ -19,6 +19,7 @@ import numpy as np
 
 from trtprompt.engine.request import FLOAT_BOUNDS
 from trtprompt.error_codes import ErrorCode, classify
+from trtprompt.interface import RETENTION_INPUTS
 
 # gRPC streaming carries no status code in-band: the stream's final response is an error whose
 # message starts with its code as a tag (trtprompt/error_codes.py); the answer is that code.
@@ -108,6 +109,15 @@ def _too_many_tokens(limits: Limits) -> str:
     return "ab " * limits.max_input_len  # under the byte bound, over max_input_len tokens
 
 
+def _ranges(*values: int) -> Any:
+    """An INT32 [1, n] retention vector (a batch of one row) and its dtype, as an extra input."""
+    return np.asarray([list(values)], dtype=np.int32), I32
+
+
+# TensorRT-LLM's retention inputs (docs/prefix-pool.md, "Retention"): the four range vectors.
+R_STARTS, R_ENDS, R_PRIORITIES, R_DURATIONS = (name for name, *_ in RETENTION_INPUTS[:4])
+ONE_RANGE = {R_STARTS: _ranges(0), R_ENDS: _ranges(-1), R_PRIORITIES: _ranges(90)}
+
 E, T, H = "ensemble", "tensorrt_llm", "HTTP generate"
 CASES: tuple[Case, ...] = (
     Case(E, "`text_input` empty", GRPC_INVALID, "input 'text_input' is empty", _text("")),
@@ -153,6 +163,15 @@ CASES: tuple[Case, ...] = (
          lambda lim: _text("")(lim) + [_i("messages", "{not json", None)]),
     Case(E, "an input the model does not declare", GRPC_INVALID, "unexpected inference input 'nonsense'",
          _text(nonsense=(1, I32))),
+    Case(E, "`retention_token_range_priorities` = 101", GRPC_INVALID,
+         "input 'retention_token_range_priorities' must hold priorities in [0, 100], got 101",
+         _text(**(ONE_RANGE | {R_PRIORITIES: _ranges(101)}))),
+    Case(E, "`retention_token_range_ends` shorter than the starts", GRPC_INVALID,
+         "input 'retention_token_range_ends' must have as many values as 'retention_token_range_starts' (2), got 1",
+         _text(**(ONE_RANGE | {R_STARTS: _ranges(0, 64), R_PRIORITIES: _ranges(90, 90)}))),
+    Case(E, "`retention_decode_priority` = -1", GRPC_INVALID,
+         "input 'retention_decode_priority' must hold priorities in [0, 100], got -1",
+         _text(retention_decode_priority=(-1, I32))),
     Case(T, "`input_ids` empty", GRPC_INVALID, "input 'input_ids' is empty: at least one token id is required",
          _tok(ids=(), length=0)),
     Case(T, "`input_ids` past max_input_len", GRPC_TOO_LONG,
@@ -174,6 +193,18 @@ CASES: tuple[Case, ...] = (
          _tok(stop_words_list=(np.array([[[5, 6], [9, -1]]]), I32))),
     Case(T, "`bad_words_list` given", GRPC_INVALID, "'bad_words_list' is not supported",
          _tok(bad_words_list=(np.array([[[5, 6], [2, -1]]]), I32))),
+    Case(T, "`retention_token_range_ends` not past its start", GRPC_INVALID,
+         "input 'retention_token_range_ends' must hold ends > their starts, or -1 for the prompt's end, got [32, 32)",
+         _tok(**(ONE_RANGE | {R_STARTS: _ranges(32), R_ENDS: _ranges(32)}))),
+    Case(T, "`retention_token_range_durations_ms` = 0", GRPC_INVALID,
+         "input 'retention_token_range_durations_ms' must hold durations in ms >= 1, or -1 for none, got 0",
+         _tok(**(ONE_RANGE | {R_DURATIONS: _ranges(0)}))),
+    Case(T, "`retention_token_range_priorities` without starts", GRPC_INVALID,
+         "input 'retention_token_range_priorities' needs 'retention_token_range_starts'",
+         _tok(**{R_PRIORITIES: _ranges(90)})),
+    Case(T, "retention token ranges that overlap", GRPC_INVALID,
+         "input 'retention_token_range_starts': the ranges must not overlap: [0, 64) and [32, None)",
+         _tok(**{R_STARTS: _ranges(0, 32), R_ENDS: _ranges(64, -1), R_PRIORITIES: _ranges(90, 50)})),
     Case(H, "body is not JSON (Triton's own parser)", HTTP_500, "failed to parse the request JSON buffer",
          b"{not json"),
     Case(H, "`text_input` missing", HTTP_400, "text_input", {"max_tokens": 4}),

@@ -42,7 +42,7 @@ from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.model_config import read_parameters
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
 from trtprompt.serve.wire.refusals import error_reason
-from trtprompt.serve.wire.requests import sampling_from_wire
+from trtprompt.serve.wire.requests import retention_from_wire, sampling_from_wire
 
 log = logging.getLogger("trtprompt.engine_server")
 
@@ -170,8 +170,9 @@ class Connection:
         try:
             params = sampling_from_wire(msg.get("params") or {})
             service.prompt_policy.check_salt(msg.get("cache_salt"))
+            retention = retention_from_wire(msg.get("retention"))  # docs/prefix-pool.md, "Retention"
             service.loop.add(engine_rid, list(msg["prompt_token_ids"]), params, self,
-                             cache_salt=msg.get("cache_salt"))
+                             cache_salt=msg.get("cache_salt"), retention=retention)
         except Exception as exc:  # noqa: BLE001 - this request fails, the connection and the others go on
             with self._lock:
                 self._live.pop(engine_rid, None)

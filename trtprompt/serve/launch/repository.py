@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from trtprompt.interface import PERF_FLAG, PERF_OUTPUTS, Tensor
+from trtprompt.interface import PERF_FLAG, PERF_OUTPUTS, RETENTION_INPUTS, Tensor
 from trtprompt.serve.launch.options import EngineInfo, ServeOptions
 from trtprompt.serve.wire import requests as inputs
 from trtprompt.serve.wire.model_config import check_config_text
@@ -86,6 +86,7 @@ ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     ("perf_metrics_final_only", "BOOL", [1], True),
     ("overflow", "STRING", [1], True),  # a stricter overflow policy than the server's (issue 5)
     ("messages", "STRING", [1], True),  # JSON chat, used instead of text_input (send it empty)
+    *RETENTION_INPUTS,  # TensorRT-LLM's names; the upstream layout hands them to the core as they are
 ) + UNSUPPORTED_INPUTS
 ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
     ("text_output", "STRING", [-1], False),
@@ -116,6 +117,7 @@ TOKEN_INPUTS: tuple[Tensor, ...] = (
     # Echoed back on every response (token_model.ECHOED) for the upstream layout's ensemble.
     ("prompt_truncated_tokens", "INT32", [1], True),
     ("dropped_turns", "INT32", [1], True),
+    *RETENTION_INPUTS,
 ) + UNSUPPORTED_INPUTS
 TOKEN_OUTPUTS: tuple[Tensor, ...] = (
     ("output_ids", "INT32", [-1, -1], False),
@@ -290,6 +292,12 @@ def core_takes_salt(ctx: RepoContext) -> bool:
     return False
 
 
+def core_takes_retention(ctx: RepoContext) -> bool:
+    """The upstream ensemble hands the retention inputs to its core where that core declares them: the
+    torch core does (TOKEN_INPUTS); the trtllm target's forwarding comes with its own model config."""
+    return ctx.engine.target != "trtllm"
+
+
 def publishes_request_metrics(ctx: RepoContext) -> bool:
     """The trtllm target's postprocessing publishes request metrics from the core's perf outputs;
     the torch core's engine process publishes its own (the same families: do not count twice)."""
@@ -360,6 +368,8 @@ def _core_step(cfg: mc.ModelConfig, ctx: RepoContext) -> None:
         inputs["return_perf_metrics"] = f"_{PERF_FLAG}"
     if core_takes_salt(ctx):
         inputs["cache_salt"] = "cache_salt"
+    if core_takes_retention(ctx):  # ranges over the prompt preprocessing fitted, as on TensorRT-LLM
+        inputs |= {name: name for name, *_ in RETENTION_INPUTS}
     outputs = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
     outputs |= {name: name for name, *_ in PERF_OUTPUTS} | {name: name for name in COUNT_OUTPUTS}
     if ctx.engine.target != "trtllm":  # preprocessing's counts, handed back by the core on every response
@@ -375,7 +385,8 @@ def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
     layout exists for the GPU target, whose core is the C++ backend.
     """
     supported = [t for t in ENSEMBLE_INPUTS if t not in UNSUPPORTED_INPUTS and t[0] not in
-                 ("min_length", "random_seed", "perf_metrics_final_only")]
+                 ("min_length", "random_seed", "perf_metrics_final_only")
+                 and (core_takes_retention(ctx) or t not in RETENTION_INPUTS)]
     torch_core = ctx.engine.target != "trtllm"  # the C++ backend cannot hand the counts back
     outputs = [t for t in ENSEMBLE_OUTPUTS if t[0] in ("text_output", *COUNT_OUTPUTS)
                or (torch_core and t[0] in PROMPT_OUTPUTS)] + list(PERF_OUTPUTS)

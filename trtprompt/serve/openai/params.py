@@ -16,16 +16,17 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from trtprompt.engine.request import SamplingParams
+from trtprompt.engine.request import RetentionConfig, SamplingParams
 from trtprompt.error_codes import FieldError
 from trtprompt.serve.openai import extensions
 from trtprompt.serve.openai.errors import APIError, bad_request
+from trtprompt.serve.openai.retention import CacheMark, cache_mark, parse_retention, with_marks
 
 # Parameters with no effect on the output that clients commonly send.
 METADATA_FIELDS = ("user", "metadata", "store", "service_tier")
 # The vLLM/SGLang extensions honoured here (docs/openai.md, "Extension fields").
 HONOURED_EXTENSIONS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
-                       "cache_salt", "skip_special_tokens")
+                       "cache_salt", "skip_special_tokens", "retention")
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                  "frequency_penalty", "stream", "stream_options", "n", "logprobs", "logit_bias",
                  "best_of") + HONOURED_EXTENSIONS + METADATA_FIELDS
@@ -76,6 +77,10 @@ class Generation:
     include_usage: bool
     skip_special_tokens: bool = True
     notes: tuple[str, ...] = ()  # extension fields accepted that change nothing here (logged)
+    # KV retention (retention.py): the body's `retention`, and chat parts' cache_control marks, whose
+    # token ranges are measured once the chat is rendered and fitted.
+    retention: RetentionConfig | None = None
+    cache_marks: tuple[CacheMark, ...] = ()
 
     @property
     def max_tokens(self) -> int:
@@ -95,14 +100,16 @@ def parse_request(kind: str, body: Any, limits: ModelLimits) -> Generation:
     _check_model(body, limits)
     _refuse_unsupported(kind, body)
     notes = extensions.check(kind, body)
-    prompts, messages = (_prompts(body, limits), None) if kind == "completion" else ((), _messages(body))
+    prompts, (messages, marks) = (_prompts(body, limits), (None, ())) if kind == "completion" \
+        else ((), _messages(body))
     max_tokens = _max_tokens(kind, body, limits)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     return Generation(kind, prompts, messages, _sampling_params(body, max_tokens, limits), _stop(body),
-                      _salt(body), stream, _include_usage(options), _bool(body, "skip_special_tokens", True), notes)
+                      _salt(body), stream, _include_usage(options), _bool(body, "skip_special_tokens", True), notes,
+                      with_marks(parse_retention(body), marks), marks)
 
 
 def _check_fields(kind: str, body: Mapping[str, Any]) -> None:
@@ -195,12 +202,24 @@ def _token_ids(ids: list[Any], where: str, param: str, limits: ModelLimits) -> t
     return tuple(ids)
 
 
-def _messages(body: Mapping[str, Any]) -> str:
-    """The chat as the ensemble's `messages` input (JSON list of {role, content})."""
+def _messages(body: Mapping[str, Any]) -> tuple[str, tuple[CacheMark, ...]]:
+    """The chat as the ensemble's `messages` input (JSON list of {role, content}), and its parts'
+    cache_control marks."""
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' is required and must be a non-empty list", "messages")
-    return json.dumps([_message(m, i) for i, m in enumerate(raw)], ensure_ascii=False)
+    messages = [_message(m, i) for i, m in enumerate(raw)]
+    marks = tuple(mark for i, m in enumerate(raw) for mark in _marks(m.get("content"), i))
+    return json.dumps(messages, ensure_ascii=False), marks
+
+
+def _marks(content: Any, i: int) -> list[CacheMark]:
+    """The cache_control marks of message i's content parts (checked by _content already)."""
+    if not isinstance(content, list):
+        return []
+    return [cache_mark(part["cache_control"], f"messages[{i}].content[{j}].cache_control", i,
+                       "".join(p["text"] for p in content[:j + 1]))
+            for j, part in enumerate(content) if part.get("cache_control") is not None]
 
 
 def _message(m: Any, i: int) -> dict[str, str]:

@@ -15,22 +15,33 @@ OpenAI requests through Triton (serve/openai/to_triton.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator
 
 from trtprompt.engine.engine_dir import read_engine_dir
-from trtprompt.error_codes import RequestError, describe, tagged
+from trtprompt.engine.request import RetentionConfig
+from trtprompt.error_codes import BadRequestError, RequestError, describe, tagged
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.edge import PromptEdge
 from trtprompt.serve.openai.errors import APIError, from_triton
 from trtprompt.serve.openai.params import Generation, Prompt
+from trtprompt.serve.openai.retention import mark_ranges
 from trtprompt.serve.openai.to_triton import Piece
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.engine_client import EngineClient
 from trtprompt.serve.wire.refusals import refusal_reason, report_refused
-from trtprompt.serve.wire.requests import ADD_SPECIAL_TOKENS, TextRequest, TokenRequest, prepare, prepare_ids
+from trtprompt.serve.wire.requests import (
+    ADD_SPECIAL_TOKENS,
+    Prepared,
+    TextRequest,
+    TokenRequest,
+    prepare,
+    prepare_ids,
+)
 from trtprompt.tokenizer import Tokenizer
 
 log = logging.getLogger("trtprompt.openai")
@@ -77,18 +88,39 @@ class EnginePath:
     def _prepare(self, gen: Generation, prompt: Prompt | None) -> EngineInputs:
         try:
             if isinstance(prompt, tuple):  # token ids: no tokenizing, the same budget and salt rule
-                ids = TokenRequest(prompt, gen.sampling, gen.stream, cache_salt=gen.cache_salt)
+                ids = TokenRequest(prompt, gen.sampling, gen.stream, cache_salt=gen.cache_salt, retention=gen.retention)
                 prepared = prepare_ids(ids, gen.stop, self.edge, self.tokenizer)
             else:
                 text = TextRequest(text=prompt or "", sampling=gen.sampling, stream=gen.stream,
-                                   messages=gen.messages_json, cache_salt=gen.cache_salt, stop_words=gen.stop)
+                                   messages=gen.messages_json, cache_salt=gen.cache_salt, stop_words=gen.stop,
+                                   retention=gen.retention)
                 prepared = prepare(text, self.edge, self.tokenizer)
-            return EngineInputs(prepared.request, gen.skip_special_tokens)
+            return EngineInputs(self._marked(gen, prepared), gen.skip_special_tokens)
         except Exception as exc:  # noqa: BLE001 - answered to the client, counted as the ensemble counts it
             if not isinstance(exc, RequestError):
                 log.exception("preparing a request failed")
             report_refused(refusal_reason(exc), self.socket)
             raise api_error_of(exc) from None
+
+    def _marked(self, gen: Generation, prepared: Prepared) -> TokenRequest:
+        """The request with its chat's cache_control marks as token ranges over the fitted prompt
+        (serve/openai/retention.py), beside the body's decode retention if any."""
+        if not gen.cache_marks or gen.messages_json is None:
+            return prepared.request
+        ranges = mark_ranges(gen.cache_marks, json.loads(gen.messages_json), prepared.prompt.dropped_turns,
+                             self._prefix_tokens)
+        base = gen.retention or RetentionConfig()
+        return dataclasses.replace(prepared.request, retention=dataclasses.replace(base, token_ranges=ranges))
+
+    def _prefix_tokens(self, messages: list[dict[str, str]]) -> int:
+        """Tokens of a chat prefix as the template renders it, without the generation prompt."""
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return len(self.tokenizer.encode_chat(messages, add_generation_prompt=False))
+        except (TemplateError, ValueError) as exc:  # e.g. a template that wants a user message last
+            raise BadRequestError(f"cache_control: the chat template cannot render the chat up to a marked "
+                                  f"part on its own ({exc})", "cache_control") from None
 
     async def generate(self, inputs: EngineInputs) -> AsyncGenerator[Piece, None]:
         """Pieces until the final one; APIError on an error. Leaving early aborts the engine request."""

@@ -25,6 +25,7 @@ from trtprompt.client import aio_channel, grpc_call_metadata, resolve_api_key, s
 from trtprompt.engine.request import SamplingParams
 from trtprompt.serve.openai.errors import APIError, from_triton, unavailable
 from trtprompt.serve.openai.params import Generation, Prompt
+from trtprompt.serve.wire.retention_inputs import STARTS, retention_arrays
 
 # Always asked for when the ensemble declares them: usage and cached tokens come from these, and
 # usage needs the perf outputs once, so they come on the final response only where the ensemble
@@ -160,12 +161,26 @@ class TritonEnsemble:
                            "invalid_request_error", "cache_salt", "unsupported_parameter")
         optional: dict[str, Any] = ensemble_sampling(gen.sampling)
         _refuse_undeclared(gen, prompt, optional, declared, self.model)
+        optional.update(self._retention(gen, declared))
         optional.update(exclude_input_in_output=True, messages=gen.messages_json, cache_salt=gen.cache_salt)
         optional.update({name: True for name in REPORTING_INPUTS})
         # stop_words unfiltered: a server without the input must refuse it, not ignore the stops
         text = prompt if isinstance(prompt, str) else ""
         return text_inputs(text, gen.max_tokens, gen.stream, stop_words=list(gen.stop) or None,
                            **{k: v for k, v in optional.items() if k in declared})
+
+    def _retention(self, gen: Generation, declared: frozenset[str]) -> dict[str, Any]:
+        """The body's retention as TensorRT-LLM's six inputs. cache_control marks need the fitted prompt's
+        token positions, which only the engine path knows (the ensemble renders and fits the chat)."""
+        if gen.cache_marks:
+            _refuse("cache_control", f"this server's {self.model!r} model renders the chat itself, so the token "
+                    "range a mark covers is unknown here: cache_control needs the engine path (the torch target's "
+                    "fused layout); send `retention` with token_ranges instead")
+        if gen.retention is None:
+            return {}
+        if STARTS not in declared:
+            _refuse("retention", f"this server's {self.model!r} model has no retention inputs")
+        return retention_arrays(gen.retention)
 
     async def generate(self, inputs: Sequence[InferInput]) -> AsyncGenerator[Piece, None]:
         """Data responses of one request until its final one; APIError on an error.

@@ -12,10 +12,11 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from trtprompt.engine.request import FLOAT_BOUNDS, SamplingParams, check_bound
+from trtprompt.engine.request import FLOAT_BOUNDS, RetentionConfig, SamplingParams, check_bound
 from trtprompt.error_codes import BadRequestError, FieldError, OverBoundError
 from trtprompt.interface import PERF_OUTPUTS
 from trtprompt.serve.wire.requests import Outputs, TextRequest, TokenRequest, check_text_or_messages
+from trtprompt.serve.wire.retention_inputs import DECODE_INPUTS, RANGE_INPUTS, retention_from_inputs
 
 Array = np.ndarray[Any, Any]  # a Triton input tensor of any dtype and shape
 Tensors = Mapping[str, Array]
@@ -175,6 +176,19 @@ def outputs(tensors: Tensors, i: int, exclude_default: bool) -> Outputs:
         perf_final_only=flag(tensors, "perf_metrics_final_only", i))
 
 
+def _vector(tensors: Tensors, name: str, i: int) -> list[int] | None:
+    row = _row(tensors, name, i)
+    return None if row is None else [int(v) for v in np.asarray(row).reshape(-1)]
+
+
+def retention(tensors: Tensors, i: int) -> RetentionConfig | None:
+    """The row's RetentionConfig from TensorRT-LLM's six retention inputs (serve/wire/retention_inputs.py
+    checks them), None when none is given; a refusal names the input."""
+    vectors = {name: _vector(tensors, name, i) for name in RANGE_INPUTS}
+    decode = {name: scalar(tensors, name, i, int) for name in DECODE_INPUTS}
+    return retention_from_inputs(vectors, decode)
+
+
 def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> TextRequest:
     """One row of an `ensemble` request (text in, text out)."""
     check_unsupported(tensors, i)
@@ -185,7 +199,8 @@ def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> TextRequ
     check_text_or_messages(text, messages)
     return TextRequest(text=text, sampling=_sampling(tensors, i, TEXT_SAMPLING), stream=flag(tensors, "stream", i),
                        outputs=outputs(tensors, i, exclude_default), messages=messages, overflow=overflow,
-                       cache_salt=salt, stop_words=tuple(words(tensors, "stop_words", i)))
+                       cache_salt=salt, stop_words=tuple(words(tensors, "stop_words", i)),
+                       retention=retention(tensors, i))
 
 
 def words_list(arr: Array | None, name: str) -> list[list[int]]:
@@ -234,7 +249,8 @@ def parse_token_item(tensors: Tensors, i: int, exclude_default: bool,
     stops = tuple(tuple(s) for s in words_list(_row(tensors, "stop_words_list", i), "stop_words_list"))
     return TokenRequest(prompt_token_ids=tuple(ids.astype(np.int64).tolist()),
                         sampling=_sampling(tensors, i, TOKEN_SAMPLING, stops), stream=flag(tensors, "streaming", i),
-                        outputs=outputs(tensors, i, exclude_default), cache_salt=text_scalar(tensors, "cache_salt", i))
+                        outputs=outputs(tensors, i, exclude_default), cache_salt=text_scalar(tensors, "cache_salt", i),
+                        retention=retention(tensors, i))
 
 
 def perf_values(stats: Mapping[str, Any]) -> dict[str, tuple[int, str]]:

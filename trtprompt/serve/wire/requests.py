@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from trtprompt.engine.request import SamplingParams
+from trtprompt.engine.request import RetentionConfig, SamplingParams, TokenRangeRetention
 from trtprompt.error_codes import BadRequestError
 from trtprompt.prompt.edge import EdgePrompt, PromptEdge
 from trtprompt.tokenizer import Tokenizer
@@ -64,6 +64,7 @@ class TextRequest:
     overflow: str | None = None
     cache_salt: str | None = None
     stop_words: tuple[str, ...] = ()
+    retention: RetentionConfig | None = None  # token ranges over the prompt the engine receives
 
     def __post_init__(self) -> None:
         check_text_or_messages(self.text, self.messages)
@@ -78,16 +79,42 @@ class TokenRequest:
     stream: bool
     outputs: Outputs = Outputs()
     cache_salt: str | None = None
+    retention: RetentionConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise BadRequestError("input 'input_ids' is empty: at least one token id is required", "input_ids")
 
     def to_wire(self, request_id: str) -> dict[str, Any]:
-        """The submit frame (JSON)."""
-        return {"op": "submit", "id": request_id, "prompt_token_ids": list(self.prompt_token_ids),
-                "params": sampling_to_wire(self.sampling), "cache_salt": self.cache_salt,
-                "perf": self.outputs.perf_every_step}
+        """The submit frame (JSON); `retention` only when the request has one."""
+        frame: dict[str, Any] = {"op": "submit", "id": request_id, "prompt_token_ids": list(self.prompt_token_ids),
+                                 "params": sampling_to_wire(self.sampling), "cache_salt": self.cache_salt,
+                                 "perf": self.outputs.perf_every_step}
+        if self.retention is not None:
+            frame["retention"] = retention_to_wire(self.retention)
+        return frame
+
+
+def retention_to_wire(retention: RetentionConfig) -> dict[str, Any]:
+    """The submit frame's `retention`: each range as [start, end or null, priority, duration_ms or null]."""
+    return {"token_ranges": [[r.token_start, r.token_end, r.priority, r.duration_ms] for r in retention.token_ranges],
+            "decode_priority": retention.decode_priority, "decode_duration_ms": retention.decode_duration_ms}
+
+
+def retention_from_wire(raw: Any) -> RetentionConfig | None:
+    """The submit frame's `retention` back into a RetentionConfig (checked again: the frame is the engine
+    process's untrusted input); None when the frame has none."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) - {"token_ranges", "decode_priority", "decode_duration_ms"}:
+        raise BadRequestError("submit retention must be an object of token_ranges, decode_priority and "
+                              "decode_duration_ms", "retention")
+    ranges = raw.get("token_ranges") or []
+    if not isinstance(ranges, list) or not all(isinstance(r, list) and len(r) == 4 for r in ranges):
+        raise BadRequestError("submit retention.token_ranges must be a list of [start, end, priority, duration_ms]",
+                              "retention")
+    return RetentionConfig(tuple(TokenRangeRetention(*r) for r in ranges), **{
+        k: raw[k] for k in ("decode_priority", "decode_duration_ms") if k in raw})
 
 
 def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
@@ -122,7 +149,7 @@ def prepare(req: TextRequest, edge: PromptEdge, tokenizer: Tokenizer) -> Prepare
     stop words into token ids: what the fused ensemble and the OpenAI front end both submit."""
     prompt = edge.prepare(req.text, req.messages, req.overflow, req.cache_salt, req.sampling.max_tokens)
     sampling = with_stop_words(req.sampling, req.stop_words, tokenizer)
-    token_req = TokenRequest(tuple(prompt.ids), sampling, req.stream, req.outputs, req.cache_salt)
+    token_req = TokenRequest(tuple(prompt.ids), sampling, req.stream, req.outputs, req.cache_salt, req.retention)
     return Prepared(token_req, prompt)
 
 
