@@ -24,6 +24,8 @@ from typing import Any, Callable, Sequence
 from trtprompt.serve.ports import http_ok
 
 POLICIES = ("cache_aware", "round_robin")
+CB_FAILURES = 2  # failed calls to one worker before the router stops sending it requests
+CB_OPEN_S = 3  # then how long before it tries that worker again
 Spawn = Callable[[Sequence[str], Path], subprocess.Popen[bytes]]
 
 
@@ -66,13 +68,20 @@ class RouterOptions:
 
 def router_command(opts: RouterOptions, worker_urls: Sequence[str]) -> list[str]:
     """sglang-router 0.3.2's launcher. --backend stays sglang (its default): the openai backend
-    answers /v1/completions with 501 (issue 25). Startup checks run once a second, not every 30."""
+    answers /v1/completions with 501 (issue 25). Startup checks run once a second, not every 30.
+
+    The circuit breaker opens after CB_FAILURES failed calls to one worker and half-opens after
+    CB_OPEN_S: a retry of a request a dead replica refused (503) is then sent elsewhere (cache_aware
+    would pick the same worker again while its circuit is closed), and a restarted replica is
+    tried again within seconds, not after the default 60 s (docs/replicas.md, "Failover")."""
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", opts.host, "--port", str(opts.port),
             "--worker-urls", *worker_urls, "--policy", opts.policy,
             "--prometheus-host", opts.local_host, "--prometheus-port", str(opts.metrics_port),
             "--health-check-interval-secs", str(opts.health_interval_s),
             "--health-failure-threshold", str(opts.health_failures), "--health-success-threshold", "1",
             "--health-check-timeout-secs", str(opts.health_timeout_s),
+            "--cb-failure-threshold", str(CB_FAILURES), "--cb-success-threshold", "1",
+            "--cb-timeout-duration-secs", str(CB_OPEN_S),
             "--worker-startup-check-interval", "1", "--log-level", "warn"]
 
 
@@ -127,17 +136,17 @@ def remove_worker(opts: RouterOptions, url: str) -> None:
     for worker in workers(opts):
         if worker["url"] == url:
             _call(opts, "DELETE", f"/workers/{worker['id']}")
-    _wait(lambda: all(w["url"] != url for w in workers(opts)), f"the router to drop {url}")
+    wait_until(lambda: all(w["url"] != url for w in workers(opts)), f"the router to drop {url}")
 
 
 def add_worker(opts: RouterOptions, url: str) -> None:
     """Put url back in the rotation (POST /workers) and wait until the router calls it healthy."""
     if all(w["url"] != url for w in workers(opts)):
         _call(opts, "POST", "/workers", {"url": url})
-    _wait(lambda: url in healthy_workers(opts), f"the router to take {url} back")
+    wait_until(lambda: url in healthy_workers(opts), f"the router to take {url} back")
 
 
-def _wait(done: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+def wait_until(done: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not done():
         if time.monotonic() > deadline:
