@@ -176,6 +176,24 @@ def test_marks_and_prompt_ranges_together_are_refused_but_decode_settings_join_m
     assert gen.retention == RetentionConfig(decode_priority=5) and len(gen.cache_marks) == 1
 
 
+def test_through_triton_retention_becomes_the_six_inputs_and_cache_control_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from trtprompt.serve.openai.to_triton import TritonEnsemble
+
+    ensemble, declared = SimpleNamespace(model="ensemble"), frozenset(NAMES)
+    gen = parse_request("completion", {"model": "m", "prompt": "x", "retention": {"priority": 100}}, LIMITS)
+    sent = TritonEnsemble._retention(ensemble, gen, declared)  # type: ignore[arg-type]
+    assert inputs.retention(sent, 0) == gen.retention
+    with pytest.raises(APIError) as err:
+        TritonEnsemble._retention(ensemble, gen, frozenset())  # type: ignore[arg-type]
+    assert err.value.param == "retention"
+    marked = parse_request("chat", _chat({"role": "user", "content": [_part("A", type="ephemeral")]}), LIMITS)
+    with pytest.raises(APIError) as err:
+        TritonEnsemble._retention(ensemble, marked, declared)  # type: ignore[arg-type]
+    assert err.value.param == "cache_control" and "engine path" in err.value.message
+
+
 def _chars(messages: list[dict[str, str]]) -> int:
     """A stand-in renderer for the range arithmetic: one token per character, 1 per message header."""
     return sum(1 + len(m["content"]) for m in messages)
