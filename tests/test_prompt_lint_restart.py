@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from trtprompt.cli import main
 from trtprompt.engine.engine import LLMEngine
 from trtprompt.engine.request import SamplingParams
-from trtprompt.prompt.lint import analyze
+from trtprompt.prompt.lint import analyze, engine_entry_bytes
 from trtprompt.prompt.lint_input import LintPrompt
-from trtprompt.prompt.restart import TierSetup
+from trtprompt.prompt.restart import TierSetup, restart_lines, written_hashes
 from trtprompt.tokenizer import Tokenizer
 
 SYSTEM = ("You are the support assistant of a bicycle shop. Answer in two sentences, name the part, and say "
@@ -94,3 +94,31 @@ def test_without_tiers_nothing_survives_and_the_flags_are_named(tiny_engine_dir:
                                      "--disk-cache-path", str(tmp_path)]).output
     assert "after a restart (disk tier, write_through): the tiers keep" in text
     assert ", shared by 3 prompts): survives" in text
+
+
+def test_the_disk_budget_keeps_the_blocks_written_last(tiny_engine_dir: Path, tok: Tokenizer,
+                                                        tmp_path: Path) -> None:
+    """Past --disk-cache-size the disk tier evicts the entries written first: here the shared system
+    prompt. The blocks the estimate keeps are exactly the files the disk tier holds after the run."""
+    budget = 1 << 20  # the knob's least: 42 entries of the tiny engine's 24,628 bytes (52-byte header)
+    setup = TierSetup(disk_cache_path=str(tmp_path), disk_cache_size=budget,
+                      entry_bytes=engine_entry_bytes(tiny_engine_dir))
+    filler = [LintPrompt(10 + k, text=" ".join(f"item{k}x{j} costs {j * 7 + k} euros" for j in range(60)))
+              for k in range(4)]
+    report = analyze(prompts()[:3] + filler, tok, 32, tiers=setup)
+    restart = report.restart
+    assert restart is not None and setup.disk_capacity_blocks == 42
+    written = sum(len(ids) // 32 for ids in report.ids) - 2 * (len(tok.encode(SYSTEM)) // 32)
+    assert (restart.kept_blocks, restart.evicted_blocks) == (42, written - 42) and written > 42
+    [prefix] = restart.shared
+    assert (prefix.kept_blocks, prefix.survives) == (0, False)  # written first, so evicted first
+    engine = LLMEngine.from_engine_dir(tiny_engine_dir, disk_cache_path=str(tmp_path), disk_cache_size=budget)
+    assert engine.kv.pool.num_blocks > written  # the pool itself evicts nothing, as lint assumes
+    run(engine, report.ids)
+    engine.close()
+    on_disk = {p.name[-32:] for p in tmp_path.rglob("*") if p.is_file() and len(p.name) == 64}
+    kept = set(written_hashes(report.ids, 32, None, setup)[-42:])
+    assert on_disk == {h.hex() for h in kept}
+    text = "\n".join(restart_lines(restart, 32))
+    assert f"holds 42 entries of 24628 bytes: the {written - 42} written first are evicted" in text
+    assert "shared by 3 prompts): does not survive" in text

@@ -256,7 +256,7 @@ def infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool, temp
 
 
 # The serve tier knobs `lint` takes to say which prefixes a restart keeps (trtprompt/prompt/restart.py).
-LINT_TIER_OPTIONS = ("disk_cache_path", "kv_remote_url", "kv_tier_write_policy")
+LINT_TIER_OPTIONS = ("disk_cache_path", "disk_cache_size", "kv_remote_url", "kv_tier_write_policy")
 
 
 @main.command()

@@ -219,6 +219,19 @@ def _max_input_len(eng: Any) -> int:
                          bool(eng.runtime.get("enable_chunked_context")))
 
 
+def engine_entry_bytes(engine: Path) -> int | None:
+    """Bytes of one KV block as the disk tier stores it, header included (docs/prefix-pool.md, "Stored
+    blocks"); None off the torch target or when the engine does not record its KV bytes per token."""
+    from trtprompt.engine.engine_dir import read_engine_dir
+    from trtprompt.engine.tiers.codec import HEADER_BYTES
+
+    eng = read_engine_dir(engine)
+    per_token = (eng.meta.get("memory_plan") or {}).get("kv_bytes_per_token")
+    if eng.target != "torch" or not isinstance(per_token, int):
+        return None
+    return HEADER_BYTES + per_token * eng.tokens_per_block
+
+
 def load_tokenizer_and_block(engine: Path | None, tokenizer_dir: Path | None,
                              tokens_per_block: int | None) -> tuple[Any, int, int | None]:
     """(tokenizer, tokens_per_block, max_input_len or None) from --engine or --tokenizer."""

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from trtprompt.prompt.lint import ASSUMPTIONS, LintReport, Span, lint_file, load_tokenizer_and_block, preview
+from trtprompt.prompt.lint import (
+    ASSUMPTIONS,
+    LintReport,
+    Span,
+    engine_entry_bytes,
+    lint_file,
+    load_tokenizer_and_block,
+    preview,
+)
 from trtprompt.prompt.lint_input import LintPrompt
 from trtprompt.prompt.prefix_tree import render_tree
 from trtprompt.prompt.restart import TierSetup, restart_lines
@@ -112,6 +121,8 @@ def run_lint(file: Path, engine: Path | None, tokenizer_dir: Path | None, tokens
              echo: Callable[[str], None], echo_err: Callable[[str], None], tiers: TierSetup | None = None) -> int:
     """The command: print the report; 1 when the reusable fraction is under --fail-under."""
     tokenizer, tpb, max_input_len = load_tokenizer_and_block(engine, tokenizer_dir, tokens_per_block)
+    if tiers is not None and engine is not None:
+        tiers = dataclasses.replace(tiers, entry_bytes=engine_entry_bytes(engine))  # to model the disk budget
     report = lint_file(file, tokenizer, tpb, samples=samples, max_input_len=max_input_len, tiers=tiers)
     echo(json.dumps(as_dict(report, tokenizer), ensure_ascii=False, indent=2) if as_json
          else as_text(report, tokenizer))

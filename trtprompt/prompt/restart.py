@@ -10,9 +10,11 @@ tiers below it hold (docs/prefix-pool.md), and which blocks go down is the write
 
 The estimate runs the set in file order on the engine's rule (prompt/reuse.py) to learn what the
 tiers would hold, then runs it again on a restarted server whose tiers hold just that: the
-second run's reuse is what a restart keeps. It assumes the tiers have room for every block (the
-disk tier evicts least recently used entries past --disk-cache-size; Redis evicts by its own
-maxmemory policy) and that no write is dropped.
+second run's reuse is what a restart keeps. It assumes no write is dropped. A disk tier alone
+keeps what fits its --disk-cache-size (when the engine's block size is known): it evicts its least
+recently used entries, and a block already stored is not written again, so the blocks written
+last are the ones kept, whatever their reuse. A Redis tier is taken to hold every block (its own
+maxmemory policy decides otherwise: docs/prefix-pool.md, "Remote tier").
 """
 
 from __future__ import annotations
@@ -35,12 +37,26 @@ class TierSetup:
     disk_cache_path: str | None = None
     kv_remote_url: str | None = None
     kv_tier_write_policy: str = KNOBS["kv_tier_write_policy"].default
+    disk_cache_size: int = KNOBS["disk_cache_size"].default
+    entry_bytes: int | None = None  # one block as the disk tier stores it, from the engine (None: unknown)
 
     def __post_init__(self) -> None:
         choices = KNOBS["kv_tier_write_policy"].choices or ()
         if self.kv_tier_write_policy not in choices:
             raise ValueError(f"kv_tier_write_policy must be one of {', '.join(choices)}, "
                              f"got {self.kv_tier_write_policy!r}")
+        problem = KNOBS["disk_cache_size"].problem(self.disk_cache_size)
+        if problem:
+            raise ValueError(f"disk_cache_size {problem}")
+        if self.entry_bytes is not None and self.entry_bytes < 1:
+            raise ValueError(f"entry_bytes must be >= 1, got {self.entry_bytes}")
+
+    @property
+    def disk_capacity_blocks(self) -> int | None:
+        """Blocks the disk budget holds when the disk is the only tier and the block size is known."""
+        if not self.disk_cache_path or self.kv_remote_url or self.entry_bytes is None:
+            return None
+        return self.disk_cache_size // self.entry_bytes
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -63,13 +79,14 @@ class SharedPrefix:
 class RestartReport:
     setup: TierSetup
     kept_blocks: int  # distinct prompt blocks the tiers hold after the run (0 without tiers)
+    evicted_blocks: int  # written, then evicted to fit the disk budget
     shared: tuple[SharedPrefix, ...]
     after_restart: ReuseEstimate  # the set run again on a restarted server
 
     def as_dict(self, tokens_per_block: int) -> dict[str, Any]:
         est = self.after_restart
         return {"tiers": list(self.setup.tiers), "write_policy": self.setup.kv_tier_write_policy,
-                "kept_blocks": self.kept_blocks,
+                "kept_blocks": self.kept_blocks, "evicted_blocks": self.evicted_blocks,
                 "shared_prefixes": [{"blocks": [s.branch.first_block, s.branch.last_block],
                                      "tokens": s.branch.num_blocks * tokens_per_block, "prompts": s.branch.prompts,
                                      "kept_blocks": s.kept_blocks, "survives": s.survives} for s in self.shared],
@@ -77,18 +94,17 @@ class RestartReport:
                                   "reusable_fraction": round(est.reusable_fraction, 6)}}
 
 
-def kept_hashes(ids: Sequence[Sequence[int]], tokens_per_block: int, salts: Sequence[str | None] | None,
-                setup: TierSetup) -> set[BlockHash]:
-    """The blocks the tiers hold after the set ran once in file order (module docstring)."""
+def written_hashes(ids: Sequence[Sequence[int]], tokens_per_block: int, salts: Sequence[str | None] | None,
+                   setup: TierSetup) -> list[BlockHash]:
+    """The blocks written to the tiers while the set runs once in file order, in the order of their
+    first write (module docstring); none without tiers."""
     if not setup.tiers:
-        return set()
-    kept: set[BlockHash] = set()
+        return []
+    written: dict[BlockHash, None] = {}  # insertion-ordered set: a stored block is not written again
     for hashes, hits in walk_reuse(ids, tokens_per_block, salts):
-        if setup.kv_tier_write_policy == "selective":
-            kept.update(hashes[:hits])  # reused once in the pool: written then
-        else:
-            kept.update(hashes)
-    return kept
+        new = hashes[:hits] if setup.kv_tier_write_policy == "selective" else hashes  # selective: at first reuse
+        written.update(dict.fromkeys(new))
+    return list(written)
 
 
 def _shared(tree: Sequence[Branch], ids: Sequence[Sequence[int]], tokens_per_block: int,
@@ -110,9 +126,12 @@ def _shared(tree: Sequence[Branch], ids: Sequence[Sequence[int]], tokens_per_blo
 
 def restart_report(ids: Sequence[Sequence[int]], tokens_per_block: int, salts: Sequence[str | None] | None,
                    tree: Sequence[Branch], setup: TierSetup) -> RestartReport:
-    kept = kept_hashes(ids, tokens_per_block, salts, setup)
+    written = written_hashes(ids, tokens_per_block, salts, setup)
+    capacity = setup.disk_capacity_blocks
+    kept = set(written if capacity is None or len(written) <= capacity else written[len(written) - capacity:])
     after = estimate_reuse(ids, tokens_per_block, salts, cached=set(kept))
-    return RestartReport(setup, len(kept), tuple(_shared(tree, ids, tokens_per_block, salts, kept)), after)
+    return RestartReport(setup, len(kept), len(written) - len(kept),
+                         tuple(_shared(tree, ids, tokens_per_block, salts, kept)), after)
 
 
 def restart_lines(report: RestartReport, tokens_per_block: int) -> list[str]:
@@ -125,6 +144,10 @@ def restart_lines(report: RestartReport, tokens_per_block: int) -> list[str]:
     lines = [f"after a restart ({' and '.join(setup.tiers)} tier, {policy}): the tiers keep {report.kept_blocks} "
              f"prompt block(s); the set run again reuses {est.reused_tokens} of {est.total_tokens} prompt tokens "
              f"({est.reusable_fraction:.1%})"]
+    if report.evicted_blocks:
+        lines.append(f"  the disk budget (--disk-cache-size {setup.disk_cache_size}) holds {report.kept_blocks} "
+                     f"entries of {setup.entry_bytes} bytes: the {report.evicted_blocks} written first are evicted "
+                     "(the figure above is then at most: the restarted server's own writes evict more)")
     if policy == "write_back":
         lines.append("  write_back writes the pool's blocks at a clean stop: after a crash only blocks it had "
                      "evicted survive")
