@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from trtprompt.engine.request import RETENTION_PRIORITY_DEFAULT, RetentionConfig, TokenRangeRetention
 from trtprompt.error_codes import FieldError
+from trtprompt.prompt.chat import split_turns
 from trtprompt.serve.openai.errors import bad_request
 
 # Anthropic's two ttls (its default is 5m) as durations: a block's priority lasts this long after
@@ -125,18 +126,10 @@ def mark_ranges(marks: Sequence[CacheMark], messages: Sequence[Mapping[str, str]
 
 
 def _turns(messages: Sequence[Mapping[str, str]]) -> tuple[int, list[int | None]]:
-    """(leading system messages, each message's turn or None for those), as trtprompt.prompt.chat
-    split_turns counts them: a turn starts at each user message."""
-    head = 0
-    while head < len(messages) and messages[head]["role"] == "system":
-        head += 1
-    turn_of: list[int | None] = [None] * head
-    turn = -1
-    for m in messages[head:]:
-        if m["role"] == "user" or turn < 0:
-            turn += 1
-        turn_of.append(turn)
-    return head, turn_of
+    """(leading system messages, each message's turn or None for those), by the chat window's own
+    split (trtprompt.prompt.chat.split_turns)."""
+    system, turns = split_turns([dict(m) for m in messages])
+    return len(system), [None] * len(system) + [t for t, turn in enumerate(turns) for _ in turn]
 
 
 def _shown(value: Any, limit: int = 80) -> str:
