@@ -4,8 +4,9 @@ A variant is a set of serve overrides (`reuse=on,off`, `chunked=on,off`,
 `policy=guaranteed_no_evict,max_utilization`), a build profile
 (`profile=cpu-dev,chat`: an engine is built per profile from the engine's
 source checkpoint), or how its server starts (`start=cold,warm,restart`:
-bench/starts.py; restart goes through a disk KV tier). Variants run one after another, each on a fresh server
-started through the serve launcher, so each starts with a cold KV cache;
+bench/starts.py; restart goes through a disk KV tier). Variants run one
+after another, each on a fresh server started through the serve launcher,
+so each starts with a cold KV cache (but for start=warm and restart);
 with --url a single variant runs against an already running server. Each
 concurrency level gets its own seed (seed + level), so a later level never
 hits the cache an earlier one filled, while every variant sees exactly the
@@ -227,6 +228,7 @@ def _run_variant(plan: BenchPlan, variant: Variant, workloads: Sequence[Workload
     if variant.profile is not None:
         echo(f"bench: building {engine_dir.name} with profile {variant.profile}")
         engine_dir = engine_for_profile(plan.engine_dir, variant.profile, plan.out_dir)
+
     def serve(overrides: Mapping[str, Any]) -> contextlib.AbstractContextManager[tuple[str, str]]:
         echo(f"bench: starting a server for {variant.name}")
         return served(engine_dir, overrides, log=lambda m: None, api=plan.api)
