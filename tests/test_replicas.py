@@ -49,6 +49,17 @@ def test_engine_threads_beyond_a_replicas_cores_refused(tiny_engine_dir: Path) -
                            frozenset({0, 1})).engine_threads == 2
 
 
+def test_inspect_shows_the_replicas_option(tiny_engine_dir: Path) -> None:
+    from trtprompt.engine.engine_dir import read_engine_dir
+    from trtprompt.report import inspect_data, inspect_text
+
+    engine = read_engine_dir(tiny_engine_dir)
+    cores = len(os.sched_getaffinity(0))
+    shown = inspect_data(engine)["replicas"]
+    assert (shown["replicas"], shown["cores_available"], shown["max_replicas"]) == (1, cores, cores)
+    assert "replicas (serve option, default; docs/replicas.md)" in inspect_text(engine)
+
+
 @pytest.fixture(scope="module")
 def group(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     if len(os.sched_getaffinity(0)) < 2:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable, Mapping
 
 from trtprompt import rules
@@ -12,6 +13,7 @@ from trtprompt.engine.tiers.config import TIER_KNOBS
 from trtprompt.knobs import KNOBS
 from trtprompt.plan import BuildPlan
 from trtprompt.profile import Profile
+from trtprompt.serve.launch.cpu_sets import numa_nodes
 
 MEMORY_UNITS: tuple[tuple[str, int], ...] = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -104,6 +106,14 @@ def kv_event_data(engine: EngineDir) -> dict[str, Any]:
     return {name: KNOBS[name].default for name in KV_EVENT_KNOBS} | {"router_block_size": engine.tokens_per_block}
 
 
+def replica_data() -> dict[str, Any]:
+    """The replicas serve option (its default) and what this machine allows: at most one replica
+    per core this process may run on, spread over the NUMA nodes (docs/replicas.md, "Cores")."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {"replicas": KNOBS["replicas"].default, "cores_available": len(cores),
+            "numa_nodes": len(numa_nodes(cores)), "max_replicas": len(cores)}
+
+
 def inspect_data(engine: EngineDir) -> dict[str, Any]:
     meta = engine.meta
     # Scalars only: trtllm-build also records nested settings (lora_config) that are not bounds.
@@ -126,6 +136,7 @@ def inspect_data(engine: EngineDir) -> dict[str, Any]:
         "warnings": engine_warnings(engine),
         "kv_tiers": tier_data(engine),
         "kv_events": kv_event_data(engine),
+        "replicas": replica_data(),
     }
 
 
@@ -141,6 +152,7 @@ def inspect_text(engine: EngineDir) -> str:
     lines += _table("prompt policy", data["prompt"].items())
     lines += _table("KV tiers (serve options, defaults)", data["kv_tiers"].items())
     lines += _table("KV events (serve options, defaults)", data["kv_events"].items())
+    lines += _table("replicas (serve option, default; docs/replicas.md)", data["replicas"].items())
     if mem:
         lines += _table("memory plan", _memory_rows(mem))
     else:  # trtllm-build records none; TensorRT-LLM sizes the pool at load from free GPU memory
