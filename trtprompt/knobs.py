@@ -196,10 +196,21 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _k("exclude_input_in_output", "serve", bool, False, "Leave the prompt out of the output (requests may say).",
        trtllm="exclude_input_in_output", serve=True,
        flag="--exclude-input-in-output/--include-input-in-output"),
-    # Host (CPU) memory for offloaded KV blocks; 0: no host tier. Not a profile key yet: the tensorrt_llm
-    # model and model.yaml carry it at this default (both backends take it, under these two names).
-    _k("kv_cache_host_memory_bytes", "serve", int, 0, "Host memory for KV blocks offloaded from the GPU (0: none).",
-       low=0, high=1 << 50, trtllm="kv_cache_host_memory_bytes", llmapi="kv_cache_config.host_cache_size"),
+    # TensorRT-LLM's host tier below the GPU pool (the trtllm and llmapi targets; the torch target's pool is
+    # already in host memory and refuses them). What each maps to, per release: docs/prefix-pool.md,
+    # "TensorRT-LLM targets"; the rules: trtprompt/targets/kv_offload.py.
+    _k("kv_cache_host_memory_bytes", "serve", int, 0, "Host memory for KV blocks offloaded from the GPU (0: none; "
+       "TensorRT-LLM targets).", low=0, high=1 << 50, trtllm="kv_cache_host_memory_bytes",
+       llmapi="kv_cache_config.host_cache_size", serve=True),
+    _k("kv_cache_onboard_blocks", "serve", bool, True, "Copy host-tier KV blocks back to the GPU before reuse "
+       "(TensorRT-LLM 1.2 engines; the LLM API has no off switch).", trtllm="kv_cache_onboard_blocks", serve=True,
+       flag="--kv-cache-onboard-blocks/--no-kv-cache-onboard-blocks"),
+    _k("secondary_offload_min_priority", "serve", int, None, "Only KV blocks with a retention priority above this "
+       "go to the host tier (unset: TensorRT-LLM's default; TensorRT-LLM targets).", low=0, high=100,
+       nullable=True, llmapi="kv_cache_config.secondary_offload_min_priority", serve=True),
+    _k("cold_tier_offload_min_priority", "serve", int, None, "Only KV blocks with a retention priority above this "
+       "go to the disk tier (unset: TensorRT-LLM's default; llmapi target, TensorRT-LLM >= 1.4).", low=0,
+       high=100, nullable=True, llmapi="kv_cache_config.cold_tier_offload_min_priority", serve=True),
     # The torch target's pool only (TensorRT-LLM's is prioritized LRU); docs/prefix-pool.md, "Eviction".
     _k("kv_cache_eviction_policy", "serve", str, "s3fifo",
        "Which cached KV block the torch engine evicts first: lru, or scan-resistant 2q / s3fifo.",
@@ -218,9 +229,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
        serve=True),
     # Tiers below the torch engine's KV pool (docs/prefix-pool.md): read by the engine process.
     _k("disk_cache_path", "serve", str, None, "Directory of the disk KV tier, kept across restarts (unset: none).",
-       nullable=True, engine=True, serve=True),
+       nullable=True, engine=True, serve=True, llmapi="kv_cache_config.disk_cache_path"),
     _k("disk_cache_size", "serve", int, 4 << 30, "Byte budget of the disk KV tier (least recently used go first).",
-       low=1 << 20, high=1 << 50, engine=True, serve=True),
+       low=1 << 20, high=1 << 50, engine=True, serve=True, llmapi="kv_cache_config.disk_cache_size"),
     _k("kv_remote_url", "serve", str, None, "Remote KV tier shared by servers, redis://HOST:PORT/DB or rediss:// "
        "(never a password in it; unset: none).", nullable=True, engine=True, serve=True),
     _k("kv_remote_password_file", "serve", str, None, "File holding the remote KV tier's password (unset: "
@@ -342,3 +353,8 @@ class BackendParams(RuntimePolicy):
     exclude_input_in_output: bool = default("exclude_input_in_output")
     cancellation_check_period_ms: int = default("cancellation_check_period_ms")
     stats_check_period_ms: int = default("stats_check_period_ms")
+    # TensorRT-LLM's host tier (trtprompt/targets/kv_offload.py says what each target does with them).
+    kv_cache_host_memory_bytes: int = default("kv_cache_host_memory_bytes")
+    kv_cache_onboard_blocks: bool = default("kv_cache_onboard_blocks")
+    secondary_offload_min_priority: int | None = default("secondary_offload_min_priority")
+    cold_tier_offload_min_priority: int | None = default("cold_tier_offload_min_priority")

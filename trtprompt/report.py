@@ -14,6 +14,7 @@ from trtprompt.knobs import KNOBS
 from trtprompt.plan import BuildPlan
 from trtprompt.profile import Profile
 from trtprompt.serve.launch.cpu_sets import numa_nodes
+from trtprompt.targets.kv_offload import inspect_rows
 
 MEMORY_UNITS: tuple[tuple[str, int], ...] = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -137,6 +138,7 @@ def inspect_data(engine: EngineDir) -> dict[str, Any]:
         "kv_tiers": tier_data(engine),
         "kv_events": kv_event_data(engine),
         "replicas": replica_data(),
+        "kv_host_offload": inspect_rows(engine.target),
     }
 
 
@@ -153,6 +155,7 @@ def inspect_text(engine: EngineDir) -> str:
     lines += _table("KV tiers (serve options, defaults)", data["kv_tiers"].items())
     lines += _table("KV events (serve options, defaults)", data["kv_events"].items())
     lines += _table("replicas (serve option, default; docs/replicas.md)", data["replicas"].items())
+    lines += _table("KV host/disk offload on TensorRT-LLM (serve options, defaults)", data["kv_host_offload"].items())
     if mem:
         lines += _table("memory plan", _memory_rows(mem))
     else:  # trtllm-build records none; TensorRT-LLM sizes the pool at load from free GPU memory

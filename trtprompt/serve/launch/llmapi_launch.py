@@ -26,6 +26,7 @@ from trtprompt.serve.launch.llmapi_repository import (
 )
 from trtprompt.serve.launch.options import EngineInfo, OpenAIOptions, ServeOptions
 from trtprompt.serve.launch.trtllm_launch import TrtllmLaunchSpec, run_tritonserver
+from trtprompt.targets.kv_offload import NEWEST_READ
 from trtprompt.targets.llmapi_build import default_trtllm_api
 from trtprompt.targets.trtllm_checks import installed_trtllm_version
 
@@ -52,7 +53,7 @@ def serve_llmapi(engine: EngineInfo, options: ServeOptions, ports: Ports, run_di
     """Check, write the repository, start tritonserver, wait for SIGINT/SIGTERM."""
     found, server = preflight_llmapi()
     run = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="trtprompt-llmapi-"))
-    repo = write_llmapi_repository(run / "repository", engine, options, found)
+    repo = write_llmapi_repository(run / "repository", engine, options, found, installed_trtllm_version())
     spec = TrtllmLaunchSpec(repo, 1, server, host=ports.host, http_port=ports.http, grpc_port=ports.grpc,
                             metrics_port=ports.metrics)
     return run_tritonserver(spec, run / "tritonserver.log", ready_timeout_s, f"LLM API, {engine.path.name}", echo)
@@ -64,11 +65,13 @@ def run_llmapi(engine: EngineInfo, options: ServeOptions, ports: Ports, *, repo_
     """run_serve for an llmapi engine directory: --repo-only writes the repository (model.py or the note
     saying where it comes from); otherwise serve it, with the OpenAI front end's command printed."""
     if repo_only is not None:
-        found = find_llmapi_model()
-        path = write_llmapi_repository(Path(repo_only).resolve(), engine, options, found)
+        found, version = find_llmapi_model(), installed_trtllm_version()
+        path = write_llmapi_repository(Path(repo_only).resolve(), engine, options, found, version)
         where = found if found is not None else f"not installed here: see tensorrt_llm/1/{PLACEHOLDER}"
+        release = version or f"{NEWEST_READ} (not installed here; the newest release read)"
         echo(f"model repository written to {path} (ensemble: the prompt edge; tensorrt_llm: TensorRT-LLM's llmapi "
-             f"model, model.py {where}); every config.pbtxt parsed with Triton's ModelConfig schema")
+             f"model, model.py {where}; model.yaml for TensorRT-LLM {release}); every config.pbtxt parsed with "
+             "Triton's ModelConfig schema")
         return 0
     if api_key is not None:  # fail closed: the launch command sets no restricted APIs
         raise ValueError("an API key is not applied to the llmapi layout's tritonserver yet: unset "

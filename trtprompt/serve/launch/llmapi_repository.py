@@ -29,11 +29,12 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from trtprompt.engine.engine_dir import LLMAPI_TARGET
 from trtprompt.errors import TargetUnavailableError
-from trtprompt.interface import PERF_OUTPUTS, Tensor
+from trtprompt.interface import PERF_OUTPUTS, RETENTION_INPUTS, Tensor
 from trtprompt.knobs import KNOBS
 from trtprompt.serve.launch.options import EngineInfo, ServeOptions
 from trtprompt.serve.launch.repository import ENSEMBLE_INPUTS, _base, _write_model
 from trtprompt.serve.wire import requests as wire
+from trtprompt.targets.kv_offload import llmapi_offload_args
 from trtprompt.targets.llmapi_config import TRITON_CONFIG, from_yaml, llmapi_value, put_arg, to_yaml
 
 MODEL_DIR_ENV = "TRTPROMPT_LLMAPI_MODEL_DIR"  # a folder holding config.pbtxt and 1/model.py
@@ -63,10 +64,12 @@ CORE_OUTPUTS: tuple[Tensor, ...] = (
     ("kv_cache_alloc_new_blocks", "INT32", [-1], False), ("kv_cache_alloc_total_blocks", "INT32", [-1], False),
     ("arrival_time_ns", "INT64", [1], False), ("first_scheduled_time_ns", "INT64", [1], False),
     ("first_token_time_ns", "INT64", [1], False), ("last_token_time_ns", "INT64", [1], False))
-# The client inputs the llmapi ensemble honours (the others of ENSEMBLE_INPUTS have no llmapi input).
+# The client inputs the llmapi ensemble declares (the others of ENSEMBLE_INPUTS have no llmapi input);
+# cache_salt and the retention inputs are declared so the edge can refuse them with a clear message.
 EDGE_INPUTS: tuple[str, ...] = ("text_input", "max_tokens", "stop_words", "temperature", "top_k", "top_p",
                                 "presence_penalty", "frequency_penalty", "seed", "stream", "exclude_input_in_output",
-                                "return_perf_metrics", "cache_salt", "overflow", "messages")
+                                "return_perf_metrics", "cache_salt", "overflow", "messages",
+                                *(name for name, *_ in RETENTION_INPUTS))
 # Serve options model.yaml takes (their LLM API names come from the registry).
 YAML_OPTIONS: tuple[str, ...] = ("enable_chunked_context", "enable_kv_cache_reuse", "batch_scheduler_policy",
                                  "kv_cache_free_gpu_mem_fraction", "max_tokens_in_paged_kv_cache", "max_batch_size",
@@ -80,14 +83,17 @@ def find_llmapi_model(env: Mapping[str, str] = os.environ, roots: Iterable[Path]
     return next((c for c in candidates if (c / "1" / "model.py").is_file()), None)
 
 
-def serve_model_yaml(engine: EngineInfo, options: ServeOptions) -> dict[str, Any]:
-    """The engine's model.yaml, its paths at the engine's current place, the serve options applied."""
+def serve_model_yaml(engine: EngineInfo, options: ServeOptions, trtllm_version: str | None = None) -> dict[str, Any]:
+    """The engine's model.yaml, its paths at the engine's current place, the serve options applied; the host
+    and disk tier fields only where TensorRT-LLM trtllm_version (None: the newest release read) has them."""
     args = from_yaml((engine.path / "model.yaml").read_text(encoding="utf-8"))
     args["model"], args["tokenizer"] = str(engine.path / "checkpoint"), str(engine.tokenizer_dir)
     for name in YAML_OPTIONS:
         value = llmapi_value(name, getattr(options, name))
         if value is not None:
             put_arg(args, str(KNOBS[name].llmapi), value)
+    for field, value in llmapi_offload_args(options, trtllm_version).items():
+        put_arg(args, f"kv_cache_config.{field}", value)
     args["triton_config"] = {**dict(args.get("triton_config") or {}), **TRITON_CONFIG}
     return args
 
@@ -109,10 +115,15 @@ def _core_config(found: Path | None) -> mc.ModelConfig:
     return cfg
 
 
-def _write_core(root: Path, engine: EngineInfo, options: ServeOptions, found: Path | None) -> None:
+def _write_core(root: Path, engine: EngineInfo, options: ServeOptions, found: Path | None,
+                trtllm_version: str | None) -> None:
     _write_model(root, _core_config(found), None)
     version = root / "tensorrt_llm" / "1"
-    (version / "model.yaml").write_text(to_yaml(serve_model_yaml(engine, options)), encoding="utf-8")
+    args = serve_model_yaml(engine, options, trtllm_version)
+    disk = args.get("kv_cache_config", {}).get("disk_cache_path")
+    if disk:  # TensorRT-LLM refuses a disk_cache_path that is not an existing directory
+        Path(disk).mkdir(parents=True, exist_ok=True)
+    (version / "model.yaml").write_text(to_yaml(args), encoding="utf-8")
     if found is None:
         (version / PLACEHOLDER).write_text(
             f"model.py is TensorRT-LLM's own llmapi Triton model ({LLMAPI_MODEL}/1/model.py and helpers.py),\n"
@@ -126,6 +137,7 @@ def _write_core(root: Path, engine: EngineInfo, options: ServeOptions, found: Pa
 
 def _ensemble_config(engine: EngineInfo, options: ServeOptions) -> mc.ModelConfig:
     tensors = [t for t in ENSEMBLE_INPUTS if t[0] in EDGE_INPUTS]
+    tensors += [t for t in RETENTION_INPUTS if t[0] not in {n for n, *_ in tensors}]
     outputs: list[Tensor] = [("text_output", "STRING", [-1], False), *PERF_OUTPUTS]
     params = {"tokenizer_dir": str(engine.tokenizer_dir), "gpt_model_path": str(engine.path),
               "add_special_tokens": wire.ADD_SPECIAL_TOKENS,
@@ -142,8 +154,9 @@ def check_salt_policy(engine: EngineInfo) -> None:
 
 
 def write_llmapi_repository(root: str | Path, engine: EngineInfo, options: ServeOptions,
-                            found: Path | None = None) -> Path:
-    """Write (replace) the llmapi repository at root; found: TensorRT-LLM's llmapi model folder, if any."""
+                            found: Path | None = None, trtllm_version: str | None = None) -> Path:
+    """Write (replace) the llmapi repository at root; found: TensorRT-LLM's llmapi model folder, if any;
+    trtllm_version: the release model.yaml is for (None: the newest release read, targets/kv_offload.py)."""
     if engine.target != LLMAPI_TARGET:
         raise ValueError(f"{engine.path} is a {engine.target} engine, not an llmapi one")
     check_salt_policy(engine)
@@ -152,7 +165,7 @@ def write_llmapi_repository(root: str | Path, engine: EngineInfo, options: Serve
         if (child / "config.pbtxt").is_file():
             shutil.rmtree(child)
     root.mkdir(parents=True, exist_ok=True)
-    _write_core(root, engine, options, found)
+    _write_core(root, engine, options, found, trtllm_version)
     _write_model(root, _ensemble_config(engine, options), "llmapi_ensemble.py")
     return root
 

@@ -18,6 +18,7 @@ from trtprompt.engine.kv_events import KV_EVENT_KNOBS, kv_events_config
 from trtprompt.engine.tiers.redis_store import RedisTarget, remote_password
 from trtprompt.interface import OPENAI_PORT
 from trtprompt.secret_source import read_secret
+from trtprompt.targets import kv_offload
 
 LAYOUTS = knobs.LAYOUTS
 # "--disable-chunked-context", "--disable-kv-cache-reuse": the off half of each knob's flag.
@@ -97,9 +98,12 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
     if engine.target != "torch" and opts.engine_threads is not None:
         raise ValueError("engine_threads sets the torch target's engine process threads; this engine is for "
                          f"the {engine.target} target, which has no such process: leave it unset")
-    if engine.target != "torch" and (opts.disk_cache_path is not None or opts.kv_remote_url is not None):
-        raise ValueError("disk_cache_path and kv_remote_url set the torch engine's KV tiers; this engine is for "
-                         f"the {engine.target} target: leave them unset")
+    if engine.target != "torch" and opts.kv_remote_url is not None:
+        raise ValueError("kv_remote_url sets the torch engine's remote KV tier; this engine is for the "
+                         f"{engine.target} target: leave it unset")
+    offload = kv_offload.target_problem(engine.target, opts)  # host / disk tiers per target (docs/prefix-pool.md)
+    if offload:
+        raise ValueError(offload)
     if opts.kv_events_endpoint is not None or opts.kv_events_replay_endpoint is not None:
         if engine.target != "torch":
             raise ValueError("kv_events_endpoint publishes the torch engine's KV events; this engine is for the "

@@ -7,7 +7,9 @@ tensorrtllm_backend's inflight_batcher_llm/tensorrt_llm model (TensorRT-LLM
 1.2.x): clients and ensembles written for it work unchanged.
 
 One parameter is left out when unset on purpose: `max_tokens_in_paged_kv_cache`
-("no cap" has no value; the pool is then sized by kv_cache_free_gpu_mem_fraction).
+("no cap" has no value; the pool is then sized by kv_cache_free_gpu_mem_fraction). The host tier's parameters
+(kv_cache_host_memory_bytes, kv_cache_onboard_blocks) and the six retention inputs:
+docs/prefix-pool.md, "TensorRT-LLM targets".
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from trtprompt import knobs
-from trtprompt.interface import PERF_OUTPUTS, Tensor
+from trtprompt.interface import PERF_OUTPUTS, RETENTION_INPUTS, Tensor
 
 MODEL_NAME = "tensorrt_llm"
 BACKEND = "tensorrtllm"
@@ -69,7 +71,8 @@ OUTPUTS: tuple[Tensor, ...] = (
 MODEL_KNOBS: tuple[str, ...] = (
     "enable_kv_cache_reuse", "enable_chunked_context", "batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction",
     "max_tokens_in_paged_kv_cache", "max_beam_width", "max_queue_size", "max_queue_delay_microseconds",
-    "exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms")
+    "exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms",
+    "kv_cache_host_memory_bytes", "kv_cache_onboard_blocks")
 # Triton's own queue settings (dynamic_batching), not backend parameters.
 QUEUE_KNOBS: tuple[str, ...] = ("max_queue_size", "max_queue_delay_microseconds")
 
@@ -116,8 +119,6 @@ class TrtllmModelParams(knobs.BackendParams):
             "gpt_model_path": str(self.engine_dir),
             "max_attention_window_size": self.max_attention_window_size,
             **{str(knobs.KNOBS[k].trtllm): getattr(self, k) for k in MODEL_KNOBS if k not in QUEUE_KNOBS},
-            "kv_cache_onboard_blocks": True,
-            "kv_cache_host_memory_bytes": 0,
             "iter_stats_max_iterations": self.iter_stats_max_iterations,
             "request_stats_max_iterations": self.request_stats_max_iterations,
             "normalize_log_probs": self.normalize_log_probs,
@@ -149,6 +150,9 @@ def _inputs(cfg: mc.ModelConfig, dtype: str) -> None:
     for name, kind in SCALAR_INPUTS:
         _add(cfg.input, name, kind, [1], True, reshape=True)
     for name, kind, dims, optional in RAGGED_INPUTS:
+        _add(cfg.input, name, kind, dims, optional, ragged=True)
+    # KvCacheRetentionConfig per request, declared as the backend's template declares them (ragged, no reshape).
+    for name, kind, dims, optional in RETENTION_INPUTS:
         _add(cfg.input, name, kind, dims, optional, ragged=True)
     _add(cfg.input, "prompt_embedding_table", TRITON_DTYPES[dtype], [-1, -1], True, ragged=True)
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from trtprompt.error_codes import BadRequestError
+from trtprompt.interface import RETENTION_INPUTS
 from trtprompt.serve.triton_models import inputs
 from trtprompt.serve.triton_models.inputs import Array
 from trtprompt.serve.wire.requests import check_text_or_messages
@@ -51,6 +52,13 @@ OUTPUT_NAMES: dict[str, str] = {
 }
 SALT_REFUSAL = ("input 'cache_salt' cannot be honoured: TensorRT-LLM's llmapi Triton model has no per-request "
                 "cache salt input, so KV blocks could not be kept apart")
+# The LLM API takes retention as generate_async(kv_cache_retention_config=KvCacheRetentionConfig(...)), but
+# TensorRT-LLM's llmapi Triton model (its model.py, which this layout calls) passes none and declares no such
+# input: refused rather than dropped (docs/prefix-pool.md, "TensorRT-LLM targets").
+RETENTION_NAMES: tuple[str, ...] = tuple(name for name, *_ in RETENTION_INPUTS)
+RETENTION_REFUSAL = ("input '{name}' cannot be honoured: TensorRT-LLM's llmapi Triton model passes no "
+                     "KvCacheRetentionConfig to the LLM API, so retention priorities would be ignored; serve with "
+                     "the trtllm (1.2 engine) or torch target to use them")
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,9 @@ def edge_request(tensors: Mapping[str, Array], prepare: Callable[..., Any],
     check_text_or_messages(text, messages)
     if salt:
         raise BadRequestError(SALT_REFUSAL, "cache_salt")
+    given = next((name for name in RETENTION_NAMES if np.asarray(tensors.get(name, ())).size), None)
+    if given:
+        raise BadRequestError(RETENTION_REFUSAL.format(name=given), given)
     max_tokens = _max_tokens(tensors)
     prompt = prepare(text, messages, overflow, salt, max_tokens)
     untouched = messages is None and not prompt.prompt_truncated_tokens
