@@ -15,6 +15,7 @@ import re
 import threading
 from typing import Any
 
+import pytest
 from serve_fixtures import Served, wait_for
 
 from trtprompt.serve import metrics_catalog as C
@@ -79,7 +80,7 @@ def _kv_consistent(served: Served) -> dict[str, float]:
     kv = {k: router_read(scrape, f"nv_trt_llm_kv_cache_block_metrics{{kv_cache_block_type={k}}}")
           for k in ("max", "free", "used", "fraction", "tokens_per")}
     assert kv["used"] + kv["free"] == kv["max"]
-    assert kv["fraction"] == (kv["used"] / kv["max"])
+    assert kv["fraction"] == pytest.approx(kv["used"] / kv["max"], rel=1e-6)  # as printed on /metrics
     return kv
 
 
