@@ -60,6 +60,17 @@ def test_inspect_shows_the_replicas_option(tiny_engine_dir: Path) -> None:
     assert "replicas (serve option, default; docs/replicas.md)" in inspect_text(engine)
 
 
+def test_each_replica_gets_its_own_kv_event_endpoints() -> None:
+    from trtprompt.serve.launch.options import ServeOptions
+
+    opts = ServeOptions(replicas=2, kv_events_endpoint="tcp://127.0.0.1:5557",
+                        kv_events_replay_endpoint="ipc:///tmp/replay")
+    second = replica_options(opts, frozenset({1}), 1)
+    assert (second.kv_events_endpoint, second.kv_events_replay_endpoint) == ("tcp://127.0.0.1:5558",
+                                                                             "ipc:///tmp/replay_1")
+    assert replica_options(opts, frozenset({0}), 0).kv_events_endpoint == "tcp://127.0.0.1:5557"
+
+
 @pytest.fixture(scope="module")
 def group(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     if len(os.sched_getaffinity(0)) < 2:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from trtprompt.engine.kv_events import offset_endpoint
 from trtprompt.serve.launch import router as R
 from trtprompt.serve.launch.cpu_sets import replica_cpu_sets
 from trtprompt.serve.launch.launcher import (
@@ -76,13 +77,18 @@ def plan_replicas(count: int, ports: Ports, run_dir: Path, cpu_sets: list[frozen
     return specs
 
 
-def replica_options(options: ServeOptions, cpus: frozenset[int]) -> ServeOptions:
-    """One replica's options: engine_threads unset becomes its core count; more is refused."""
+def replica_options(options: ServeOptions, cpus: frozenset[int], index: int = 0) -> ServeOptions:
+    """Replica index's options: engine_threads unset becomes its core count (more is refused); KV
+    event endpoints are offset by the index (a tcp port + index, an ipc path + _index), as vLLM
+    offsets its data-parallel ranks' (docs/kv-events.md)."""
     threads = options.engine_threads
     if threads is not None and threads > len(cpus):
         raise ValueError(f"engine_threads {threads} exceeds the {len(cpus)} core(s) each of {options.replicas} "
                          f"replicas gets: lower --engine-threads or --replicas")
-    return dataclasses.replace(options, engine_threads=threads or len(cpus), replicas=1)
+    events, replay = options.kv_events_endpoint, options.kv_events_replay_endpoint
+    return dataclasses.replace(options, engine_threads=threads or len(cpus), replicas=1,
+                               kv_events_endpoint=None if events is None else offset_endpoint(events, index),
+                               kv_events_replay_endpoint=None if replay is None else offset_endpoint(replay, index))
 
 
 class Replica:
@@ -165,6 +171,7 @@ class ReplicaGroup:
         self.replicas = [Replica(s, make, log, restart) for s in specs]
         self.router, self.run_dir, self.own_run_dir = router, run_dir, own_run_dir
         self.ready_timeout_s, self.log = ready_timeout_s, log
+        self.kv_events: list[str | None] = [None] * len(specs)  # each replica's KV event endpoint, if any
         self.router_proc: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
         self._rolling = threading.Event()
@@ -207,7 +214,8 @@ class ReplicaGroup:
     def layout(self) -> dict[str, object]:
         return {"router": self.router.base, "router_metrics": f"http://{self.router.local_host}:"
                 f"{self.router.metrics_port}/metrics", "policy": self.router.policy,
-                "replicas": [r.spec.describe() for r in self.replicas]}
+                "replicas": [r.spec.describe() | {"kv_events_endpoint": self.kv_events[r.spec.index]}
+                             for r in self.replicas]}
 
     def watch(self) -> int:
         """Until stop (0) or the router exits (1); SIGHUP (request_rolling) runs rolling_restart."""
@@ -293,9 +301,10 @@ def ready_message(group: ReplicaGroup, engine: EngineInfo, options: ServeOptions
              f"  router  {group.router.base}  (metrics http://{group.router.local_host}:{group.router.metrics_port}"
              f"/metrics)", f"  logs    {group.run_dir}  (layout in {LAYOUT_FILE}; SIGHUP: rolling restart)"]
     for r in group.replicas:
-        s = r.spec
+        s, events = r.spec, group.kv_events[r.spec.index]
         lines.append(f"  replica {s.index}: gRPC {s.ports.host}:{s.ports.grpc}  HTTP {s.ports.http}  metrics "
-                     f"{s.ports.metrics}  OpenAI {s.url} (behind the router)  cores {_cores(s.cpus)}")
+                     f"{s.ports.metrics}  OpenAI {s.url} (behind the router)  cores {_cores(s.cpus)}"
+                     f"{f'  KV events {events}' if events else ''}")
     lines.append(openai_banner(openai, group.router.local_host, model or engine.path.name))
     return "\n".join(lines)
 
@@ -309,7 +318,7 @@ def build_group(engine: EngineInfo, options: ServeOptions, ports: Ports, openai:
                 log: Callable[[str], None]) -> ReplicaGroup:
     """The group for serve --replicas N (checks the options first; raises ValueError)."""
     cpu_sets = replica_cpu_sets(options.replicas)
-    per_replica = [replica_options(options, cpus) for cpus in cpu_sets]
+    per_replica = [replica_options(options, cpus, i) for i, cpus in enumerate(cpu_sets)]
     own = run_dir is None
     root = Path(tempfile.mkdtemp(prefix="trtprompt-serve-")) if run_dir is None else Path(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -323,7 +332,9 @@ def build_group(engine: EngineInfo, options: ServeOptions, ports: Ports, openai:
         return Server(engine, per_replica[spec.index], spec.ports, run_dir=spec.run_dir,
                       ready_timeout_s=ready_timeout_s, restart_engine=restart, log=log, openai=front,
                       cpus=spec.cpus)
-    return ReplicaGroup(specs, make, router, root, own, ready_timeout_s, log, restart)
+    group = ReplicaGroup(specs, make, router, root, own, ready_timeout_s, log, restart)
+    group.kv_events = [o.kv_events_endpoint for o in per_replica]
+    return group
 
 
 def serve_replicas(engine: EngineInfo, options: ServeOptions, ports: Ports, openai: OpenAIOptions | None,
