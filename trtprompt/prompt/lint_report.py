@@ -110,7 +110,7 @@ def as_text(report: LintReport, tokenizer: Any) -> str:
     if report.reordered_template is not None:
         out += ["reordered template:", report.reordered_template]
     if report.restart is not None:
-        out += [""] + restart_lines(report.restart, tpb)
+        out += [""] + restart_lines(report.restart, tpb, est)
     out += [f"warning: {w}" for w in report.warnings]
     out += ["", f"assumes: {ASSUMPTIONS}"]
     return "\n".join(out)

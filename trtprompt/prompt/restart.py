@@ -134,8 +134,8 @@ def restart_report(ids: Sequence[Sequence[int]], tokens_per_block: int, salts: S
                          tuple(_shared(tree, ids, tokens_per_block, salts, kept)), after)
 
 
-def restart_lines(report: RestartReport, tokens_per_block: int) -> list[str]:
-    """The text report's section."""
+def restart_lines(report: RestartReport, tokens_per_block: int, fresh: ReuseEstimate | None = None) -> list[str]:
+    """The text report's section (fresh: the set's reuse on a fresh server, to compare with)."""
     setup, est = report.setup, report.after_restart
     if not setup.tiers:
         return ["after a restart: nothing survives: the KV pool lives in the engine process's memory and no "
@@ -143,10 +143,12 @@ def restart_lines(report: RestartReport, tokens_per_block: int) -> list[str]:
     policy = setup.kv_tier_write_policy
     lines = [f"after a restart ({' and '.join(setup.tiers)} tier, {policy}): the tiers keep {report.kept_blocks} "
              f"prompt block(s); the set run again reuses {est.reused_tokens} of {est.total_tokens} prompt tokens "
-             f"({est.reusable_fraction:.1%})"]
+             f"({est.reusable_fraction:.1%}"
+             + (f"; {fresh.reusable_fraction:.1%} on a fresh server)" if fresh is not None else ")")]
     if report.evicted_blocks:
-        lines.append(f"  the disk budget (--disk-cache-size {setup.disk_cache_size}) holds {report.kept_blocks} "
-                     f"entries of {setup.entry_bytes} bytes: the {report.evicted_blocks} written first are evicted "
+        entries = f"{report.kept_blocks} entr{'y' if report.kept_blocks == 1 else 'ies'}"
+        lines.append(f"  the disk budget (--disk-cache-size {setup.disk_cache_size}) holds {entries} of "
+                     f"{setup.entry_bytes} bytes: the {report.evicted_blocks} written first are evicted "
                      "(the figure above is then at most: the restarted server's own writes evict more)")
     if policy == "write_back":
         lines.append("  write_back writes the pool's blocks at a clean stop: after a crash only blocks it had "
