@@ -141,8 +141,12 @@ def test_inspect_shows_the_kv_event_options_and_the_router_block_size(tiny_engin
     finally:
         loaded.close()
     assert LLMEngine.from_engine_dir(tiny_engine_dir).kv_events is None  # off by default
-    with pytest.raises(ValueError, match="with --replicas each replica needs its own"):
-        check_engine_allows(engine, ServeOptions(replicas=2, kv_events_endpoint="5557"))
+    check_engine_allows(engine, ServeOptions(replicas=2, kv_events_endpoint="5557",
+                                             kv_events_replay_endpoint="5567"))  # replica i: ports + i
+    with pytest.raises(ValueError, match=r"with 2 replicas the KV event endpoints tcp://127.0.0.1:5557..tcp"
+                                         r"://127.0.0.1:5558 and the replay endpoints .* overlap"):
+        check_engine_allows(engine, ServeOptions(replicas=2, kv_events_endpoint="5557",
+                                                 kv_events_replay_endpoint="5558"))
     with pytest.raises(ValueError, match="kv events endpoint must be"):
         check_engine_allows(engine, ServeOptions(kv_events_endpoint="localhost"))
 

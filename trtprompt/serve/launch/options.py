@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from trtprompt import knobs, rules
 from trtprompt.client import API_KEY_ENV
 from trtprompt.engine.engine_dir import EngineDir
-from trtprompt.engine.kv_events import KV_EVENT_KNOBS, kv_events_config
+from trtprompt.engine.kv_events import KV_EVENT_KNOBS, kv_events_config, offset_endpoint
 from trtprompt.engine.tiers.redis_store import RedisTarget, remote_password
 from trtprompt.interface import OPENAI_PORT
 from trtprompt.secret_source import read_secret
@@ -78,6 +78,19 @@ def kv_event_overrides(opts: ServeOptions) -> dict[str, Any]:
     return {name: getattr(opts, name) for name in KV_EVENT_KNOBS}
 
 
+def check_kv_event_endpoints(opts: ServeOptions) -> None:
+    """Replica i binds the endpoints offset by i (serve/launch/replicas.py): refuse overlapping sets."""
+    config = kv_events_config(kv_event_overrides(opts))
+    if config is None or config.replay_endpoint is None:
+        return
+    pub = [offset_endpoint(config.endpoint, i) for i in range(opts.replicas)]
+    replay = [offset_endpoint(config.replay_endpoint, i) for i in range(opts.replicas)]
+    if set(pub) & set(replay):
+        raise ValueError(f"with {opts.replicas} replicas the KV event endpoints {pub[0]}..{pub[-1]} and the "
+                         f"replay endpoints {replay[0]}..{replay[-1]} overlap (replica i adds i to each port): "
+                         "space kv_events_replay_endpoint further from kv_events_endpoint")
+
+
 def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
     """Refuse runtime flags the engine was not built for (TensorRT-LLM's rules)."""
     build = engine.build_config
@@ -109,10 +122,7 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
             raise ValueError("kv_events_endpoint publishes the torch engine's KV events; this engine is for the "
                              f"{engine.target} target: leave it unset")
         kv_events_config(kv_event_overrides(opts))  # a bad endpoint is refused now, naming it
-        if opts.replicas != 1:  # each engine process binds its own endpoint: offset_endpoint, not wired yet
-            raise ValueError("kv_events_endpoint gives one engine process's endpoint; with --replicas each "
-                             "replica needs its own, which serve does not assign yet: leave one of them unset "
-                             "(docs/kv-events.md)")
+        check_kv_event_endpoints(opts)
     if opts.kv_remote_url is not None:  # refused here, before the banner or a process could show a password
         RedisTarget.parse(opts.kv_remote_url)
         remote_password(opts.kv_remote_password_file)  # an unreadable or empty file: refused now, naming it
