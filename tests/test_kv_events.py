@@ -326,3 +326,21 @@ def test_dynamo_indexer_overlap_equals_engine_prefix_lookup(hf_path: Path, index
     finally:
         engine.close()
         indexer.post("/unregister", {"instance_id": worker, "model_name": "tiny"})
+
+
+def test_a_salted_chain_carries_its_salt_in_the_map_layout_only() -> None:
+    from trtprompt.engine.eviction import Block
+    from trtprompt.engine.kv_events import KvEventRecorder, encode_batch
+    from trtprompt.engine.pool_events import BlockContent
+
+    rec = KvEventRecorder()
+    pool_block = Block(0)
+    rec.stored(pool_block, b"a" * 16, BlockContent(None, (1, 2), "tenant-a"))
+    rec.stored(pool_block, b"b" * 16, BlockContent(b"a" * 16, (3, 4), "tenant-a"))  # same chain: one event
+    rec.stored(pool_block, b"c" * 16, BlockContent(None, (1, 2)))
+    events = rec.take()
+    [_, decoded, _] = msgpack.unpackb(encode_batch(0.0, events, 2, "map", 0))
+    assert [(e["token_ids"], e.get("cache_salt")) for e in decoded] == [([1, 2, 3, 4], "tenant-a"), ([1, 2], None)]
+    assert "cache_salt" not in decoded[1]
+    [_, positional, _] = msgpack.unpackb(encode_batch(0.0, events, 2, "array", 0))
+    assert [len(e) for e in positional] == [8, 8]  # vLLM's positional BlockStored has no salt field

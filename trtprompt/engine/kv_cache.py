@@ -180,7 +180,8 @@ class KVCacheManager:
         start = self._num_published.get(req.request_id, 0)
         listened = bool(self.pool.listeners)
         for i in range(start, n_full):
-            content = content_of(req.all_token_ids, req.block_hashes, i, self.tokens_per_block) if listened else None
+            content = (content_of(req.all_token_ids, req.block_hashes, i, self.tokens_per_block, req.cache_salt)
+                       if listened else None)
             self.pool.cache(table[i], req.block_hashes[i], content)
             if self.tiers is not None and self.pool.lookup(req.block_hashes[i]) is table[i]:
                 self.tiers.published(table[i])
@@ -216,7 +217,7 @@ class KVCacheManager:
         if not self.pool.listeners or not hashes:
             return None
         first = req.block_hashes.index(hashes[0])
-        return [content_of(req.all_token_ids, req.block_hashes, first + j, self.tokens_per_block)
+        return [content_of(req.all_token_ids, req.block_hashes, first + j, self.tokens_per_block, req.cache_salt)
                 for j in range(len(hashes))]
 
     def block_ids(self, request_id: str) -> list[int]:

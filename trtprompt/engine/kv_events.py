@@ -144,7 +144,7 @@ class KvEventRecorder:
             last[1].append(h)  # the next block of the same chain: one BlockStored, as vLLM sends
             last[3].extend(content.token_ids)
         else:
-            self._events.append(("stored", [h], parent, list(content.token_ids)))
+            self._events.append(("stored", [h], parent, list(content.token_ids), content.salt))
 
     def removed(self, block: Block, block_hash: BlockHash) -> None:
         last = self._events[-1] if self._events else None
@@ -164,9 +164,12 @@ class KvEventRecorder:
 def _event_map(event: Event, block_size: int) -> dict[str, Any]:
     """vLLM's tagged-map layout (vLLM since its PR 42892): fields by name, tag under "type"."""
     if event[0] == "stored":
-        return {"type": "BlockStored", "block_hashes": event[1], "parent_block_hash": event[2],
-                "token_ids": event[3], "block_size": block_size, "lora_id": None, "medium": MEDIUM,
-                "lora_name": None}
+        stored = {"type": "BlockStored", "block_hashes": event[1], "parent_block_hash": event[2],
+                  "token_ids": event[3], "block_size": block_size, "lora_id": None, "medium": MEDIUM,
+                  "lora_name": None}
+        if event[4] is not None:  # Dynamo's indexer keys salted chains apart by it; vLLM's decoder skips it
+            stored["cache_salt"] = event[4]
+        return stored
     if event[0] == "removed":
         return {"type": "BlockRemoved", "block_hashes": event[1], "medium": MEDIUM}
     return {"type": "AllBlocksCleared"}

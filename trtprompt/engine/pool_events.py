@@ -17,11 +17,13 @@ __all__ = ["BlockContent", "PoolListener"]
 
 @dataclass(frozen=True)
 class BlockContent:
-    """What a published block holds: its parent in the hash chain (None for a prompt's first block) and
-    its tokens. The salt is already inside the chain (block_pool.hash_block)."""
+    """What a published block holds: its parent in the hash chain (None for a prompt's first block), its
+    tokens, and the request's cache salt. The salt is already inside the chain (block_pool.hash_block);
+    it is repeated here for consumers that key on it themselves (Dynamo's indexer, docs/kv-events.md)."""
 
     parent: BlockHash | None
     token_ids: tuple[int, ...]
+    salt: str | None = None
 
 
 class PoolListener(Protocol):
@@ -37,8 +39,8 @@ class PoolListener(Protocol):
 
 
 def content_of(token_ids: Sequence[int], hashes: Sequence[BlockHash], index: int,
-               tokens_per_block: int) -> BlockContent:
-    """The content of a prompt's block index, from its tokens and its chain of hashes."""
+               tokens_per_block: int, salt: str | None = None) -> BlockContent:
+    """The content of a prompt's block index, from its tokens, its chain of hashes and its salt."""
     start = index * tokens_per_block
     return BlockContent(hashes[index - 1] if index else None,
-                        tuple(token_ids[start:start + tokens_per_block]))
+                        tuple(token_ids[start:start + tokens_per_block]), salt)
