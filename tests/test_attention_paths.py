@@ -104,9 +104,11 @@ def test_equal_short_chunks_need_no_padding(heads, kv_heads, head_size, tpb, dty
     want = run_backend("reference", seqs, tpb, caches, q, k, v, dtype).float()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for backend in ["torch"] + (["compiled"] if COMPILED else []):
-        small = build_attention_metadata(seqs, tpb, torch.device("cpu"), backend=backend, dtype=dtype).small
-        assert small is not None and small.mask is None and small.valid is None
-        assert (small.rows_start is not None) == back_to_back
+        meta = build_attention_metadata(seqs, tpb, torch.device("cpu"), backend=backend, dtype=dtype)
+        if backend == "torch":  # the compiled kernel takes every chunk in one call, padding none
+            small = meta.small
+            assert small is not None and small.mask is None and small.valid is None
+            assert (small.rows_start is not None) == back_to_back
         got = run_backend(backend, seqs, tpb, caches, q, k, v, dtype).float()
         assert (got - want).abs().max().item() < tol, backend
 

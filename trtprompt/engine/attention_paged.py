@@ -11,6 +11,12 @@ each with its log-sum-exp, merged exactly:
 - a group of sequences sharing cached prefix blocks (cascade.py): every member's
   query rows attend to those blocks together, in one call.
 
+With the compiled kernels, every prefill chunk instead attends to its context and its
+own tokens (already written to the cache) in one pass over its blocks in place, all
+chunks of the step in one call (kernels.paged_prefill: blocked GEMMs, online softmax,
+causal blocks skipped), and a cascade group's rows attend to the shared blocks the
+same way; docs/attention.md has the design and the figures.
+
 Design and measurements: docs/design.md, "Attention".
 """
 
@@ -84,6 +90,16 @@ class SmallChunks:
 class PrefixGroup:
     rows: torch.Tensor  # [R] packed query rows of every member
     block_ids: torch.Tensor  # [P] the shared blocks
+    table: torch.Tensor | None  # compiled only: [1, P] int32, the blocks as the prefill kernel's table
+    segments: torch.Tensor | None  # compiled only: [1, 4] int64, all R rows against all P blocks' tokens
+
+
+@dataclass(frozen=True)
+class KernelChunks:
+    """Every prefill chunk of the step for the compiled prefill kernel: one segment each."""
+
+    tables: torch.Tensor  # [C, max_blocks] int32: the chunk's blocks after any shared prefix, padded with 0
+    segments: torch.Tensor  # [C, 4] int64: row_start, num_rows, num_keys, first_limit (kernels.paged_prefill)
 
 
 def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
@@ -160,14 +176,19 @@ class PagedMetadata:
     small: SmallChunks | None  # the own-token part of short chunks, batched
     groups: tuple[PrefixGroup, ...]
     compiled: bool
+    chunks: KernelChunks | None = None  # compiled: all prefill chunks in one kernel call (prefills, small empty)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                scale: float) -> torch.Tensor:
-        if not self.prefills and not self.groups and self.small is None and len(self.decodes) == 1 \
-                and self.decodes[0].rows_start == 0:
+        if not self.prefills and not self.groups and self.small is None and self.chunks is None \
+                and len(self.decodes) == 1 and self.decodes[0].rows_start == 0:
             return self._decode(q, kv_cache, self.decodes[0], scale)[0]  # a pure decode step
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        if self.chunks is not None:  # rows of the chunks written, the others set below
+            out, lse = kernels.paged_prefill(q.contiguous(), kv_cache[0], kv_cache[1], self.chunks.tables,
+                                             self.chunks.segments, scale)
+        else:
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         for dec in self.decodes:
             o, o_lse = self._decode(q, kv_cache, dec, scale)
             put_rows(out, dec.rows, dec.rows_start, o)
@@ -180,8 +201,11 @@ class PagedMetadata:
             self._prefill(q, k, v, kv_cache, chunk, scale, out, lse)
         for group in self.groups:
             qg = q.index_select(0, group.rows)
-            shared = attend_unmasked(qg, gather_blocks(kv_cache[0], group.block_ids),
-                                     gather_blocks(kv_cache[1], group.block_ids), scale)
+            if group.table is not None and group.segments is not None:
+                shared = kernels.paged_prefill(qg, kv_cache[0], kv_cache[1], group.table, group.segments, scale)
+            else:
+                shared = attend_unmasked(qg, gather_blocks(kv_cache[0], group.block_ids),
+                                         gather_blocks(kv_cache[1], group.block_ids), scale)
             o, o_lse = merge((out.index_select(0, group.rows), lse.index_select(0, group.rows)), shared)
             out.index_copy_(0, group.rows, o)
             lse.index_copy_(0, group.rows, o_lse)
@@ -272,6 +296,38 @@ def _small_chunks_batch(starts: list[int], sizes: list[int], device: torch.devic
     return SmallChunks(rows, None, valid.reshape(-1), additive_mask(keep, dtype)[:, None])
 
 
+def _kernel_chunks(starts: list[int], seqs: Sequence[SeqSlice], skips: list[int], tpb: int,
+                   device: torch.device) -> KernelChunks | None:
+    """One kernel segment per prefill chunk: its blocks after any shared prefix, context and own tokens.
+
+    The chunk's own K/V are in the cache when attention runs (write_kv comes first), so row i
+    (position context_len + i) sees the first context_len - skip * tpb + i + 1 of those blocks' tokens.
+    """
+    chosen = [i for i, s in enumerate(seqs) if s.num_new_tokens > 1]
+    if not chosen:
+        return None
+    tables, segments = [], []
+    for i in chosen:
+        seq, first = seqs[i], skips[i] * tpb
+        keys = seq.context_len + seq.num_new_tokens - first
+        tables.append(list(seq.block_table[skips[i]:skips[i] + -(-keys // tpb)]))
+        segments.append([starts[i], seq.num_new_tokens, keys, seq.context_len - first + 1])
+    width = max(len(t) for t in tables)
+    return KernelChunks(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+                        torch.tensor(segments, dtype=torch.long, device=device))
+
+
+def _prefix_group(rows: list[int], ids: list[int], tpb: int, device: torch.device, compiled: bool) -> PrefixGroup:
+    if not compiled:
+        return PrefixGroup(torch.tensor(rows, dtype=torch.long, device=device),
+                           torch.tensor(ids, dtype=torch.long, device=device), None, None)
+    keys = len(ids) * tpb
+    return PrefixGroup(torch.tensor(rows, dtype=torch.long, device=device),
+                       torch.tensor(ids, dtype=torch.long, device=device),
+                       torch.tensor([ids], dtype=torch.int32, device=device),
+                       torch.tensor([[0, len(rows), keys, keys]], dtype=torch.long, device=device))
+
+
 def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device, dtype: torch.dtype,
           compiled: bool) -> PagedMetadata:
     starts = [0]
@@ -282,8 +338,7 @@ def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device, dtype: torch
     for shared in find_shared_prefixes([s.block_table for s in seqs], [s.context_len // tpb for s in seqs], tpb):
         rows = [r for i in shared.members for r in range(starts[i], starts[i + 1])]
         ids = list(seqs[shared.members[0]].block_table[:shared.num_blocks])
-        groups.append(PrefixGroup(torch.tensor(rows, dtype=torch.long, device=device),
-                                  torch.tensor(ids, dtype=torch.long, device=device)))
+        groups.append(_prefix_group(rows, ids, tpb, device, compiled))
         for i in shared.members:
             skips[i] = shared.num_blocks
     dec = [i for i, s in enumerate(seqs) if s.num_new_tokens == 1]
@@ -293,9 +348,12 @@ def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device, dtype: torch
                                                    tpb, MAX_DECODE_GROUP_BLOCKS)]
     decodes = tuple(_decode_batch([starts[i] for i in p], [seqs[i] for i in p], [skips[i] for i in p],
                                   tpb, device, dtype, compiled) for p in parts if p)
+    blocks, offsets = slot_tensors(seqs, tpb, device)
+    if compiled:
+        return PagedMetadata(starts[-1], blocks, offsets, decodes, (), None, tuple(groups), compiled,
+                             _kernel_chunks(starts, seqs, skips, tpb, device))
     prefills = tuple(_prefill_chunk(starts[i], s, skips[i], tpb, device)
                      for i, s in enumerate(seqs) if s.num_new_tokens > 1)
     short = [c for c in prefills if c.num_new_tokens <= SMALL_CHUNK_TOKENS]
     small = _small_chunks_batch([c.start for c in short], [c.num_new_tokens for c in short], device, dtype)
-    blocks, offsets = slot_tensors(seqs, tpb, device)
     return PagedMetadata(starts[-1], blocks, offsets, decodes, prefills, small, tuple(groups), compiled)

@@ -29,7 +29,7 @@ from trtprompt.engine.isa import KernelVariant
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "fused_ops.cpp")
 HEADERS = (CSRC / "vec.h", CSRC / "dtypes.h")
 # The kernel tiles rows by four; head sizes must be a multiple of the variant's vector width.
 TOKENS_PER_BLOCK_MULTIPLE = 4
@@ -121,6 +121,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [S, H, D], lse [S, H] float32) of one query token per sequence, read in place."""
     out, lse = torch.ops.trtprompt.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return out, lse
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  segments: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [T, H, D], lse [T, H] float32) of query rows attending to K/V blocks in place, as blocked GEMMs.
+
+    segments [S, 4] int64, one per block-table row (int32): row_start, num_rows, num_keys, first_limit;
+    row i of a segment sees keys [0, min(num_keys, first_limit + i)). Rows no segment names are left
+    unset. csrc/prefill_attention.cpp; docs/attention.md.
+    """
+    out, lse = torch.ops.trtprompt.paged_prefill(q, k_cache, v_cache, block_tables, segments, scale)
     return out, lse
 
 

@@ -1,0 +1,419 @@
+// Paged prefill attention as register-blocked GEMMs over K/V blocks read in place.
+//
+// A segment is a run of query rows of q that attend to the first num_keys tokens named
+// by its block-table row; row i sees keys [0, min(num_keys, first_limit + i)) (causal
+// for a chunk whose own tokens are already in the cache; first_limit = num_keys for
+// none). A work item is (segment, kv head, tile of query tokens): the tile's query
+// heads of that kv head (a GQA group) become the columns of one matrix, packed once,
+// transposed and pre-scaled; each K/V block the tile can see is read where it is, once
+// per item, and
+//   S[key, col] = K[key, :] . Qt[:, col]          (6 keys x 2 vectors of columns per step)
+//   online softmax down each column (running max and sum; vectorised across columns)
+//   O[col, :]  = alpha[col] O[col, :] + sum_key S[key, col] V[key, :]   (6 columns x 2 vectors)
+// Blocks past the tile's last visible key are skipped; only blocks that cross the
+// diagonal are masked. Items go to threads dynamically, most work first, as causal
+// tiles differ in cost. The log-sum-exp is returned so callers merge partial results
+// (cascade attention over a shared prefix). Design and figures: docs/attention.md.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "dtypes.h"
+#include "vec.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using namespace trtprompt_dtypes;
+using namespace trtprompt_vec;
+
+// Columns (query tokens x GQA heads) per item: Qt, S and O of an item then take
+// 24-48 KB each at head size 64 and stay in L2 with the K/V tile; more columns would
+// read each K/V block fewer times but leave fewer items to balance two threads.
+constexpr int64_t kColsTarget = 96;
+// Keys per K/V tile: whole blocks, at least one; a tile's O update loads and stores
+// O once per column, so longer tiles amortise it.
+constexpr int64_t kTileKeys = 128;
+constexpr int64_t kColBlock = 2 * kLanes;  // columns of one scores micro tile
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The head size: a compile-time constant for the common sizes (the micro kernels then
+// address six key rows by immediate offsets instead of running out of integer registers).
+template <int D>
+inline int64_t dim(int64_t d) {
+  return D > 0 ? D : d;
+}
+
+// e^x for x <= 0, exactly 0 below -87 (masked scores are -inf).
+inline vf exp_or_zero(vf x) {
+  const vf e = exp_nonpositive(x);
+  return x < vf{} - 87.0f ? vf{} : e;
+}
+
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// A run of consecutive key rows of one (block, kv head), as float.
+struct Run {
+  const float* k;
+  const float* v;
+  int64_t n;
+};
+
+// s[i, :2 vectors] = sum_e k[i, e] * qt[e, :2 vectors] for R key rows read in place; mx (the columns'
+// maximum over the tile) takes in the first `valid` rows (the others lie past the tile's keys).
+// Masked (a tile crossing the diagonal): key `key0 + i` at or past a column's limit scores -inf.
+template <int D, int R, bool Masked>
+inline void qk_micro(const float* k, int64_t d_, const float* qt, int64_t ncp, float* s, float* mx,
+                     const float* limit, float key0, int64_t valid) {
+  const int64_t d = dim<D>(d_);
+  vf acc[R][2] = {};
+#pragma GCC unroll 4
+  for (int64_t e = 0; e < d; ++e) {
+    const vf b0 = load(qt + e * ncp), b1 = load(qt + e * ncp + kLanes);
+    for (int i = 0; i < R; ++i) {
+      const float a = k[i * d + e];
+      acc[i][0] += a * b0;
+      acc[i][1] += a * b1;
+    }
+  }
+  // Without this barrier the compiler keeps the maxima in registers from call to call, and
+  // with them live an accumulator spills in the loop above (a store-forward chain per step).
+  asm volatile("" ::: "memory");
+  vf m0 = load(mx), m1 = load(mx + kLanes);
+  const vf inf = vf{} + kNegInf;
+  for (int i = 0; i < R; ++i) {  // a constant trip count: acc stays in registers
+    if (Masked) {
+      const vf key = vf{} + (key0 + static_cast<float>(i));
+      acc[i][0] = key >= load(limit) ? inf : acc[i][0];
+      acc[i][1] = key >= load(limit + kLanes) ? inf : acc[i][1];
+    }
+    if (i < valid) m0 = vmax(m0, acc[i][0]), m1 = vmax(m1, acc[i][1]);
+    store(s + i * ncp, acc[i][0]);
+    store(s + i * ncp + kLanes, acc[i][1]);
+  }
+  store(mx, m0), store(mx + kLanes, m1);
+}
+
+// Scores of one run's n rows (rounded up to 4: rows past n lie inside the block) in one column block,
+// six rows at a time and the rest in fours (two-row steps would halve the FMA rate: too few chains).
+template <int D, bool Masked>
+inline void qk_run(const Run& run, int64_t d, const float* qt, int64_t ncp, float* s, float* mx,
+                   const float* limit, int64_t key0) {
+  const int64_t n4 = (run.n + 3) / 4 * 4;
+  const int64_t fours = n4 % 6 == 2 ? 2 : n4 % 6 == 4 ? 1 : 0;
+  const int64_t stride = dim<D>(d);
+  int64_t r = 0;
+  auto at = [&](int64_t row) { return static_cast<float>(key0 + row); };
+  for (; r + 4 * fours < n4; r += 6)
+    qk_micro<D, 6, Masked>(run.k + r * stride, d, qt, ncp, s + r * ncp, mx, limit, at(r), run.n - r);
+  for (; r < n4; r += 4)
+    qk_micro<D, 4, Masked>(run.k + r * stride, d, qt, ncp, s + r * ncp, mx, limit, at(r), run.n - r);
+}
+
+// Scores of a tile's runs (keys key0 ..) against every column, and the columns' maximum over them.
+template <int D>
+inline void qk_tile(const Run* runs, int64_t num_runs, int64_t d, const float* qt, int64_t ncp, float* s,
+                    float* mx, const float* limit, int64_t key0, bool masked) {
+  std::fill(mx, mx + ncp, kNegInf);
+  for (int64_t c = 0; c < ncp; c += kColBlock) {
+    int64_t off = 0;
+    for (int64_t j = 0; j < num_runs; off += runs[j].n, ++j) {
+      if (masked)
+        qk_run<D, true>(runs[j], d, qt + c, ncp, s + off * ncp + c, mx + c, limit + c, key0 + off);
+      else
+        qk_run<D, false>(runs[j], d, qt + c, ncp, s + off * ncp + c, mx + c, limit + c, key0 + off);
+    }
+  }
+}
+
+// o[i, e0 + :NV vectors] = alpha[i] * o[i, ...] + sum over the tile's keys t of p[t, i] * v_t[e0 + ...]
+// for R columns; the accumulators stay in registers across the tile's runs.
+template <int D, int R, int NV>
+inline void pv_micro(const float* p, int64_t ncp, const Run* runs, int64_t num_runs, int64_t d_, int64_t e0,
+                     const float* alpha, float* o) {
+  const int64_t d = dim<D>(d_);
+  vf acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int w = 0; w < NV; ++w) acc[i][w] = load(o + i * d + e0 + w * kLanes) * alpha[i];
+  for (int64_t j = 0; j < num_runs; ++j) {
+    const float* v = runs[j].v + e0;
+    for (int64_t t = 0; t < runs[j].n; ++t, p += ncp) {
+      vf b[NV];
+      for (int w = 0; w < NV; ++w) b[w] = load(v + t * d + w * kLanes);
+      for (int i = 0; i < R; ++i) {
+        const float a = p[i];
+        for (int w = 0; w < NV; ++w) acc[i][w] += a * b[w];
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int w = 0; w < NV; ++w) store(o + i * d + e0 + w * kLanes, acc[i][w]);
+}
+
+template <int D, int R>
+inline void pv_cols(const float* p, int64_t ncp, const Run* runs, int64_t num_runs, int64_t d,
+                    const float* alpha, float* o) {
+  int64_t e = 0;
+  for (; e + 2 * kLanes <= d; e += 2 * kLanes) pv_micro<D, R, 2>(p, ncp, runs, num_runs, d, e, alpha, o);
+  if (e < d) pv_micro<D, R, 1>(p, ncp, runs, num_runs, d, e, alpha, o);
+}
+
+// O[c, :] = alpha[c] O[c, :] + P[:, c]^T V for every column c < ncp (p: the tile's probabilities).
+template <int D>
+inline void pv_tile(const float* p, int64_t ncp, const Run* runs, int64_t num_runs, int64_t d,
+                    const float* alpha, float* o) {
+  int64_t c = 0;
+  for (; c + 6 <= ncp; c += 6) pv_cols<D, 6>(p + c, ncp, runs, num_runs, d, alpha + c, o + c * d);
+  for (; c + 4 <= ncp; c += 4) pv_cols<D, 4>(p + c, ncp, runs, num_runs, d, alpha + c, o + c * d);
+  for (; c < ncp; c += 2) pv_cols<D, 2>(p + c, ncp, runs, num_runs, d, alpha + c, o + c * d);
+}
+
+template <typename T>
+inline void prefetch_run(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i, 0, 1);
+}
+
+// n rows of one (block, kv head) as float: float caches in place, others converted into buf.
+template <typename T>
+inline const float* rows_as_float(const T* rows, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(rows[i]);
+  return buf;
+}
+template <>
+inline const float* rows_as_float<float>(const float* rows, float*, int64_t) {
+  return rows;
+}
+
+struct Segment {
+  int64_t row_start, num_rows, num_keys, first_limit;
+};
+
+struct Item {
+  int64_t seg, kv_head, t0, nt, cost;
+};
+
+struct Shape {
+  int64_t heads, kv_heads, d, tpb, max_blocks, group, tile_tokens, ncp, tile_blocks;
+};
+
+// Per-thread scratch: the packed queries, scores, output accumulators and softmax state of one item.
+struct Scratch {
+  std::vector<float> qt, s, o, m, l, mx, alpha, limit, kbuf, vbuf;
+  std::vector<Run> runs;
+  explicit Scratch(const Shape& sh)
+      : qt(sh.d * sh.ncp), s(sh.tile_blocks * sh.tpb * sh.ncp), o(sh.ncp * sh.d), m(sh.ncp), l(sh.ncp),
+        mx(sh.ncp), alpha(sh.ncp), limit(sh.ncp), kbuf(sh.tile_blocks * sh.tpb * sh.d),
+        vbuf(sh.tile_blocks * sh.tpb * sh.d), runs(sh.tile_blocks) {}
+};
+
+// Online softmax over the tile's nk score rows, given the columns' maximum over them (st.mx): scores
+// become probabilities under the new running max; st.alpha gets each column's rescale factor.
+inline void softmax_tile(Scratch& st, int64_t nk, int64_t ncp) {
+  for (int64_t c = 0; c < ncp; c += kLanes) {
+    float* s = st.s.data() + c;
+    const vf m_old = load(st.m.data() + c);
+    const vf m_new = vmax(m_old, load(st.mx.data() + c));
+    const vf base = m_new == vf{} + kNegInf ? vf{} : m_new;  // a column with nothing visible yet stays empty
+    vf sum = {};
+    for (int64_t r = 0; r < nk; ++r) {
+      const vf p = exp_or_zero(load(s + r * ncp) - base);
+      store(s + r * ncp, p);
+      sum += p;
+    }
+    const vf alpha = exp_or_zero(m_old - base);
+    store(st.alpha.data() + c, alpha);
+    store(st.l.data() + c, load(st.l.data() + c) * alpha + sum);
+    store(st.m.data() + c, m_new);
+  }
+}
+
+template <typename T>
+struct Inputs {
+  const T* q;
+  const T* k;
+  const T* v;
+  const int32_t* tables;
+  const Segment* segs;
+  T* out;
+  float* lse;
+  float scale;
+};
+
+template <typename T>
+void pack_queries(const Inputs<T>& in, const Shape& sh, const Segment& sg, const Item& it, Scratch& st) {
+  const int64_t d = sh.d, g = sh.group, ncp = sh.ncp, cols = it.nt * g;
+  std::fill(st.qt.begin(), st.qt.end(), 0.f);
+  for (int64_t c = 0; c < cols; ++c) {
+    const int64_t t = c / g, h = it.kv_head * g + c % g;
+    const T* src = in.q + ((sg.row_start + it.t0 + t) * sh.heads + h) * d;
+    for (int64_t e = 0; e < d; ++e) st.qt[e * ncp + c] = static_cast<float>(src[e]) * in.scale;
+    st.limit[c] = static_cast<float>(std::min(sg.num_keys, sg.first_limit + it.t0 + t));
+  }
+  for (int64_t c = cols; c < ncp; ++c) st.limit[c] = static_cast<float>(sg.num_keys);  // padding: never masked
+  std::fill(st.o.begin(), st.o.end(), 0.f);
+  std::fill(st.m.begin(), st.m.end(), kNegInf);
+  std::fill(st.l.begin(), st.l.end(), 0.f);
+}
+
+template <typename T>
+void write_item(const Inputs<T>& in, const Shape& sh, const Segment& sg, const Item& it, const Scratch& st) {
+  const int64_t d = sh.d, g = sh.group;
+  for (int64_t c = 0; c < it.nt * g; ++c) {
+    const int64_t row = sg.row_start + it.t0 + c / g, h = it.kv_head * g + c % g;
+    const float l = st.l[c], inv = l > 0.f ? 1.f / l : 0.f;
+    T* dst = in.out + (row * sh.heads + h) * d;
+    for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(st.o[c * d + e] * inv);
+    in.lse[row * sh.heads + h] = l > 0.f ? st.m[c] + std::log(l) : kNegInf;
+  }
+}
+
+// The tile's runs: blocks b0 .. of the segment's table holding keys [b0 * tpb, b0 * tpb + nk).
+template <typename T>
+int64_t tile_runs(const Inputs<T>& in, const Shape& sh, const int32_t* table, int64_t kv_head, int64_t b0,
+                  int64_t nk, Scratch& st) {
+  const int64_t d = sh.d, tpb = sh.tpb, num_runs = (nk + tpb - 1) / tpb;
+  for (int64_t j = 0; j < num_runs; ++j) {
+    const int64_t base = (static_cast<int64_t>(table[b0 + j]) * sh.kv_heads + kv_head) * tpb * d;
+    const int64_t n = std::min(tpb, nk - j * tpb), n4 = (n + 3) / 4 * 4;
+    st.runs[j] = {rows_as_float(in.k + base, st.kbuf.data() + j * tpb * d, n4 * d),
+                  rows_as_float(in.v + base, st.vbuf.data() + j * tpb * d, n * d), n};
+  }
+  return num_runs;
+}
+
+template <int D, typename T>
+void run_item(const Inputs<T>& in, const Shape& sh, const Item& it, Scratch& st) {
+  const Segment& sg = in.segs[it.seg];
+  const int64_t d = sh.d, tpb = sh.tpb, ncp = sh.ncp, tile = sh.tile_blocks * tpb;
+  pack_queries(in, sh, sg, it, st);
+  const int64_t last = std::min(sg.num_keys, sg.first_limit + it.t0 + it.nt - 1);  // keys the last row sees
+  const int64_t first = std::min(sg.num_keys, sg.first_limit + it.t0);             // keys the first row sees
+  const int32_t* table = in.tables + it.seg * sh.max_blocks;
+  for (int64_t k0 = 0; k0 < last; k0 += tile) {
+    const int64_t nk = std::min(tile, last - k0);
+    for (int64_t b = (k0 + tile) / tpb; b < (k0 + 2 * tile) / tpb && b * tpb < last; ++b) {
+      const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + it.kv_head) * tpb * d;
+      prefetch_run(in.k + base, tpb * d);
+      prefetch_run(in.v + base, tpb * d);
+    }
+    const int64_t num_runs = tile_runs(in, sh, table, it.kv_head, k0 / tpb, nk, st);
+    qk_tile<D>(st.runs.data(), num_runs, d, st.qt.data(), ncp, st.s.data(), st.mx.data(), st.limit.data(), k0,
+               k0 + nk > first);
+    softmax_tile(st, nk, ncp);
+    pv_tile<D>(st.s.data(), ncp, st.runs.data(), num_runs, d, st.alpha.data(), st.o.data());
+  }
+  write_item(in, sh, sg, it, st);
+}
+
+std::vector<Item> make_items(const std::vector<Segment>& segs, const Shape& sh) {
+  std::vector<Item> items;
+  for (int64_t s = 0; s < static_cast<int64_t>(segs.size()); ++s) {
+    const Segment& sg = segs[s];
+    for (int64_t t0 = 0; t0 < sg.num_rows; t0 += sh.tile_tokens) {
+      const int64_t nt = std::min(sh.tile_tokens, sg.num_rows - t0);
+      const int64_t keys = std::min(sg.num_keys, sg.first_limit + t0 + nt / 2);
+      for (int64_t kh = 0; kh < sh.kv_heads; ++kh) items.push_back({s, kh, t0, nt, nt * keys});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  return items;
+}
+
+template <typename T>
+void prefill_all(const Inputs<T>& in, const Shape& sh, const std::vector<Item>& items) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch st(sh);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+        if (sh.d == 64)
+          run_item<64, T>(in, sh, items[i], st);
+        else if (sh.d == 128)
+          run_item<128, T>(in, sh, items[i], st);
+        else
+          run_item<0, T>(in, sh, items[i], st);
+      }
+    }
+  });
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
+                  const at::Tensor& segments) {
+  TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && vc.sizes() == kc.sizes(),
+              "paged_prefill: q must be [T, H, D] and the caches [blocks, kv_heads, tokens_per_block, D]");
+  TORCH_CHECK(q.size(2) == kc.size(3) && q.size(1) % kc.size(1) == 0,
+              "paged_prefill: head sizes differ or heads are not a multiple of kv_heads");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && kc.size(2) % 4 == 0, "paged_prefill: head_size must be a multiple of ",
+              kLanes, " (this kernel variant's vector width) and tokens_per_block of 4");
+  TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(),
+              "paged_prefill: q and the caches must share a dtype");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && segments.scalar_type() == at::kLong,
+              "paged_prefill: block_tables must be int32 and segments int64");
+  TORCH_CHECK(tables.dim() == 2 && segments.dim() == 2 && segments.size(1) == 4 &&
+                  segments.size(0) == tables.size(0),
+              "paged_prefill: segments must be [S, 4] (row_start, num_rows, num_keys, first_limit), one per "
+              "block-table row");
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && tables.is_contiguous() &&
+                  segments.is_contiguous(),
+              "paged_prefill: inputs must be contiguous");
+}
+
+std::vector<Segment> read_segments(const at::Tensor& segments, const at::Tensor& tables, int64_t rows,
+                                   int64_t tpb) {
+  std::vector<Segment> segs(segments.size(0));
+  const int64_t* p = segments.data_ptr<int64_t>();
+  for (size_t s = 0; s < segs.size(); ++s) {
+    segs[s] = {p[4 * s], p[4 * s + 1], p[4 * s + 2], p[4 * s + 3]};
+    const Segment& sg = segs[s];
+    TORCH_CHECK(sg.row_start >= 0 && sg.num_rows >= 0 && sg.row_start + sg.num_rows <= rows,
+                "paged_prefill: segment ", s, " rows lie outside q");
+    TORCH_CHECK(sg.num_keys >= 1 && sg.num_keys <= tables.size(1) * tpb && sg.first_limit >= 1,
+                "paged_prefill: segment ", s, " needs 1 <= num_keys <= its blocks' tokens and first_limit >= 1");
+  }
+  return segs;
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_prefill(const at::Tensor& q, const at::Tensor& k_cache,
+                                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                 const at::Tensor& segments, double scale) {
+  check_inputs(q, k_cache, v_cache, block_tables, segments);
+  const int64_t tpb = k_cache.size(2), group = q.size(1) / k_cache.size(1);
+  const int64_t tile_tokens = std::max<int64_t>(1, kColsTarget / group);
+  const int64_t ncp = (tile_tokens * group + kColBlock - 1) / kColBlock * kColBlock;
+  const Shape sh{q.size(1), k_cache.size(1), q.size(2), tpb, block_tables.size(1), group, tile_tokens, ncp,
+                 std::max<int64_t>(1, kTileKeys / tpb)};
+  const std::vector<Segment> segs = read_segments(segments, block_tables, q.size(0), tpb);
+  const std::vector<Item> items = make_items(segs, sh);
+  auto out = at::empty_like(q);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  dispatch_float_types(q, "paged_prefill", [&](auto tag) {
+    using T = decltype(tag);
+    const Inputs<T> in{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int32_t>(),
+                       segs.data(), out.data_ptr<T>(), lse.data_ptr<float>(), static_cast<float>(scale)};
+    prefill_all<T>(in, sh, items);
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
+  m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor segments, "
+        "float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(trtprompt, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
