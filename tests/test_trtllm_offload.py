@@ -100,6 +100,20 @@ def test_trtllm_core_declares_the_retention_inputs_as_the_backend_does(trtllm_en
     assert [list(declared[n].dims) for n in ends] == [[-1], [1]]
 
 
+def test_trtllm_ensemble_forwards_the_retention_inputs_to_the_core(trtllm_engine: Path, tmp_path: Path) -> None:
+    """The client interface takes them, and the ensemble's core step hands each on under its own name (the
+    ensemble loading against the core's signature in a real tritonserver: test_trtllm_triton_validation.py)."""
+    assert _repo_only(trtllm_engine, tmp_path / "repo").exit_code == 0
+    ensemble = parse_config_text((tmp_path / "repo" / "ensemble" / "config.pbtxt").read_text(encoding="utf-8"))
+    declared = {t.name: (t.data_type, list(t.dims), t.optional) for t in ensemble.input}
+    core_step = next(s for s in ensemble.ensemble_scheduling.step if s.model_name == "tensorrt_llm")
+    for name, _, dims, _ in RETENTION_INPUTS:
+        assert declared[name] == (mc.TYPE_INT32, list(dims), True)
+        assert core_step.input_map[name] == name
+    pre_step = next(s for s in ensemble.ensemble_scheduling.step if s.model_name == "preprocessing")
+    assert not {name for name, *_ in RETENTION_INPUTS} & set(pre_step.input_map.values())
+
+
 def _llmapi_opts(engine: Path, **overrides: Any) -> ServeOptions:
     return resolve_options(read_engine_dir(engine, None, verify_weights=False), overrides)
 

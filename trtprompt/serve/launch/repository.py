@@ -294,8 +294,9 @@ def core_takes_salt(ctx: RepoContext) -> bool:
 
 def core_takes_retention(ctx: RepoContext) -> bool:
     """The upstream ensemble hands the retention inputs to its core where that core declares them: the
-    torch core does (TOKEN_INPUTS); the trtllm target's forwarding comes with its own model config."""
-    return ctx.engine.target != "trtllm"
+    torch core does (TOKEN_INPUTS), and so does the trtllm target's tensorrtllm core, as tensorrtllm_backend's
+    template declares them (trtllm_model_config.py; docs/prefix-pool.md, "TensorRT-LLM targets")."""
+    return ctx.engine.target in ("torch", "trtllm")
 
 
 def publishes_request_metrics(ctx: RepoContext) -> bool:
