@@ -98,3 +98,10 @@ def test_bounds_refused_with_the_same_wording(server: Path) -> None:
 def test_cache_salt_refused(server: Path) -> None:
     result = _ask("Hello", cache_salt="tenant-a")
     assert result.error is not None and "cache_salt' cannot be honoured" in result.error
+
+
+def test_retention_refused_naming_the_input(server: Path) -> None:
+    """Declared by the ensemble (Triton accepts the tensor), refused by the edge: TensorRT-LLM's llmapi model
+    passes no KvCacheRetentionConfig (docs/prefix-pool.md, "TensorRT-LLM targets")."""
+    result = _ask("Hello", retention_decode_priority=90)
+    assert result.error is not None and "'retention_decode_priority' cannot be honoured" in result.error
