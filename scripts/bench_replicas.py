@@ -223,7 +223,8 @@ def main() -> None:
                                   replicas if name != "single" else replicas[:1])
             print(name, json.dumps(results[name]), flush=True)
         results["overhead"] = overhead(replicas[0]["url"], routed, model, args.overhead_requests)
-        results["hit_rate_vs_single"] = results["cache_aware"]["hit_rate"] / results["single"]["hit_rate"]
+        single_rate = results["single"]["hit_rate"]  # 0 when every prompt was seen once (nothing to reuse)
+        results["hit_rate_vs_single"] = results["cache_aware"]["hit_rate"] / single_rate if single_rate else None
         results["ttft_p50_vs_round_robin"] = (results["cache_aware"]["ttft_p50_s"]
                                              / results["round_robin"]["ttft_p50_s"])
         print(json.dumps(results, indent=2))
