@@ -176,8 +176,10 @@ class KvTiers:
     def copy_out(self, block_ids: list[int]) -> list[Payload]:
         """Each block's KV bytes, in payload order (layer 0 K, layer 0 V, layer 1 K, ...), as private copies."""
         ids = torch.tensor(block_ids, dtype=torch.long)
-        per_layer = [t.index_select(0, ids) for kv in self._bytes for t in kv]  # each [n, h, tpb, d*bytes]
-        buf = torch.stack(per_layer, dim=1)  # [n, 2 * layers, h, tpb, d*bytes], contiguous
+        first = self._bytes[0][0]
+        buf = torch.empty((len(block_ids), 2 * len(self._bytes), *first.shape[1:]), dtype=torch.uint8)
+        for j, t in enumerate(t for kv in self._bytes for t in kv):
+            torch.index_select(t, 0, ids, out=buf[:, j])  # straight into place: one copy, no stack
         flat = buf.reshape(len(block_ids), -1).numpy()
         return [flat[i] for i in range(len(block_ids))]
 
@@ -254,11 +256,11 @@ class KvTiers:
     def snapshot(self) -> list[TierSnapshot]:
         out = []
         for store, writer in zip(self.stores, self.writers):
-            c = store.counters
+            c = store.counters.as_dict()  # one consistent reading while other threads add
             out.append(TierSnapshot(store.name, self.stats.hit_blocks[store.name],
-                                    self.stats.loaded_blocks[store.name], c.misses, c.bytes_read, c.bytes_written,
-                                    c.writes, c.drops + writer.queue_drops, c.evictions, c.errors,
-                                    self.loader.corrupt[store.name]))
+                                    self.stats.loaded_blocks[store.name], c["misses"], c["bytes_read"],
+                                    c["bytes_written"], c["writes"], c["drops"] + writer.queue_drops,
+                                    c["evictions"], c["errors"], self.loader.corrupt[store.name]))
         return out
 
     def join_writes(self) -> None:
