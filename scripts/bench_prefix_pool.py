@@ -4,7 +4,7 @@ across a restart, the tiers' cost without reuse, and the disk tier's read rate b
 
     flock /tmp/bench.lock .venv/bin/python scripts/bench_prefix_pool.py ENGINE_DIR [--prefix-len 960]
         [--repeats 5] [--no-reuse-requests 24] [--cost-pool-tokens 8192] [--disk-dir DIR] [--out results.json]
-        [--only ttft policies reads no_reuse]
+        [--only ttft policies reads write_path no_reuse]
 
 In one process, alternating within each repeat so the ratios share conditions:
 - cold: an engine without tiers serves prefix + question A, a prefix it has never seen;
@@ -133,9 +133,10 @@ def measure_policies(path: Path, disk: Path, prefix_len: int, repeats: int, voca
             "over_warm": {k: v / med["warm"] for k, v in med.items()}}
 
 
-def throughput(eng: LLMEngine, prompts: list[list[int]], tag: str) -> float:
-    """Prompt plus output tokens per second (prefill dominates: 256 in, 16 out)."""
-    t0 = time.perf_counter()
+def throughput(eng: LLMEngine, prompts: list[list[int]], tag: str) -> tuple[float, float]:
+    """Prompt plus output tokens per wall second, and CPU seconds of this process (every thread: the
+    engine's and the writers') per token. Prefill dominates: 256 in, 16 out."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for i, p in enumerate(prompts):
         eng.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=16, temperature=0.0))
     n = sum(len(p) for p in prompts)
@@ -143,32 +144,72 @@ def throughput(eng: LLMEngine, prompts: list[list[int]], tag: str) -> float:
         n += sum(len(o.new_token_ids) for o in eng.step())
     if eng.kv.tiers is not None:
         eng.kv.tiers.join_writes()  # the writes' cost counts
-    return n / (time.perf_counter() - t0)
+    return n / (time.perf_counter() - t0), (time.process_time() - c0) / n
 
 
 def measure_cost(path: Path, disk: Path, n: int, vocab: int, repeats: int, pool_tokens: int) -> dict[str, object]:
+    """Each round runs the same distinct prompts through every variant back to back (rotating which goes
+    first); a variant's cost is the median over rounds of its ratio to "off" in the same round, so a
+    change of the machine's load between rounds cancels out (other agents share this machine)."""
     variants: dict[str, dict[str, object]] = {"off": {}}
     variants.update({p: {"disk_cache_path": str(disk / p), "kv_tier_write_policy": p} for p in POLICIES})
     engines = {k: LLMEngine.from_engine_dir(path, max_tokens_in_paged_kv_cache=pool_tokens, **v)
                for k, v in variants.items()}
     rng = random.Random(1)
-    fill = [[rng.randrange(3, vocab) for _ in range(256)] for _ in range(n)]
+    fill = [[rng.randrange(3, vocab) for _ in range(256)] for _ in range(max(n, pool_tokens // 256))]
     for k, e in engines.items():  # first-call costs left out; the pool full, so round 0 evicts too
         throughput(e, fill, f"warmup-{k}")
     rates: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(repeats):
         prompts = [[rng.randrange(3, vocab) for _ in range(256)] for _ in range(n)]
         for k in names[r % len(names):] + names[:r % len(names)]:  # each variant first in turn
-            rates[k].append(throughput(engines[k], prompts, f"{k}{r}-"))
+            rate, cpu_per_token = throughput(engines[k], prompts, f"{k}{r}-")
+            rates[k].append(rate)
+            cpu[k].append(cpu_per_token)
     tiers = {k: [{"writes": t.writes, "drops": t.drops, "bytes_written": t.bytes_written}
                  for t in e.stats().kv_tiers] for k, e in engines.items()}
     evicted = {k: e.kv.pool.evicted_blocks for k, e in engines.items()}
     for e in engines.values():
         e.close()
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    return {"tok_s": med, "all": rates, "tiers": tiers, "evicted_blocks": evicted, "pool_tokens": pool_tokens,
-            **{f"cost_{p}": 1 - med[p] / med["off"] for p in POLICIES}}
+    wall_cost = {p: 1 - statistics.median(a / b for a, b in zip(rates[p], rates["off"])) for p in POLICIES}
+    cpu_cost = {p: statistics.median(a / b for a, b in zip(cpu[p], cpu["off"])) - 1 for p in POLICIES}
+    return {"tok_s": rates, "cpu_s_per_token": cpu, "tiers": tiers, "evicted_blocks": evicted,
+            "pool_tokens": pool_tokens, "requests_per_round": n,
+            "throughput_cost_median_paired": wall_cost, "cpu_cost_median_paired": cpu_cost}
+
+
+def measure_write_path(path: Path, disk: Path, rounds: int = 15) -> dict[str, object]:
+    """Where a written block's time goes, in microseconds per block (min of rounds, 8 blocks a round, as
+    one 256-token prompt): the engine thread's copy out of the pool, then the writer thread's framing
+    (crc32 + header) and disk write; beside them the block hash every full block pays anyway."""
+    from trtprompt.engine.block_pool import hash_block
+    from trtprompt.engine.tiers.codec import encode
+
+    eng = engine(path, disk_cache_path=str(disk))
+    tiers = eng.kv.tiers
+    assert tiers is not None
+    store = tiers.stores[0]
+    ids = list(range(8))
+    tokens = list(range(eng.kv.tokens_per_block))
+    best = dict.fromkeys(("copy_out", "encode", "disk_put", "hash_block"), float("inf"))
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        payloads = tiers.copy_out(ids)
+        t1 = time.perf_counter()
+        framed = [encode(tiers.key(bytes([r, i]) * 8), p.data) for i, p in enumerate(payloads)]
+        t2 = time.perf_counter()
+        for i, data in enumerate(framed):
+            store.put(tiers.key(bytes([r, i]) * 8), data)
+        t3 = time.perf_counter()
+        for _ in ids:
+            hash_block(None, tokens, None)
+        t4 = time.perf_counter()
+        for k, v in zip(best, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            best[k] = min(best[k], v / len(ids) * 1e6)
+    eng.close()
+    return {"us_per_block": best, "block_bytes": tiers.layout.block_bytes}
 
 
 def measure_reads(path: Path, disk: Path) -> dict[str, object]:
@@ -203,7 +244,7 @@ def main() -> None:
                     help="KV pool of the no-reuse runs (small: every round evicts the last one's blocks)")
     ap.add_argument("--disk-dir", type=Path, help="where the disk tier lives (default: a temp dir on /tmp's disk)")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--only", nargs="+", choices=["ttft", "policies", "reads", "no_reuse"],
+    ap.add_argument("--only", nargs="+", choices=["ttft", "policies", "reads", "write_path", "no_reuse"],
                     help="parts to run (reads needs ttft first: it reads the blocks ttft stored)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-prefix-pool-", dir=args.disk_dir))
@@ -213,6 +254,7 @@ def main() -> None:
              "policies": lambda: measure_policies(args.engine, root / "policies", args.prefix_len, args.repeats,
                                                   vocab),
              "reads": lambda: measure_reads(args.engine, root / "ttft"),
+             "write_path": lambda: measure_write_path(args.engine, root / "write_path"),
              "no_reuse": lambda: measure_cost(args.engine, root / "cost", args.no_reuse_requests, vocab,
                                               args.repeats, args.cost_pool_tokens)}
     try:
