@@ -123,7 +123,7 @@ class PagedRun:
         self.tables: dict[str, list[int]] = {}
         self.done: dict[str, int] = {}
 
-    def step(self, work: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
+    def step(self, work: list[tuple[str, list[int], int]], backend: str = "auto") -> list[torch.Tensor]:
         """work: (seq id, all its tokens, number of new tokens); returns each seq's last-row logits."""
         seqs, ids, pos, last = [], [], [], []
         for sid, tokens, n in work:
@@ -136,7 +136,7 @@ class PagedRun:
             pos += list(range(ctx, ctx + n))
             last.append(len(ids) - 1)
             self.done[sid] = ctx + n
-        meta = build_attention_metadata(seqs, TPB, self.model.device)
+        meta = build_attention_metadata(seqs, TPB, self.model.device, backend)
         logits = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.kv, torch.tensor(last))
         assert logits.dtype == torch.float32 and logits.shape == (len(work), self.model.cfg.vocab_size)
         return list(logits)
@@ -258,17 +258,30 @@ def test_greedy_generation_matches_transformers(checkpoints, models) -> None:
     assert seqs == want
 
 
+def _bf16_steps(ck: Checkpoint, batch: list[list[int]], backend: str) -> list[torch.Tensor]:
+    run = PagedRun(load(ck, "onednn", torch.bfloat16))
+    work = [[("s0", batch[0], 9), ("s1", batch[1], 30), ("s2", batch[2], 32)],
+            [("s0", batch[0], 1), ("s1", batch[1], 1), ("s2", batch[2], 18)]]
+    got: list[torch.Tensor] = []
+    for step in work:
+        got += run.step(step, backend)
+    return got
+
+
 def test_bfloat16_runs_and_mostly_agrees(checkpoints) -> None:
     ck = checkpoints["llama"]
-    run = PagedRun(load(ck, "onednn", torch.bfloat16))
     batch = prompts(6, [12, 33, 50])
-    got = run.step([("s0", batch[0], 9), ("s1", batch[1], 30), ("s2", batch[2], 32)])
-    got += run.step([("s0", batch[0], 1), ("s1", batch[1], 1), ("s2", batch[2], 18)])
+    got = _bf16_steps(ck, batch, "auto")  # the compiled kernels where they build
+    reference = _bf16_steps(ck, batch, "reference")  # the same bf16 model, attention in plain torch ops
     want = [ck.hf_logits(batch[0])[8], ck.hf_logits(batch[1])[29], ck.hf_logits(batch[2])[31],
             ck.hf_logits(batch[0])[9], ck.hf_logits(batch[1])[30], ck.hf_logits(batch[2])[49]]
     agree = 0
-    for g, w in zip(got, want):
-        assert (g - w).abs().max().item() < 0.1 * w.abs().max().item()
+    for g, r, w in zip(got, reference, want):
+        # bf16 against transformers in fp32: the reference path itself is 9.5 % of the largest logit off on
+        # this seed's first row (the bound was 10 % when only it ran here); the fast path differs from it
+        # by 0.7-1.5 %, so it is held to the reference's rounding, tightly, and to fp32 loosely.
+        assert (g - r).abs().max().item() < 0.03 * r.abs().max().item()
+        assert (g - w).abs().max().item() < 0.15 * w.abs().max().item()
         agree += int(g.argmax() == w.argmax())
     assert agree >= 5
 
