@@ -87,11 +87,23 @@ def build(checkpoint: Path, output: Path | None, profile: str | None, target: st
         if print_commands:
             _print_trtllm_commands(req)
             return
-        path = run_build(req, dry_run, on_plan=lambda c, p, plan: click.echo(plan_table(c, p, plan)))
+        path = run_build(req, dry_run, on_plan=lambda c, p, plan: _echo_plan(plan_table(c, p, plan), plan.dtype,
+                                                                               target))
     except (UserError, ValueError) as exc:
         raise _fail(exc) from exc
     if path is not None:
         click.echo(f"engine written to {path}")
+
+
+def _echo_plan(table: str, dtype: str, target: str) -> None:
+    """The plan, then a warning where the torch target's bf16 would run emulated on this machine."""
+    click.echo(table)
+    if target == "torch" and dtype == "bfloat16":
+        from trtprompt.engine import isa
+
+        problem = isa.bf16_problem(isa.cpu_flags())
+        if problem is not None:
+            click.echo(f"warning: --dtype bfloat16: {problem} (the engine says it again when it loads)", err=True)
 
 
 def _print_trtllm_commands(req: Any) -> None:

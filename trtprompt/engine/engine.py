@@ -11,6 +11,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from trtprompt.engine import isa
 from trtprompt.engine.attention import allocate_kv_cache, log_attention_backend, resolve_attention_backend
 from trtprompt.engine.config import EngineConfig
 from trtprompt.engine.engine_dir import EngineDir
@@ -86,6 +87,9 @@ class LLMEngine:
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device,
                                                            config.model.head_size, tpb)
         log_attention_backend(config.attention_backend, self.attention_backend)
+        slow_bf16 = isa.bf16_problem(isa.cpu_flags()) if dtype == torch.bfloat16 and self.device.type == "cpu" else None
+        if slow_bf16 is not None:
+            log.warning("dtype bfloat16: %s", slow_bf16)
         self.runner = ModelRunner(model, caches, tpb, self.device, self.attention_backend)
         stores = list(tier_stores) if tier_stores is not None else open_stores(config.tiers)
         if stores and config.kv_cache.enable_block_reuse:

@@ -91,5 +91,21 @@ def choose(flags: frozenset[str], requested: str | None) -> KernelVariant:
     return variant
 
 
+# Either gives bf16 dot products in hardware (VDPBF16PS, AMX tiles), which oneDNN's bf16 matmuls need to
+# run faster than fp32; without them it converts to fp32 and back around every product.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def bf16_problem(flags: frozenset[str]) -> str | None:
+    """Why bfloat16 weights run slowly on this CPU, or None where it has a bf16 instruction set.
+
+    Measured (docs/quantization.md, "bf16 on a CPU without bf16 instructions"): a 256 x 576 x 1536 linear
+    in bf16 ran at 19 GFLOP/s against fp32's 159 on a 2-core AVX2 EPYC, 8x slower."""
+    if any(f in flags for f in BF16_FLAGS):
+        return None
+    return (f"this CPU has none of {', '.join(BF16_FLAGS)}: bfloat16 matmuls run emulated, several times "
+            "slower than float32 (8x on an AVX2 EPYC); build with --dtype float32 for this machine")
+
+
 def requested_variant() -> str | None:
     return os.environ.get(ISA_ENV) or None
