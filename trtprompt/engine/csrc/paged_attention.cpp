@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "dtypes.h"
+#include "paged_checks.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -30,6 +31,7 @@
 
 namespace {
 
+using namespace trtprompt_checks;
 using namespace trtprompt_dtypes;
 using namespace trtprompt_vec;
 
@@ -192,21 +194,12 @@ void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
 
 void check_inputs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
                   const at::Tensor& lens) {
-  TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && vc.sizes() == kc.sizes(),
-              "paged_decode: q must be [S, H, D] and the caches [blocks, kv_heads, tokens_per_block, D]");
-  TORCH_CHECK(q.size(2) == kc.size(3) && q.size(1) % kc.size(1) == 0,
-              "paged_decode: head sizes differ or heads are not a multiple of kv_heads");
-  TORCH_CHECK(q.size(2) % kLanes == 0 && kc.size(2) % 4 == 0, "paged_decode: head_size must be a multiple of ",
-              kLanes, " (this kernel variant's vector width) and tokens_per_block of 4");
-  TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(),
-              "paged_decode: q and the caches must share a dtype");
+  check_query_and_caches("paged_decode", "[S, H, D]", q, kc, vc);
   TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt,
               "paged_decode: block_tables and seq_lens must be int32");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && lens.numel() == q.size(0),
               "paged_decode: one block-table row and one length per sequence");
-  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && tables.is_contiguous() &&
-                  lens.is_contiguous(),
-              "paged_decode: inputs must be contiguous");
+  TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous(), "paged_decode: inputs must be contiguous");
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,

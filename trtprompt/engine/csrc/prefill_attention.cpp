@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include "dtypes.h"
+#include "paged_checks.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -35,6 +36,7 @@
 
 namespace {
 
+using namespace trtprompt_checks;
 using namespace trtprompt_dtypes;
 using namespace trtprompt_vec;
 
@@ -353,23 +355,14 @@ void prefill_all(const Inputs<T>& in, const Shape& sh, const std::vector<Item>& 
 
 void check_inputs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
                   const at::Tensor& segments) {
-  TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && vc.sizes() == kc.sizes(),
-              "paged_prefill: q must be [T, H, D] and the caches [blocks, kv_heads, tokens_per_block, D]");
-  TORCH_CHECK(q.size(2) == kc.size(3) && q.size(1) % kc.size(1) == 0,
-              "paged_prefill: head sizes differ or heads are not a multiple of kv_heads");
-  TORCH_CHECK(q.size(2) % kLanes == 0 && kc.size(2) % 4 == 0, "paged_prefill: head_size must be a multiple of ",
-              kLanes, " (this kernel variant's vector width) and tokens_per_block of 4");
-  TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(),
-              "paged_prefill: q and the caches must share a dtype");
+  check_query_and_caches("paged_prefill", "[T, H, D]", q, kc, vc);
   TORCH_CHECK(tables.scalar_type() == at::kInt && segments.scalar_type() == at::kLong,
               "paged_prefill: block_tables must be int32 and segments int64");
   TORCH_CHECK(tables.dim() == 2 && segments.dim() == 2 && segments.size(1) == 4 &&
                   segments.size(0) == tables.size(0),
               "paged_prefill: segments must be [S, 4] (row_start, num_rows, num_keys, first_limit), one per "
               "block-table row");
-  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous() && tables.is_contiguous() &&
-                  segments.is_contiguous(),
-              "paged_prefill: inputs must be contiguous");
+  TORCH_CHECK(tables.is_contiguous() && segments.is_contiguous(), "paged_prefill: inputs must be contiguous");
 }
 
 std::vector<Segment> read_segments(const at::Tensor& segments, const at::Tensor& tables, int64_t rows,
