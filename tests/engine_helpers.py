@@ -128,3 +128,20 @@ def serve_alone(kv: KVCacheManager, rid: str, tokens: list[int], retention: Rete
     kv.cache_computed(req)
     kv.free(req)
     return len(hits)
+
+
+def count_cascade_groups(monkeypatch) -> list[int]:
+    """Force cascade attention on for any shared prefix; the list fills with each step's cascade groups."""
+    from trtprompt.engine import attention_paged, cascade
+
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 1)
+    groups: list[int] = []
+    build = attention_paged.build
+
+    def counting_build(*args, **kwargs):
+        meta = build(*args, **kwargs)
+        groups.append(len(meta.groups))
+        return meta
+
+    monkeypatch.setattr(attention_paged, "build", counting_build)
+    return groups

@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from tests.engine_helpers import VOCAB, hf_greedy, make_engine, make_hf_model, run_to_completion
-from trtprompt.engine import attention_paged, cascade, kernels
+from tests.engine_helpers import VOCAB, count_cascade_groups, hf_greedy, make_engine, make_hf_model, run_to_completion
+from trtprompt.engine import cascade, kernels
 from trtprompt.engine.attention import SeqSlice, build_attention_metadata, paged_attention
 from trtprompt.engine.request import SamplingParams
 
@@ -99,16 +99,7 @@ def test_long_chunks_and_cascade_equal_the_gather_reference(monkeypatch) -> None
 
 def test_long_shared_prompts_keep_transformers_greedy_tokens(tmp_path_factory, monkeypatch) -> None:
     """Chunked prompts of 300-420 tokens, three sharing 300: the kernel's chunks and cascade stay exact."""
-    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 1)
-    groups: list[int] = []
-    build = attention_paged.build
-
-    def counting_build(*args, **kwargs):
-        meta = build(*args, **kwargs)
-        groups.append(len(meta.groups))
-        return meta
-
-    monkeypatch.setattr(attention_paged, "build", counting_build)
+    groups = count_cascade_groups(monkeypatch)
     path = make_hf_model(tmp_path_factory.mktemp("hf"), "llama")
     g = torch.Generator().manual_seed(11)
     prefix = torch.randint(3, VOCAB, (300,), generator=g).tolist()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_helpers import VOCAB, hf_greedy, make_engine, make_hf_model, run_to_completion
+from engine_helpers import VOCAB, count_cascade_groups, hf_greedy, make_engine, make_hf_model, run_to_completion
 from trtprompt.engine.request import SamplingParams
 
 MAX_TOKENS = 12
@@ -89,18 +89,7 @@ def test_guaranteed_no_evict_never_preempts(arch_case):
 @pytest.mark.parametrize("attention_backend", ["compiled", "torch", "reference"])
 def test_attention_backends_with_cascade_match_transformers(arch_case, attention_backend, monkeypatch):
     """Sequences decoding over shared prefix blocks: cascade (forced on) + in-place kernel stay exact."""
-    from trtprompt.engine import attention_paged, cascade
-
-    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 1)
-    groups: list[int] = []
-    build = attention_paged.build
-
-    def counting_build(*args, **kwargs):
-        meta = build(*args, **kwargs)
-        groups.append(len(meta.groups))
-        return meta
-
-    monkeypatch.setattr(attention_paged, "build", counting_build)
+    groups = count_cascade_groups(monkeypatch)
     path, prompts, expected = arch_case
     engine = make_engine(path, chunked=True, max_num_tokens=512, attention_backend=attention_backend)
     params = SamplingParams(max_tokens=MAX_TOKENS)
