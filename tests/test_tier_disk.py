@@ -22,6 +22,7 @@ from tier_helpers import (
     entry_path,
     fingerprint_of,
     plain_engine,
+    run_one,
     tier_engine,
 )
 
@@ -47,24 +48,11 @@ def reference(llama: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]
     return run_to_completion(plain_engine(llama), prompts, GREEDY)
 
 
-def _run_one(engine, rid: str, tokens: list[int]) -> tuple[list[int], int]:
-    """Output tokens and reused blocks of one request run alone."""
-    engine.add_request(rid, tokens, GREEDY)
-    out: list[int] = []
-    reused = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out.extend(o.new_token_ids)
-            if o.finished:
-                reused = o.stats.kv_cache_reused_blocks
-    return out, reused
-
-
 def _fill(llama: Path, root: Path, tokens: list[int], **kw: object) -> DiskStore:
     """Run tokens through an engine writing to a disk tier at root; close it (as a stopped server)."""
     store = DiskStore(root, BIG)
     engine = tier_engine(llama, [store], **kw)  # type: ignore[arg-type]
-    _run_one(engine, "fill", tokens)
+    run_one(engine, "fill", tokens)
     engine.kv.tiers.join_writes()
     engine.close()
     return store
@@ -78,7 +66,7 @@ def test_a_restarted_engine_reads_a_seen_prefix_from_disk(llama, tmp_path, promp
     store = DiskStore(tmp_path / "disk", BIG)  # a new process: the index is rebuilt from the directory
     assert len(store) == len(first) and store.used_bytes == first.used_bytes
     engine = tier_engine(llama, [store])
-    out, reused = _run_one(engine, "a", prompts["a"])
+    out, reused = run_one(engine, "a", prompts["a"])
     assert reused >= 0.95 * full
     assert out == reference["a"] == hf_greedy(llama, tuple(prompts["a"]), GREEDY.max_tokens)
     stats = engine.stats()
@@ -87,7 +75,7 @@ def test_a_restarted_engine_reads_a_seen_prefix_from_disk(llama, tmp_path, promp
     assert stats.pool_hit_blocks == 0 and stats.reused_blocks == full
     assert store.counters.writes == 0  # blocks read from disk are not written back
     # b shares six blocks, now in the pool: pool hits, not disk reads
-    out_b, reused_b = _run_one(engine, "b", prompts["b"])
+    out_b, reused_b = run_one(engine, "b", prompts["b"])
     assert out_b == reference["b"] and reused_b == 6
     assert engine.stats().pool_hit_blocks == 6
     engine.close()
@@ -99,7 +87,7 @@ def test_an_engine_with_another_fingerprint_reads_nothing(llama, tmp_path, promp
     assert fingerprint_of(other) != fingerprint_of(llama)
     store = DiskStore(tmp_path / "disk", BIG)
     engine = tier_engine(llama, [store], fingerprint=fingerprint_of(other))
-    out, reused = _run_one(engine, "a", prompts["a"])
+    out, reused = run_one(engine, "a", prompts["a"])
     assert reused == 0 and out == reference["a"]
     assert store.counters.hits == 0 and engine.stats().kv_tiers[0].loaded_blocks == 0
 
@@ -129,7 +117,7 @@ def test_a_damaged_entry_is_a_miss_and_is_reclaimed(llama, tmp_path, prompts, re
 
     store = DiskStore(tmp_path / "disk", BIG)
     engine = tier_engine(llama, [store])
-    out, reused = _run_one(engine, "a", prompts["a"])
+    out, reused = run_one(engine, "a", prompts["a"])
     assert out == reference["a"]
     assert reused == 4  # the blocks before the damaged one
     assert engine.stats().kv_tiers[0].corrupt == 1 and store.counters.errors == 1
@@ -165,7 +153,7 @@ def test_the_budget_evicts_least_recently_used_entries(llama, tmp_path, prompts,
     hashes = block_hashes(prompts["a"])
     assert not small.contains(fp + hashes[0])  # written first, so least recently used
     engine = tier_engine(llama, [small])
-    out, reused = _run_one(engine, "a", prompts["a"])
+    out, reused = run_one(engine, "a", prompts["a"])
     assert out == reference["a"] and reused == 0  # block 0 is gone: nothing after it can be used
     engine.kv.tiers.join_writes()
     assert small.used_bytes <= 4 * entry
@@ -182,9 +170,9 @@ def test_a_full_disk_stops_writing_with_one_warning(llama, tmp_path, prompts, re
         with caplog.at_level(logging.WARNING, logger="trtprompt.engine.tiers.disk_store"):
             store = DiskStore(mnt, BIG)  # the budget is not what stops it: the disk is
             engine = tier_engine(llama, [store])
-            out, _ = _run_one(engine, "a", prompts["a"])
+            out, _ = run_one(engine, "a", prompts["a"])
             engine.kv.tiers.join_writes()
-            out_b, _ = _run_one(engine, "b2", prompts["a"][:-3] + [11, 12])
+            out_b, _ = run_one(engine, "b2", prompts["a"][:-3] + [11, 12])
             engine.kv.tiers.join_writes()
         assert out == reference["a"] and not store.writing
         full = [r for r in caplog.records if "disk is full" in r.getMessage()]
@@ -202,7 +190,7 @@ def test_a_full_write_queue_drops_blocks_without_stalling_a_step(llama, tmp_path
     gated = GatedStore(DiskStore(tmp_path / "disk", BIG))
     gated.writes_open.clear()  # the tier accepts nothing for now
     engine = tier_engine(llama, [gated], queue_blocks=2)
-    out, _ = _run_one(engine, "a", prompts["a"])  # completes with the writer stuck
+    out, _ = run_one(engine, "a", prompts["a"])  # completes with the writer stuck
     assert out == reference["a"]
     writer = engine.kv.tiers.writers[0]
     queued = writer.offered - writer.queue_drops
@@ -272,10 +260,10 @@ def test_an_abort_while_loading_ends_the_request_once(llama, tmp_path, prompts, 
 def test_selective_writes_only_blocks_reused_in_the_pool(llama, tmp_path, prompts, reference):
     store = DiskStore(tmp_path / "disk", BIG)
     engine = tier_engine(llama, [store], write_policy="selective")
-    out, _ = _run_one(engine, "a", prompts["a"])
+    out, _ = run_one(engine, "a", prompts["a"])
     engine.kv.tiers.join_writes()
     assert out == reference["a"] and store.counters.writes == 0  # seen once: nothing written
-    out_b, reused = _run_one(engine, "b", prompts["b"])
+    out_b, reused = run_one(engine, "b", prompts["b"])
     engine.kv.tiers.join_writes()
     assert out_b == reference["b"] and reused == 6 and store.counters.writes == 6
     hashes = block_hashes(prompts["a"])

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from engine_helpers import VOCAB, make_hf_model, run_to_completion
-from tier_helpers import GREEDY, TPB, block_hashes, entry_path, fingerprint_of, plain_engine, tier_engine
+from tier_helpers import GREEDY, TPB, block_hashes, entry_path, fingerprint_of, plain_engine, run_one, tier_engine
 
 from trtprompt.engine.loop import EngineLoop
 from trtprompt.engine.tiers.disk_store import DiskStore
@@ -42,17 +42,6 @@ def reference(llama: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]
     return run_to_completion(plain_engine(llama), prompts, GREEDY)
 
 
-def _run(engine: Any, rid: str, tokens: list[int]) -> tuple[list[int], int]:
-    engine.add_request(rid, tokens, GREEDY)
-    out: list[int] = []
-    reused = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out.extend(o.new_token_ids)
-            reused = o.stats.kv_cache_reused_blocks if o.finished else reused
-    return out, reused
-
-
 def _on_disk(store: DiskStore, fp: bytes, hashes: list[bytes]) -> set[bytes]:
     return {h for h in hashes if entry_path(store, fp, h).exists()}
 
@@ -62,10 +51,10 @@ def test_write_back_writes_evicted_blocks_then_the_pool_at_close(llama, tmp_path
     a_hashes = block_hashes(prompts["a"])
     store = DiskStore(tmp_path / "wb", BIG)
     engine = tier_engine(llama, [store], kv_tokens=POOL_BLOCKS * TPB, write_policy="write_back")
-    assert _run(engine, "a", prompts["a"])[0] == reference["a"]
+    assert run_one(engine, "a", prompts["a"])[0] == reference["a"]
     engine.kv.tiers.join_writes()
     assert store.counters.writes == 0  # nothing evicted yet: nothing written
-    assert _run(engine, "c", prompts["c"])[0] == reference["c"]  # needs a's blocks
+    assert run_one(engine, "c", prompts["c"])[0] == reference["c"]  # needs a's blocks
     engine.kv.tiers.join_writes()
     evicted = {h for h in a_hashes if engine.kv.pool.lookup(h) is None}
     assert len(evicted) >= 4 and _on_disk(store, fp, a_hashes) == evicted
@@ -76,7 +65,7 @@ def test_write_back_writes_evicted_blocks_then_the_pool_at_close(llama, tmp_path
     # The same bytes write-through stores for those blocks: each copy was taken before the block was reused.
     through = DiskStore(tmp_path / "wt", BIG)
     wt = tier_engine(llama, [through])
-    _run(wt, "a", prompts["a"])
+    run_one(wt, "a", prompts["a"])
     wt.kv.tiers.join_writes()
     wt.close()
     for h in a_hashes:
@@ -84,7 +73,7 @@ def test_write_back_writes_evicted_blocks_then_the_pool_at_close(llama, tmp_path
 
     again = tier_engine(llama, [DiskStore(tmp_path / "wb", BIG)], kv_tokens=POOL_BLOCKS * TPB,
                         write_policy="write_back")
-    out, reused = _run(again, "a", prompts["a"])
+    out, reused = run_one(again, "a", prompts["a"])
     assert out == reference["a"] and reused == len(a_hashes)
     disk = again.stats().kv_tiers[0]
     assert (disk.loaded_blocks, disk.hit_blocks, disk.corrupt) == (len(a_hashes), len(a_hashes), 0)
@@ -100,11 +89,11 @@ def test_write_back_loses_what_an_unclean_stop_leaves_in_the_pool(llama, tmp_pat
     a prefix whose first block stayed in the pool, and computes it: the same tokens."""
     store = DiskStore(tmp_path / "wb", BIG)
     engine = tier_engine(llama, [store], kv_tokens=POOL_BLOCKS * TPB, write_policy="write_back")
-    _run(engine, "a", prompts["a"])
+    run_one(engine, "a", prompts["a"])
     engine.kv.tiers.join_writes()  # no close: the pool's blocks are never written
     assert len(store) == 0
     again = tier_engine(llama, [DiskStore(tmp_path / "wb", BIG)], write_policy="write_back")
-    out, reused = _run(again, "a", prompts["a"])
+    out, reused = run_one(again, "a", prompts["a"])
     assert out == reference["a"] and reused == 0
     again.close()
     engine.close()
@@ -174,11 +163,11 @@ class _Direct:
 def test_tier_loads_reach_the_histogram_family_by_tier(llama, tmp_path, prompts, reference):
     store = DiskStore(tmp_path / "disk", BIG)
     filler = tier_engine(llama, [store])
-    _run(filler, "a", prompts["a"])
+    run_one(filler, "a", prompts["a"])
     filler.kv.tiers.join_writes()
     filler.close()
     engine = tier_engine(llama, [DiskStore(tmp_path / "disk", BIG)])
-    assert _run(engine, "a", prompts["a"])[0] == reference["a"]
+    assert run_one(engine, "a", prompts["a"])[0] == reference["a"]
     n = len(block_hashes(prompts["a"]))
 
     _Family.made = []

@@ -95,3 +95,16 @@ class GatedStore:
         self.reads_open.set()
         self.writes_open.set()
         self.inner.close()
+
+
+def run_one(engine: LLMEngine, rid: str, tokens: list[int]) -> tuple[list[int], int]:
+    """Output tokens and reused blocks of one request run alone."""
+    engine.add_request(rid, tokens, GREEDY)
+    out: list[int] = []
+    reused = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+            if o.finished:
+                reused = o.stats.kv_cache_reused_blocks
+    return out, reused
