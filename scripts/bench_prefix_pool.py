@@ -65,6 +65,18 @@ def ttft(eng: LLMEngine, rid: str, ids: list[int]) -> tuple[float, list[int], in
     return first, tokens, reused
 
 
+def cold_then_warm(plain: LLMEngine, rng: random.Random, prefix_len: int, vocab: int, r: int,
+                   rows: dict[str, list[float]]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Round r's new prefix and two questions; its cold TTFT (question a) and its in-pool warm TTFT
+    (question b) appended to rows. Returns (prefix, a, b, warm greedy tokens)."""
+    prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
+    qa, qb = [rng.randrange(3, vocab) for _ in range(12)], [rng.randrange(3, vocab) for _ in range(12)]
+    rows["cold"].append(ttft(plain, f"cold{r}", prefix + qa)[0])
+    t_warm, warm_tokens, _ = ttft(plain, f"warm{r}", prefix + qb)
+    rows["warm"].append(t_warm)
+    return prefix, qa, qb, warm_tokens
+
+
 def measure_ttft(path: Path, disk: Path, prefix_len: int, repeats: int, vocab: int) -> dict[str, object]:
     rng = random.Random(0)
     rows: dict[str, list[float]] = {"cold": [], "warm": [], "restart": []}
@@ -72,11 +84,7 @@ def measure_ttft(path: Path, disk: Path, prefix_len: int, repeats: int, vocab: i
     plain = engine(path)
     ttft(plain, "warmup", [rng.randrange(3, vocab) for _ in range(prefix_len)])  # first-call costs left out
     for r in range(repeats):
-        prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
-        qa, qb = [rng.randrange(3, vocab) for _ in range(12)], [rng.randrange(3, vocab) for _ in range(12)]
-        rows["cold"].append(ttft(plain, f"cold{r}", prefix + qa)[0])
-        t_warm, warm_tokens, _ = ttft(plain, f"warm{r}", prefix + qb)
-        rows["warm"].append(t_warm)
+        prefix, qa, qb, warm_tokens = cold_then_warm(plain, rng, prefix_len, vocab, r, rows)
         writer = engine(path, disk_cache_path=str(disk))
         ttft(writer, f"fill{r}", prefix + qa)
         assert writer.kv.tiers is not None
@@ -102,11 +110,7 @@ def measure_policies(path: Path, disk: Path, prefix_len: int, repeats: int, voca
     rows: dict[str, list[float]] = {"cold": [], "warm": []}
     reused: dict[str, list[int]] = {}
     for r in range(repeats):
-        prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
-        qa, qb = [rng.randrange(3, vocab) for _ in range(12)], [rng.randrange(3, vocab) for _ in range(12)]
-        rows["cold"].append(ttft(plain, f"cold{r}", prefix + qa)[0])
-        t_warm, warm_tokens, _ = ttft(plain, f"warm{r}", prefix + qb)
-        rows["warm"].append(t_warm)
+        prefix, qa, qb, warm_tokens = cold_then_warm(plain, rng, prefix_len, vocab, r, rows)
         for policy in POLICIES:
             root = disk / f"{policy}-{r}"
             first = engine(path, disk_cache_path=str(root), kv_tier_write_policy=policy)
