@@ -34,13 +34,7 @@ class TierWriter:
 
     def offer(self, key: bytes, payload: Payload) -> bool:
         """Queue one block (payload: its KV bytes, a private copy); False, counted, when the queue is full."""
-        self.offered += 1
-        try:
-            self._queue.put_nowait((key, payload))
-        except queue.Full:
-            self.queue_drops += 1
-            return False
-        return True
+        return self.offer_waiting(key, payload, 0.0)
 
     def offer_waiting(self, key: bytes, payload: Payload, timeout_s: float) -> bool:
         """Queue one block, waiting up to timeout_s for room (write-back at close, off any step)."""
