@@ -41,5 +41,20 @@ def tiny_engine_dir(tiny_checkpoint_factory: Callable[..., Path],
     return path
 
 
+@pytest.fixture(scope="session")
+def llmapi_engine(tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A trtllm-target engine directory in the LLM API layout (`--trtllm-api llmapi`, TensorRT-LLM 1.3+), as
+    this machine builds it without TensorRT-LLM. Shared by the llmapi repository and offload tests. Read-only."""
+    from click.testing import CliRunner
+
+    from trtprompt.cli import main
+
+    out = tmp_path_factory.mktemp("llmapi") / "engine"
+    result = CliRunner().invoke(main, ["build", str(tiny_checkpoint_factory("llama")), "-o", str(out), "--target",
+                                       "trtllm", "--trtllm-api", "llmapi", "--max-seq-len", "2048", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
 # The serve tests share one tritonserver per session (tests/serve_fixtures.py).
 from serve_fixtures import oracle, served  # noqa: E402,F401

@@ -9,7 +9,7 @@ temporary "installed models" folder (named by TRTPROMPT_LLMAPI_MODEL_DIR) to che
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,17 +21,7 @@ from trtprompt.error_codes import BadRequestError
 from trtprompt.prompt.edge import EdgePrompt
 from trtprompt.serve.launch.llmapi_repository import MODEL_DIR_ENV, PLACEHOLDER, find_llmapi_model
 from trtprompt.serve.launch.trtllm_model_config import parse_config_text
-from trtprompt.serve.triton_models.llmapi_edge import (SALT_REFUSAL, edge_request, ensemble_outputs,
-                                                       llmapi_inputs)
-
-
-@pytest.fixture(scope="module")
-def llmapi_engine(tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("llmapi") / "engine"
-    result = CliRunner().invoke(main, ["build", str(tiny_checkpoint_factory("llama")), "-o", str(out), "--target",
-                                       "trtllm", "--trtllm-api", "llmapi", "--max-seq-len", "2048", "--no-progress"])
-    assert result.exit_code == 0, result.output
-    return out
+from trtprompt.serve.triton_models.llmapi_edge import SALT_REFUSAL, edge_request, ensemble_outputs, llmapi_inputs
 
 
 def _repo_only(engine: Path, repo: Path, *more: str) -> Any:

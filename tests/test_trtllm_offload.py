@@ -46,15 +46,6 @@ def trtllm_engine(tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory
     return make_engine_dir("good", tmp_path_factory.mktemp("offload") / "engine", tiny_checkpoint_factory("llama"))
 
 
-@pytest.fixture(scope="module")
-def llmapi_engine(tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("offload-llmapi") / "engine"
-    result = CliRunner().invoke(main, ["build", str(tiny_checkpoint_factory("llama")), "-o", str(out), "--target",
-                                       "trtllm", "--trtllm-api", "llmapi", "--max-seq-len", "2048", "--no-progress"])
-    assert result.exit_code == 0, result.output
-    return out
-
-
 def _core(repo: Path) -> mc.ModelConfig:
     return parse_config_text((repo / "tensorrt_llm" / "config.pbtxt").read_text(encoding="utf-8"))
 
