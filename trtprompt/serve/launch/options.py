@@ -79,7 +79,8 @@ def kv_event_overrides(opts: ServeOptions) -> dict[str, Any]:
 
 
 def check_kv_event_endpoints(opts: ServeOptions) -> None:
-    """Replica i binds the endpoints offset by i (serve/launch/replicas.py): refuse overlapping sets."""
+    """A bad endpoint is refused now, naming it; replica i binds the endpoints offset by i
+    (serve/launch/replicas.py): overlapping sets are refused too."""
     config = kv_events_config(kv_event_overrides(opts))
     if config is None or config.replay_endpoint is None:
         return
@@ -121,7 +122,6 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
         if engine.target != "torch":
             raise ValueError("kv_events_endpoint publishes the torch engine's KV events; this engine is for the "
                              f"{engine.target} target: leave it unset")
-        kv_events_config(kv_event_overrides(opts))  # a bad endpoint is refused now, naming it
         check_kv_event_endpoints(opts)
     if opts.kv_remote_url is not None:  # refused here, before the banner or a process could show a password
         RedisTarget.parse(opts.kv_remote_url)
