@@ -27,7 +27,7 @@ from trtprompt.knobs import KNOBS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KV_EVENT_KNOBS", "KvEventRecorder", "KvEventsConfig", "KvEventPublisher", "encode_batch",
+__all__ = ["KV_EVENT_COUNTS", "KV_EVENT_KNOBS", "KvEventRecorder", "KvEventsConfig", "KvEventPublisher", "encode_batch",
            "external_hash", "kv_events_config", "offset_endpoint", "parse_endpoint"]
 
 KV_EVENT_KNOBS: tuple[str, ...] = ("kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
@@ -36,6 +36,9 @@ LAYOUTS: tuple[str, ...] = tuple(KNOBS["kv_events_layout"].choices or ())
 # vLLM's medium for the engine's own KV pool (its "CPU" means an offload tier to consumers: Dynamo
 # files it as host memory). This pool is the engine's primary one, wherever its memory lives.
 MEDIUM = "GPU"
+# What counts() reports (each `kv_events_` + name in the engine's stats reply; 0 with events off).
+KV_EVENT_COUNTS: tuple[str, ...] = ("published_batches", "published_events", "dropped_batches", "dropped_events",
+                                    "replay_requests")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's end-of-replay marker (vLLM's)
 
 # One pending event: ("stored", hashes, parent, token_ids) | ("removed", hashes) | ("cleared",).
@@ -200,10 +203,14 @@ class KvEventPublisher:
         self.recorder = KvEventRecorder()
         self._queue: queue.Queue[tuple[float, list[Event]] | None] = queue.Queue(config.queue_batches)
         self._must_clear = True  # every process starts with AllBlocksCleared: its predecessor's blocks are gone
+        # Counted since this process started (the publisher thread writes published_* and replay_requests,
+        # the engine thread the rest; each count has one writer). counts() reports them for /metrics.
         self.queued_batches = 0  # handed to the publisher thread; published_batches: sent by it
         self.published_batches = 0
+        self.published_events = 0
         self.dropped_batches = 0
         self.dropped_events = 0
+        self.replay_requests = 0
         self._started = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -230,6 +237,10 @@ class KvEventPublisher:
             self.dropped_batches += 1
             self.dropped_events += len(events)
             self._must_clear = True
+
+    def counts(self) -> dict[str, int]:
+        """The counters under their stats keys (metrics_catalog's KV_EVENT_COUNTERS read them)."""
+        return {f"kv_events_{name}": getattr(self, name) for name in KV_EVENT_COUNTS}
 
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued (up to timeout), then close the sockets."""
@@ -283,14 +294,15 @@ class KvEventPublisher:
             sent.append((seq, payload))
             seq += 1
             self.published_batches += 1
+            self.published_events += len(item[1])
 
-    @staticmethod
-    def _replay(replay: Any, sent: deque[tuple[int, bytes]]) -> None:
+    def _replay(self, replay: Any, sent: deque[tuple[int, bytes]]) -> None:
         """A replay request [identity, "", start seq]: every kept batch from start on, then END_SEQ."""
         frames = replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             log.warning("kv events: ignoring a malformed replay request of %d frame(s)", len(frames))
             return
+        self.replay_requests += 1
         identity, start = frames[0], int.from_bytes(frames[2], "big")
         for seq, payload in sent:
             if seq >= start:

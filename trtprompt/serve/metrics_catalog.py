@@ -87,6 +87,20 @@ RESTARTS = "trtprompt_engine_restarts_total"
 PROCESS_CPU = "trtprompt_engine_process_cpu_seconds_total"
 PROCESS_RSS = "trtprompt_engine_process_resident_memory_bytes"
 
+# The engine's KV event publisher (engine/kv_events.py, docs/kv-events.md): name -> (help, stats key). 0 with
+# KV events off. A dropped batch is one step's events the publisher thread was too far behind to take.
+KV_EVENT_COUNTERS: dict[str, tuple[str, str]] = {
+    "trtprompt_kv_events_published_batches_total": ("KV event batches sent on the ZMQ PUB socket",
+                                                    "kv_events_published_batches"),
+    "trtprompt_kv_events_published_events_total": ("KV events (stored, removed, cleared) in the batches sent",
+                                                   "kv_events_published_events"),
+    "trtprompt_kv_events_dropped_batches_total": ("KV event batches dropped: the publisher's queue was full",
+                                                  "kv_events_dropped_batches"),
+    "trtprompt_kv_events_dropped_events_total": ("KV events in the dropped batches", "kv_events_dropped_events"),
+    "trtprompt_kv_events_replay_requests_total": ("Replay requests answered on the KV event replay socket",
+                                                  "kv_events_replay_requests"),
+}
+
 SERIES: tuple[Series, ...] = (
     Series(PREFIX_QUERIED_BLOCKS, "counter", "Full prompt blocks looked up in the prefix cache",
            lambda s: float(s["reused_blocks"] + s["missed_blocks"])),
@@ -107,6 +121,7 @@ SERIES: tuple[Series, ...] = (
     Series(RESTARTS, "counter", "Times the launcher restarted a dead engine process", key("restarts")),
     Series(PROCESS_CPU, "counter", "User and system CPU time of the engine process", key("process_cpu_seconds")),
     Series(PROCESS_RSS, "gauge", "Resident memory of the engine process", key("process_resident_memory_bytes")),
+    *(Series(name, "counter", help_text, key(field)) for name, (help_text, field) in KV_EVENT_COUNTERS.items()),
 )
 
 # Tiers below the KV pool (docs/prefix-pool.md), one counter family per figure with a `tier` label

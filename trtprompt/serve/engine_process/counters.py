@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from trtprompt.engine.kv_events import KV_EVENT_COUNTS
 from trtprompt.engine.request import FinishReason, RequestOutput
 from trtprompt.error_codes import ErrorCode
 from trtprompt.serve.metrics_catalog import FINISH_REASONS
@@ -55,6 +56,12 @@ def drain_tier_loads(engine: Any) -> list[tuple[str, float]]:  # engine: LLMEngi
     """(tier, seconds) of every block read from a tier since the last drain (none without tiers)."""
     tiers = engine.kv.tiers
     return tiers.loader.latencies.drain() if tiers is not None else []
+
+
+def kv_event_counts(engine: Any) -> dict[str, int]:  # engine: LLMEngine
+    """The KV event publisher's counts (metrics_catalog.KV_EVENT_COUNTERS); zeros with events off."""
+    publisher = engine.kv_events
+    return publisher.counts() if publisher is not None else {f"kv_events_{n}": 0 for n in KV_EVENT_COUNTS}
 
 
 class RequestCounters:

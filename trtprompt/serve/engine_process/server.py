@@ -36,6 +36,7 @@ from trtprompt.serve.engine_process.counters import (
     RequestCounters,
     config_labels,
     drain_tier_loads,
+    kv_event_counts,
     process_usage,
 )
 from trtprompt.serve.wire import protocol as P
@@ -117,7 +118,7 @@ class EngineService:
         self.counters.record_tier_loads(drain_tier_loads(self.engine))  # for trtprompt_kv_tier_load_seconds
         return {"type": "stats", **asdict(self.loop.stats()), **self.counters.snapshot(since),
                 "in_flight": self.loop.num_in_flight(), "pid": os.getpid(), "restarts": self.restarts,
-                **process_usage()}
+                **process_usage(), **kv_event_counts(self.engine)}
 
     def record(self, out: RequestOutput) -> None:
         """Count a finished request and keep its timings for the histograms."""
