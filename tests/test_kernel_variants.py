@@ -50,7 +50,8 @@ def test_a_requested_variant_the_cpu_lacks_is_refused_naming_the_flags() -> None
 
 def test_each_variant_builds_under_its_own_name_and_flags() -> None:
     names = {kernels._build_flags(v)[0] for v in isa.VARIANTS}
-    assert names == {"trtprompt_kernels_avx512", "trtprompt_kernels_avx2", "trtprompt_kernels_generic"}
+    tail = f"_{kernels._checkout_digest()}"
+    assert names == {f"trtprompt_kernels_{v}{tail}" for v in ("avx512", "avx2", "generic")}
     avx512 = kernels._build_flags(isa.BY_NAME["avx512"])[1]
     assert "-mavx512f" in avx512 and "-DTRTPROMPT_LANES=16" in avx512
     assert not any(f.startswith("-m") for f in kernels._build_flags(isa.BY_NAME["generic"])[1])
@@ -75,7 +76,8 @@ OTHERS = [v.name for v in isa.supported(isa.cpu_flags()) if v != kernels.variant
 @pytest.mark.parametrize("variant", OTHERS)
 def test_every_other_supported_variant_equals_the_reference(variant: str) -> None:
     status = _child(variant, "-c", "from trtprompt.engine import kernels; print(kernels.compiled_kernel_status()[1])")
-    assert status.stdout.strip() == f"compiled kernel trtprompt_kernels_{variant} ({variant}: " \
+    name = f"trtprompt_kernels_{variant}_{kernels._checkout_digest()}"
+    assert status.stdout.strip() == f"compiled kernel {name} ({variant}: " \
                                     f"{isa.BY_NAME[variant].lanes}-float vectors)", status.stderr[-2000:]
     tests = Path(__file__).parent
     out = _child(variant, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", PARITY,

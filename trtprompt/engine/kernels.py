@@ -54,9 +54,17 @@ def _build_flags(v: KernelVariant) -> tuple[str, list[str]]:
     """(extension name, compiler flags) of a variant.
 
     The name carries the variant so a cache shared by machines of different
-    CPUs never hands one a binary it cannot run.
+    CPUs never hands one a binary it cannot run, and a digest of where the
+    sources lie: torch's cache is per user, and two checkouts building one name
+    each found the other's build stale (its sources' paths differ) and rebuilt it.
     """
-    return f"trtprompt_kernels_{v.name}", [*_BASE_FLAGS, *v.cflags, f"-DTRTPROMPT_HEADERS={_headers_digest()}"]
+    return (f"trtprompt_kernels_{v.name}_{_checkout_digest()}",
+            [*_BASE_FLAGS, *v.cflags, f"-DTRTPROMPT_HEADERS={_headers_digest()}"])
+
+
+def _checkout_digest() -> str:
+    """8 hex digits naming this copy of the sources (docs/design.md, "Kernel variants")."""
+    return hashlib.blake2b(str(CSRC.resolve()).encode("utf-8"), digest_size=4).hexdigest()
 
 
 def _headers_digest() -> str:
