@@ -7,14 +7,15 @@ phase with its own system prompts (so every phase starts on cold pools):
   single       every request straight to replica 0's front end: one server, one pool;
   cache_aware  through the group's router (sglang-router, cache_aware);
   round_robin  through a second sglang-router, --policy round_robin, over the same two replicas;
-  overhead     a short prompt, direct to a replica vs through the cache-aware router, interleaved.
+  overhead     a short prompt, direct to a replica vs through the cache-aware router, interleaved
+               (trtprompt/bench/router_overhead.py, as `trtprompt bench --replicas-file` measures it).
 
 --failover instead: 4 clients loop short chats through the router while a replica's engine process
 is SIGKILLed 5 times (alternating replicas; each time, how long from the engine answering again to
 the router calling the replica healthy), then SIGHUP runs a rolling restart; every outcome counted.
 
 Hit rate: hit_tokens / queried_tokens over the phase, summed over the replicas' engines (their own
-stats op). TTFT: streamed chat completion, time to the first chunk with text. Run it under the
+stats op: trtprompt/bench/replica_group.py, shared with `trtprompt bench --replicas-file`). TTFT: streamed chat completion, time to the first chunk with text. Run it under the
 bench lock: flock /tmp/bench.lock .venv/bin/python scripts/bench_replicas.py ENGINE
 """
 
@@ -33,13 +34,15 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import openai
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from trtprompt.bench.replica_group import Replica, engine_counts, read_group, replica_rows  # noqa: E402
+from trtprompt.bench.router_overhead import router_overhead  # noqa: E402
 from trtprompt.serve.launch import router as R  # noqa: E402
 from trtprompt.serve.ports import free_ports  # noqa: E402
 from trtprompt.serve.wire import protocol as P  # noqa: E402
@@ -71,17 +74,9 @@ def ttft(base: str, model: str, system: str | None, user: str, max_tokens: int) 
     return first if first is not None else time.perf_counter() - start
 
 
-def engine_totals(replicas: list[dict[str, Any]]) -> list[tuple[int, int]]:
-    out = []
-    for r in replicas:
-        s = P.call(r["engine_socket"], {"op": "stats", "since": 1 << 62})
-        out.append((s["hit_tokens"], s["queried_tokens"]))
-    return out
-
-
 def phase(base: str, model: str, prompts: list[str], users: int, concurrency: int,
-          replicas: list[dict[str, Any]]) -> dict[str, Any]:
-    before = engine_totals(replicas)
+          replicas: Sequence[Replica]) -> dict[str, Any]:
+    before = [engine_counts(r) for r in replicas]
     jobs = [(p, f"User {u}: where is my parcel number {1000 + u}?") for u in range(users) for p in prompts]
     # Arrivals in a seeded random order: in a fixed order round-robin would line prompts up with replicas.
     random.Random(len(jobs)).shuffle(jobs)
@@ -89,22 +84,10 @@ def phase(base: str, model: str, prompts: list[str], users: int, concurrency: in
     with cf.ThreadPoolExecutor(concurrency) as pool:
         times = list(pool.map(lambda j: ttft(base, model, j[0], j[1], 4), jobs))
     wall = time.perf_counter() - start
-    after = engine_totals(replicas)
-    hits = [a[0] - b[0] for a, b in zip(after, before)]
-    queried = [a[1] - b[1] for a, b in zip(after, before)]
+    rows = replica_rows(before, [engine_counts(r) for r in replicas])
+    hits, queried = sum(r["hit_tokens"] for r in rows), sum(r["queried_tokens"] for r in rows)
     return {"requests": len(jobs), "ttft_p50_s": statistics.median(times), "ttft_mean_s": statistics.fmean(times),
-            "wall_s": wall, "hit_rate": sum(hits) / max(1, sum(queried)), "queried_tokens_per_replica": queried,
-            "hit_tokens_per_replica": hits}
-
-
-def overhead(direct: str, routed: str, model: str, n: int) -> dict[str, Any]:
-    """Short prompts, alternating direct and through the router (one at a time)."""
-    d, r = [], []
-    for i in range(n):
-        d.append(ttft(direct, model, None, f"Hi {i}", 1))
-        r.append(ttft(routed, model, None, f"Hi {i}", 1))
-    return {"n": n, "direct_p50_ms": 1000 * statistics.median(d), "router_p50_ms": 1000 * statistics.median(r),
-            "added_p50_ms": 1000 * (statistics.median(r) - statistics.median(d))}
+            "wall_s": wall, "hit_rate": hits / max(1, queried), "per_replica": rows}
 
 
 class Load:
@@ -204,25 +187,26 @@ def main() -> None:
     rr_proc = None
     try:
         layout = json.loads((args.run_dir / "run" / "replicas.json").read_text())
-        replicas, routed = layout["replicas"], layout["router"]
+        group = read_group(args.run_dir / "run" / "replicas.json")
+        replicas, routed = group.replicas, group.router
         model = openai.OpenAI(base_url=f"{routed}/v1", api_key="unused").models.list().data[0].id
         if args.failover:
             print(json.dumps(failover(proc, args.run_dir / "serve.log", layout, model), indent=2))
             return
         rr_port, rr_metrics = free_ports(2)
         rr = R.RouterOptions("127.0.0.1", rr_port, rr_metrics, policy="round_robin")
-        rr_proc = subprocess.Popen(R.router_command(rr, [r["url"] for r in replicas]),
+        rr_proc = subprocess.Popen(R.router_command(rr, [r.url for r in replicas]),
                                    stdout=(args.run_dir / "rr.log").open("wb"), stderr=subprocess.STDOUT)
         R.wait_until(lambda: len(R.healthy_workers(rr)) == len(replicas), "the round-robin router", 120)
         results: dict[str, Any] = {"engine": str(args.engine), "prompts": args.prompts, "users": args.users,
                                    "prefix_tokens": args.prefix_tokens, "concurrency": args.concurrency}
-        bases = {"single": replicas[0]["url"], "cache_aware": routed, "round_robin": rr.base}
+        bases = {"single": replicas[0].url, "cache_aware": routed, "round_robin": rr.base}
         for seed, (name, base) in enumerate(bases.items()):
             prompts = system_prompts(tokenizer, args.prompts, args.prefix_tokens, seed)
             results[name] = phase(base, model, prompts, args.users, args.concurrency,
                                   replicas if name != "single" else replicas[:1])
             print(name, json.dumps(results[name]), flush=True)
-        results["overhead"] = overhead(replicas[0]["url"], routed, model, args.overhead_requests)
+        results["overhead"] = router_overhead(group, args.overhead_requests, model)
         single_rate = results["single"]["hit_rate"]  # 0 when every prompt was seen once (nothing to reuse)
         results["hit_rate_vs_single"] = results["cache_aware"]["hit_rate"] / single_rate if single_rate else None
         results["ttft_p50_vs_round_robin"] = (results["cache_aware"]["ttft_p50_s"]

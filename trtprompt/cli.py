@@ -219,12 +219,20 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
 @click.option("--require-kv-reuse", is_flag=True,
               help="Refuse an engine that cannot reuse KV blocks (a TensorRT-LLM 1.2 engine built without "
                    "use_paged_context_fmha or a paged KV cache) instead of serving it with a warning.")
+@click.option("--join-router", metavar="URL", help="Register the OpenAI API with the router at URL "
+              "(`trtprompt router` on another machine) while serving; docs/multi-node.md.")
+@click.option("--advertise-url", metavar="URL", help="Address the router calls this server at (default: "
+              "http://HOST:OPENAI_PORT; required with --host 0.0.0.0).")
+@click.option("--router-admin-key-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="File holding the router's admin key for its /workers API (default: "
+                   "$TRTPROMPT_ROUTER_ADMIN_KEY; else the API key is sent).")
 @knob_options(SERVE_OPTIONS, serve=True)
 def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_port: int, openai_port: int,
           no_openai: bool, max_request_bytes: int | None,
           api_key_file: Path | None, repo_only: Path | None, tokenizer_dir: Path | None,
           run_dir: Path | None,
-          ready_timeout: float, no_restart: bool, require_kv_reuse: bool, **overrides: Any) -> None:
+          ready_timeout: float, no_restart: bool, require_kv_reuse: bool, join_router: str | None,
+          advertise_url: str | None, router_admin_key_file: Path | None, **overrides: Any) -> None:
     """Serve ENGINE_DIR behind a real tritonserver (TensorRT-LLM ensemble interface) and an OpenAI-compatible API."""
     from trtprompt.serve.launch.command import run_serve
     from trtprompt.serve.launch.launcher import Ports
@@ -238,10 +246,63 @@ def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_p
                          repo_only=repo_only, tokenizer=tokenizer_dir, run_dir=run_dir,
                          ready_timeout_s=ready_timeout,
                          restart=not no_restart, echo=lambda m: click.echo(m, err=True), openai=openai,
-                         api_key=api_key, require_kv_reuse=require_kv_reuse)
+                         api_key=api_key, require_kv_reuse=require_kv_reuse,
+                         join=_join(join_router, advertise_url, router_admin_key_file, host, openai_port, api_key))
     except (UserError, ValueError) as exc:
         raise _fail(exc) from exc
     raise SystemExit(code)
+
+
+def _join(router_url: str | None, advertise_url: str | None, admin_key_file: Path | None, host: str,
+          openai_port: int, api_key: Any) -> Any:
+    """serve --join-router's options (None without it); the admin key from a file or the environment."""
+    if router_url is None:
+        if advertise_url is not None or admin_key_file is not None:
+            raise ValueError("--advertise-url and --router-admin-key-file go with --join-router")
+        return None
+    from trtprompt.secret_source import read_secret
+    from trtprompt.serve.launch.join import join_options
+    from trtprompt.serve.launch.router import ADMIN_KEY_ENV
+
+    admin = read_secret(admin_key_file, os.environ, ADMIN_KEY_ENV, "router admin key")
+    return join_options(router_url, advertise_url, host, openai_port, admin, api_key.value if api_key else None)
+
+
+@main.command()
+@click.option("--host", default=I.DEFAULT_HOST, show_default=True,
+              help="Address to bind (0.0.0.0: all; needs an admin or API key).")
+@click.option("--port", default=30000, show_default=True, help="The router's OpenAI port, and its /workers API.")
+@click.option("--metrics-port", default=29000, show_default=True, help="The router's Prometheus /metrics port.")
+@click.option("--policy", type=click.Choice(["cache_aware", "round_robin"]), default="cache_aware",
+              show_default=True, help="sglang-router's routing policy.")
+@click.option("--worker-url", "worker_urls", multiple=True, metavar="URL",
+              help="A server to route to from the start (repeatable); servers can also join later.")
+@click.option("--selector", "selectors", multiple=True, metavar="KEY=VALUE",
+              help="Kubernetes discovery: route to pods with these labels (repeatable); docs/multi-node.md.")
+@click.option("--discovery-port", default=8003, show_default=True, help="Kubernetes discovery: the pods' OpenAI port.")
+@click.option("--discovery-namespace", help="Kubernetes discovery: the namespace to watch (default: all).")
+@click.option("--run-dir", type=click.Path(path_type=Path), help="Keep the router's log here.")
+@_api_key_options("the API key clients must send (the router passes it on to its workers)")
+@click.option("--admin-key-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="File holding the key the /workers API then requires (default: $TRTPROMPT_ROUTER_ADMIN_KEY).")
+def router(host: str, port: int, metrics_port: int, policy: str, worker_urls: tuple[str, ...],
+           selectors: tuple[str, ...], discovery_port: int, discovery_namespace: str | None, run_dir: Path | None,
+           api_key_file: Path | None, admin_key_file: Path | None) -> None:
+    """Run sglang-router alone, for `trtprompt serve --join-router` servers on other machines."""
+    from trtprompt.secret_source import read_secret
+    from trtprompt.serve.launch import router as R
+    from trtprompt.serve.launch.options import ApiKey
+    from trtprompt.serve.launch.router_node import Discovery, NodeOptions, run_router_node
+
+    try:
+        api_key = ApiKey.read(api_key_file, os.environ)
+        admin = read_secret(admin_key_file, os.environ, R.ADMIN_KEY_ENV, "router admin key")
+        opts = NodeOptions(R.RouterOptions(host, port, metrics_port, policy, api_key=api_key.value if api_key else None,
+                                           admin_key=admin), worker_urls,
+                           Discovery(selectors, discovery_port, discovery_namespace) if selectors else None, run_dir)
+    except ValueError as exc:
+        raise _fail(exc) from exc
+    raise SystemExit(run_router_node(opts, lambda m: click.echo(m, err=True)))
 
 
 @main.command()
@@ -336,6 +397,11 @@ def lint(file: Path, engine_dir: Path | None, tokenizer_dir: Path | None, tokens
 @click.option("--api", type=click.Choice(["triton", "openai"]),
               help="Client: Triton gRPC streaming or OpenAI /v1/completions streaming (default: from --url, else triton).")
 @click.option("--metrics-url", help=f"Its /metrics (default: the --url host, port {I.METRICS_PORT}).")
+@click.option("--replicas-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A serve --replicas group's RUN_DIR/replicas.json: bench through its router (--url defaults to it) "
+                   "and report per-replica requests and hit rate, and the router's added TTFT (docs/bench/README.md).")
+@click.option("--overhead-requests", type=click.IntRange(min=1),
+              help="With --replicas-file: short prompts sent each way (direct, through the router). Default 20.")
 @click.option("--baseline", type=click.Choice(["none", "transformers"]), default="none", show_default=True,
               help="Also run the workload in-process with transformers generate and generate_batch.")
 @click.option("--hf-checkpoint", type=click.Path(path_type=Path),

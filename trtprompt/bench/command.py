@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from trtprompt.bench.compare import BenchOutcome, BenchPlan, parse_compare, run_bench
+from trtprompt.bench.replica_group import read_group
 from trtprompt.bench.runner import LoadSpec
 from trtprompt.bench.workloads import WorkloadSpec
 from trtprompt.interface import METRICS_PORT
@@ -53,16 +54,20 @@ def make_plan(engine_dir: Path, workload: str, options: Mapping[str, Any]) -> Be
                       warmup=options.get("warmup", 2), seed=spec.seed, timeout_s=options.get("timeout", 300.0),
                       ignore_eos=not options.get("allow_eos", False))
              for c in parse_levels(conc_text)]
-    url = options.get("url")
+    url, replicas_file = options.get("url"), options.get("replicas_file")
+    if replicas_file is not None and url is None:
+        url = read_group(Path(replicas_file)).router  # the group's one OpenAI port
     api = bench_api(options.get("api"), url)
     metrics_url = options.get("metrics_url")
-    if url is not None and metrics_url is None:
+    if url is not None and metrics_url is None and replicas_file is None:
         host = urllib.parse.urlsplit(url).hostname if api == "openai" else url.rsplit(":", 1)[0]
         metrics_url = f"http://{host}:{METRICS_PORT}/metrics"
     out = options.get("out") or Path("bench-results") / workload
     return BenchPlan(Path(engine_dir), spec, loads, parse_compare(options.get("compare")), Path(out), url,
                      metrics_url, options.get("baseline") == "transformers", options.get("hf_checkpoint"),
-                     not options.get("no_progress", False), not options.get("no_plots", False), api=api)
+                     not options.get("no_progress", False), not options.get("no_plots", False), api=api,
+                     replicas_file=None if replicas_file is None else Path(replicas_file),
+                     overhead_requests=options.get("overhead_requests") or 20)
 
 
 def run_bench_command(engine_dir: Path, workload: str, options: Mapping[str, Any],

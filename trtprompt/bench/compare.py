@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from trtprompt import rules
 from trtprompt.bench import report
+from trtprompt.bench.replica_group import group_counts, read_group, replica_rows, replica_table
+from trtprompt.bench.router_overhead import overhead_table, router_overhead
 from trtprompt.bench.runner import LoadSpec, RunResult, resolve_model, run_load, send_once
 from trtprompt.bench.starts import check_start, run_started
 from trtprompt.bench.workloads import Workload, WorkloadSpec, make_workload
@@ -142,10 +144,18 @@ class BenchPlan:
     plots: bool = True
     model: str = "ensemble"
     api: str = "triton"  # or "openai": the OpenAI-compatible endpoint (trtprompt.bench.openai_client)
+    # A `serve --replicas` group's RUN_DIR/replicas.json: per-replica rows and the router's added TTFT.
+    replicas_file: Path | None = None
+    overhead_requests: int = 20  # short prompts each way (direct, through the router) for the added TTFT
 
     def __post_init__(self) -> None:
         if not self.loads:
             raise ValueError("loads must not be empty")
+        if self.overhead_requests < 1:
+            raise ValueError(f"overhead_requests must be >= 1, got {self.overhead_requests}")
+        if self.replicas_file is not None and (self.url is None or self.api != "openai"):
+            raise ValueError("replicas_file benches the group through its router: url must be the router's "
+                             "OpenAI endpoint (api openai)")
         if self.url is not None and (len(self.variants) != 1 or self.variants[0].name != "default"):
             raise ValueError("--url runs against one running server: --compare needs bench to start the servers")
 
@@ -208,18 +218,38 @@ def run_bench(plan: BenchPlan, echo: Callable[[str], None] = print) -> BenchOutc
         _run_baselines(plan, tokenizer, workloads, outcome, echo)
     for label, runs in outcome.runs.items():
         outcome.summaries[label] = {name: report.summarize(r, tpb) for name, r in runs.items()}
+    if plan.replicas_file is not None:
+        _add_replica_figures(plan, outcome, echo)
     outcome.files = write_outputs(outcome)
     return outcome
 
 
+def _add_replica_figures(plan: BenchPlan, outcome: BenchOutcome, echo: Callable[[str], None]) -> None:
+    """Each run's per-replica rows (from the probe's counts), then the router's added TTFT, measured once
+    after every level and kept with the last level's run."""
+    group = read_group(plan.replicas_file) if plan.replicas_file is not None else None
+    if group is None:
+        return
+    for label, runs in outcome.runs.items():
+        for name, r in runs.items():
+            if r.probe_before is not None:
+                outcome.summaries[label][name]["replicas"] = replica_rows(r.probe_before, r.probe_after)
+    echo(f"bench: router added TTFT, {plan.overhead_requests} short prompts each way")
+    last = outcome.summaries[list(outcome.summaries)[-1]]
+    last[next(iter(last))]["router_overhead"] = router_overhead(group, plan.overhead_requests)
+
+
 def _run_variant(plan: BenchPlan, variant: Variant, workloads: Sequence[Workload],
                  echo: Callable[[str], None]) -> dict[str, RunResult]:
+    group = read_group(plan.replicas_file) if plan.replicas_file is not None else None
+
     def run_all(url: str, metrics_url: str | None) -> dict[str, RunResult]:
         out = {}
+        probe = (lambda: group_counts(group)) if group is not None else None
         for load, workload in zip(plan.loads, workloads):
             echo(f"bench: {variant.name}: {workload.name}, {load.label}")
             out[load.label] = run_load(url, workload, load, metrics_url, plan.model, plan.progress,
-                                       api=plan.api)
+                                       api=plan.api, probe=probe)
         return out
 
     if plan.url is not None:
@@ -303,4 +333,9 @@ def markdown_report(outcome: BenchOutcome) -> str:
             table = report.tag_table(s)
             if table:
                 parts.append(f"By request class ({name}):\n\n{table}\n")
+            if "replicas" in s:
+                parts.append(f"Per replica ({name}; measured requests; hit rate = hit / queried prompt tokens, "
+                             f"the engines' own counts):\n\n{replica_table(s['replicas'])}\n")
+            if "router_overhead" in s:
+                parts.append(overhead_table(s["router_overhead"]) + "\n")
     return "\n".join(parts)

@@ -108,6 +108,9 @@ class RunResult:
     metrics_before: dict[str, float] = field(default_factory=dict)
     metrics_after: dict[str, float] = field(default_factory=dict)
     not_sent: int = 0  # left unsent by the duration bound
+    # What run_load's probe returned just before and just after the measured requests (replica counts).
+    probe_before: Any = None
+    probe_after: Any = None
 
 
 def scrape_metrics(url: str | None, timeout_s: float = 5.0) -> dict[str, float]:
@@ -288,8 +291,11 @@ def send_once(url: str, requests: Sequence[BenchRequest], load: LoadSpec, model:
 
 def run_load(url: str, workload: Workload, load: LoadSpec, metrics_url: str | None = None,
              model: str = "ensemble", progress: bool = True, settle_s: float = 0.35,
-             api: str = "triton") -> RunResult:
+             api: str = "triton", probe: Callable[[], Any] | None = None) -> RunResult:
     """Warm up, scrape /metrics, send the measured requests, scrape again.
+
+    probe: called right before and right after the measured requests (bench/replica_group.py's
+    per-replica engine counts), its results kept in the RunResult.
 
     api: "triton" (gRPC streaming to `model`) or "openai" (url is an OpenAI-compatible
     endpoint; model "ensemble" means the first model its /v1/models lists).
@@ -314,13 +320,16 @@ def run_load(url: str, workload: Workload, load: LoadSpec, metrics_url: str | No
     if metrics_url is not None:
         time.sleep(settle_s)
     before = scrape_metrics(metrics_url)
+    probe_before = probe() if probe is not None else None
     bar = tqdm(total=len(measured), desc=f"{workload.name} {load.label}", unit="req",
                disable=not progress, leave=False)
     phase = _Phase(url, model, load, measured, done, lambda: bar.update(1), api)
     wall = phase.run()
     bar.close()
+    probe_after = probe() if probe is not None else None
     if metrics_url is not None:
         time.sleep(settle_s)
     after = scrape_metrics(metrics_url)
     records = sorted(phase.records, key=lambda r: r.index)
-    return RunResult(load, workload.describe(), records, wall, before, after, phase.not_sent)
+    return RunResult(load, workload.describe(), records, wall, before, after, phase.not_sent, probe_before,
+                     probe_after)
