@@ -6,7 +6,7 @@ import json
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from trtprompt.engine.engine_dir import LLMAPI_TARGET
 from trtprompt.serve.launch import kv_reuse
@@ -14,12 +14,16 @@ from trtprompt.serve.launch.launcher import Ports, Server, serve_forever
 from trtprompt.serve.launch.options import ApiKey, EngineInfo, OpenAIOptions, resolve_options
 from trtprompt.serve.launch.repository import RepoContext, write_repository
 
+if TYPE_CHECKING:
+    from trtprompt.serve.launch.join import JoinOptions
+
 
 def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
               repo_only: Path | None = None, tokenizer: Path | None = None, run_dir: Path | None = None,
               ready_timeout_s: float = 120.0, restart: bool = True,
               echo: Callable[[str], None] = print, openai: OpenAIOptions | None = None,
-              api_key: ApiKey | None = None, require_kv_reuse: bool = False) -> int:
+              api_key: ApiKey | None = None, require_kv_reuse: bool = False,
+              join: "JoinOptions | None" = None) -> int:
     """Serve ENGINE_DIR until SIGINT/SIGTERM; or, with repo_only, write the repository and return.
 
     require_kv_reuse: refuse an engine that cannot reuse KV blocks instead of warning (kv_reuse.py).
@@ -27,6 +31,7 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
     openai: also run the OpenAI-compatible front end (trtprompt.serve.openai) on its port.
     api_key: required by every Triton API but health and by the front end (docs/security.md).
     tokenizer: where the tokenizer is (default: the engine's own; see read_engine_dir).
+    join: register the OpenAI front end with a router elsewhere while serving (docs/multi-node.md).
 
     Raises ValueError for an engine or options that cannot be served.
     """
@@ -35,6 +40,8 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
     options = resolve_options(engine, overrides)
     if require_kv_reuse:
         kv_reuse.require_reuse_on(engine, options)
+    if join is not None:
+        check_join(engine.target, options.replicas, openai, repo_only)
     if openai is not None:
         openai.check_ports({"gRPC": ports.grpc, "HTTP": ports.http, "metrics": ports.metrics})
     if engine.target == LLMAPI_TARGET:  # TensorRT-LLM 1.3+ LLM API model behind the prompt edge
@@ -68,7 +75,23 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
         return serve_replicas(engine, options, ports, openai, run_dir, ready_timeout_s, restart, echo, api_key)
     server = Server(engine, options, ports, run_dir=run_dir, ready_timeout_s=ready_timeout_s,
                     restart_engine=restart, log=echo, openai=openai, api_key=api_key)
+    if join is not None and openai is not None:
+        from trtprompt.serve.launch.join import serve_joined
+
+        return serve_joined(server, join, f"http://{ports.local_host}:{openai.port}/health")
     return serve_forever(server)
+
+
+def check_join(target: str, replicas: int, openai: OpenAIOptions | None, repo_only: Path | None) -> None:
+    """--join-router registers one torch server's OpenAI front end (docs/multi-node.md)."""
+    if target != "torch":
+        raise ValueError(f"--join-router registers a torch server's OpenAI front end; this engine is for the "
+                         f"{target} target")
+    if openai is None or repo_only is not None:
+        raise ValueError("--join-router registers the OpenAI front end: drop --no-openai / --repo-only")
+    if replicas != 1:
+        raise ValueError("--join-router with --replicas: run one server per machine (or per NUMA node) and "
+                         "join each, or serve --replicas without --join-router")
 
 
 def run_infer(prompt: str, url: str, model: str, max_tokens: int, stream: bool,

@@ -35,7 +35,7 @@ from trtprompt.serve.launch.launcher import (
     spawn_child,
     stop_on_signals,
 )
-from trtprompt.serve.launch.options import EngineInfo, OpenAIOptions, ServeOptions
+from trtprompt.serve.launch.options import ApiKey, EngineInfo, OpenAIOptions, ServeOptions
 from trtprompt.serve.launch.process_group import stop_group
 from trtprompt.serve.ports import free_ports
 from trtprompt.serve.wire import protocol as P
@@ -315,8 +315,10 @@ def _cores(cpus: frozenset[int]) -> str:
 
 def build_group(engine: EngineInfo, options: ServeOptions, ports: Ports, openai: OpenAIOptions,
                 run_dir: Path | None, ready_timeout_s: float, restart: bool,
-                log: Callable[[str], None]) -> ReplicaGroup:
-    """The group for serve --replicas N (checks the options first; raises ValueError)."""
+                log: Callable[[str], None], api_key: ApiKey | None = None) -> ReplicaGroup:
+    """The group for serve --replicas N (checks the options first; raises ValueError). api_key: the
+    router checks it on every client request and sends it to the replicas, whose front ends check
+    it too (docs/replicas.md, "API key")."""
     cpu_sets = replica_cpu_sets(options.replicas)
     per_replica = [replica_options(options, cpus, i) for i, cpus in enumerate(cpu_sets)]
     own = run_dir is None
@@ -325,7 +327,9 @@ def build_group(engine: EngineInfo, options: ServeOptions, ports: Ports, openai:
     root.chmod(0o700)
     specs = plan_replicas(options.replicas, ports, root, cpu_sets)
     router_metrics, = free_ports(1)
-    router = R.RouterOptions(ports.host, openai.port, router_metrics)
+    key = api_key.value if api_key is not None else openai.api_key
+    router = R.RouterOptions(ports.host, openai.port, router_metrics, api_key=key)
+    openai = dataclasses.replace(openai, api_key=key)
 
     def make(spec: ReplicaSpec) -> Server:
         front = dataclasses.replace(openai, port=spec.openai_port)
@@ -339,14 +343,11 @@ def build_group(engine: EngineInfo, options: ServeOptions, ports: Ports, openai:
 
 def serve_replicas(engine: EngineInfo, options: ServeOptions, ports: Ports, openai: OpenAIOptions | None,
                    run_dir: Path | None, ready_timeout_s: float, restart: bool, log: Callable[[str], None],
-                   api_key: object | None) -> int:
+                   api_key: ApiKey | None) -> int:
     """Run the group until SIGINT/SIGTERM (or the router dies); returns the exit code."""
     if openai is None:
         raise ValueError("--replicas serves through the router on the OpenAI port: drop --no-openai")
-    if api_key is not None:  # fail closed: the router would need the key on its command line (docs/replicas.md)
-        raise ValueError("an API key is not applied with --replicas yet: unset TRTPROMPT_API_KEY / "
-                         "--api-key-file, or serve one replica")
-    group = build_group(engine, options, ports, openai, run_dir, ready_timeout_s, restart, log)
+    group = build_group(engine, options, ports, openai, run_dir, ready_timeout_s, restart, log, api_key)
     with stop_on_signals(group.request_stop), rolling_on_sighup(group):
         try:
             group.start()
