@@ -2,12 +2,14 @@
 """One side of scripts/bench_vs_vllm.py, run as a subprocess in that side's own venv.
 
     python bench_vs_vllm_worker.py offline --side vllm|trtprompt --prompts P.json --out R.json
-        [--checkpoint DIR] [--engine DIR] [--threads N]
+        [--checkpoint DIR --dtype float32|bfloat16] [--engine DIR] [--threads N]
     python bench_vs_vllm_worker.py client ARGS...   # vLLM's serving benchmark client
 
 `offline` runs the in-process workloads of P.json (token ids, written by the
 orchestrator, so both sides get the same prompts token for token): a full-size
-warm-up of every workload first, then each rep. `client` is
+warm-up of every workload first, then each rep, with the CPU time the process
+tree spent in it (cores_busy = CPU s / wall s: the check that a side used every
+core it was given). The orchestrator uses run_workloads for llama.cpp too. `client` is
 `vllm.benchmarks.serve` (which has no `__main__` of its own in vLLM 0.32).
 Only the standard library is imported at the top: the vLLM venv has no
 trtprompt and the project venv has no vLLM.
@@ -29,11 +31,35 @@ Prompts = list[list[int]]
 RunFn = Callable[[Prompts, int], dict[str, Any]]
 
 
-def vllm_runner(checkpoint: str, max_num_tokens: int, max_batch: int, max_len: int) -> tuple[RunFn, Callable[[], None]]:
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of a process and its live descendants (all their threads), from /proc."""
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        parent[int(entry.name)] = int(fields[1])
+        cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    tree, frontier = {root}, [root]
+    while frontier:
+        kids = [pid for pid, pp in parent.items() if pp == frontier[-1] and pid not in tree]
+        frontier.pop()
+        tree.update(kids)
+        frontier.extend(kids)
+    return sum(cpu.get(pid, 0.0) for pid in tree)
+
+
+def vllm_runner(checkpoint: str, dtype: str, max_num_tokens: int, max_batch: int,
+                max_len: int) -> tuple[RunFn, Callable[[], None]]:
     """vLLM's LLM with prefix caching and chunked prefill on, greedy, EOS ignored."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=checkpoint, tokenizer=checkpoint, dtype="float32", seed=0, max_model_len=max_len,
+    llm = LLM(model=checkpoint, tokenizer=checkpoint, dtype=dtype, seed=0, max_model_len=max_len,
               enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=max_num_tokens,
               max_num_seqs=max_batch, disable_log_stats=False)  # stats on: first_token_latency is filled
 
@@ -84,8 +110,9 @@ def trtprompt_runner(engine_dir: str) -> tuple[RunFn, Callable[[], None]]:
     return run, lambda: None
 
 
-def run_workloads(run: RunFn, reset: Callable[[], None], spec: dict[str, Any]) -> dict[str, Any]:
-    """Warm up on every workload at full size, then time each rep; the cache is reset before each."""
+def run_workloads(run: RunFn, reset: Callable[[], None], spec: dict[str, Any], pid: int) -> dict[str, Any]:
+    """Warm up on every workload at full size, then time each rep; the cache is reset before each.
+    pid: the root of the processes doing the work (their CPU time is measured)."""
     t0 = time.perf_counter()
     for name, wl in spec["workloads"].items():
         reset()
@@ -95,15 +122,17 @@ def run_workloads(run: RunFn, reset: Callable[[], None], spec: dict[str, Any]) -
         reps = []
         for i, prompts in enumerate(wl["reps"]):
             reset()
-            load = os.getloadavg()[0]
+            load, cpu0 = os.getloadavg()[0], tree_cpu_seconds(pid)
             r = run(prompts, wl["max_tokens"])
+            r["cores_busy"] = (tree_cpu_seconds(pid) - cpu0) / r["wall_s"]
             r["output_tok_s"] = r["output_tokens"] / r["wall_s"]
             r["loadavg_1m_before"] = load
             if i > 0:
                 r.pop("tokens")  # keep the first rep's tokens for the greedy agreement check
             reps.append(r)
             print(f"{name} rep {i}: {r['wall_s']:.2f} s, {r['output_tok_s']:.1f} out tok/s, "
-                  f"mean TTFT {r['mean_ttft_s']:.3f} s (load {load:.2f})", flush=True)
+                  f"mean TTFT {r['mean_ttft_s']:.3f} s, {r['cores_busy']:.2f} cores busy (load {load:.2f})",
+                  flush=True)
         result[name] = reps
     return result
 
@@ -112,7 +141,7 @@ def offline(args: argparse.Namespace) -> None:
     spec = json.loads(Path(args.prompts).read_text(encoding="utf-8"))
     t0 = time.perf_counter()
     if args.side == "vllm":
-        run, reset = vllm_runner(args.checkpoint, spec["max_num_tokens"], spec["max_batch_size"],
+        run, reset = vllm_runner(args.checkpoint, args.dtype, spec["max_num_tokens"], spec["max_batch_size"],
                                  spec["max_seq_len"])
     else:
         import torch
@@ -121,7 +150,7 @@ def offline(args: argparse.Namespace) -> None:
         run, reset = trtprompt_runner(args.engine)
     init_s = time.perf_counter() - t0
     print(f"{args.side}: initialised in {init_s:.1f} s", flush=True)
-    result = {"side": args.side, "init_s": init_s, **run_workloads(run, reset, spec)}
+    result = {"side": args.side, "init_s": init_s, **run_workloads(run, reset, spec, os.getpid())}
     result["versions"] = _versions(args.side)
     Path(args.out).write_text(json.dumps(result, indent=1), encoding="utf-8")
 
@@ -151,10 +180,12 @@ def parse_offline(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--prompts", required=True, help="JSON written by bench_vs_vllm.py")
     ap.add_argument("--out", required=True)
     ap.add_argument("--checkpoint", help="HF checkpoint (vllm side)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="vllm side")
     ap.add_argument("--engine", help="engine directory (trtprompt side)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (trtprompt side)")
     args = ap.parse_args(argv)
-    if (args.side == "vllm") != (args.checkpoint is not None) or (args.side == "trtprompt") != (args.engine is not None):
+    vllm = args.side == "vllm"
+    if vllm != (args.checkpoint is not None) or (not vllm) != (args.engine is not None):
         ap.error("--side vllm takes --checkpoint; --side trtprompt takes --engine")
     return args
 

@@ -26,7 +26,8 @@ def test_defaults_are_the_issue_workloads() -> None:
     assert (args.prefix_requests, args.prefix_len, args.prefix_unique, args.prefix_output) == (64, 1024, 32, 16)
     assert (args.served_concurrency, args.served_input, args.served_output) == (32, 128, 64)
     assert args.only == ["throughput", "prefix", "served"] and args.sides == ["vllm", "trtprompt"]
-    assert args.out_dir == ROOT / "build/bench-vs-vllm" and args.vllm_venv == ROOT / "build/vllm-venv"
+    assert (args.model, args.dtype, args.engine) == ("peer", "fp32", ROOT / "build/peer-engine")
+    assert args.out_dir == ROOT / "build/bench-vs-vllm" and args.vllm_venv == ROOT.parent / "peers/vllm-venv"
     # 64 sequences of 1,072 tokens, each rounded up to whole 32-token blocks (34 blocks).
     assert script.kv_pool_tokens(args) == 64 * 34 * 32
 
@@ -88,14 +89,15 @@ def test_table_ratios_are_trtprompt_over_vllm() -> None:
     table = script.rows(args, results)
     assert [(r["metric"], r["vllm"], r["trtprompt"]) for r in table] == [
         ("output tok/s", 800.0, 1000.0), ("wall s", 1.5, 1.2), ("mean TTFT s", 0.8, None)]
-    assert table[0]["ratio"] == pytest.approx(1.25) and table[1]["ratio"] == pytest.approx(0.8)
-    assert table[2]["ratio"] is None
-    text = script.markdown(table)
+    assert table[0]["ratios"]["vllm"] == pytest.approx(1.25) and table[1]["ratios"]["vllm"] == pytest.approx(0.8)
+    assert table[2]["ratios"]["vllm"] is None
+    text = script.markdown(table, args.sides)
     assert "| 1000 | 1.25× (higher is better) |" in text and "| 0.8 | — | — |" in text
 
 
 def test_greedy_agreement_counts_matching_tokens() -> None:
     results = {"vllm": {"throughput": [{"tokens": [[1, 2, 3], [4, 5, 6]]}]},
                "trtprompt": {"throughput": [{"tokens": [[1, 2, 3], [4, 9, 6]]}]}}
-    assert _script().greedy_agreement(results) == {"sequences": 2, "identical": 1, "tokens_equal": 5, "tokens": 6}
-    assert _script().greedy_agreement({"vllm": {}, "trtprompt": {}}) is None
+    assert _script().greedy_agreement(results, "vllm") == {"sequences": 2, "identical": 1, "tokens_equal": 5,
+                                                           "tokens": 6}
+    assert _script().greedy_agreement({"vllm": {}, "trtprompt": {}}, "vllm") is None
