@@ -81,6 +81,7 @@ def parse_endpoint(value: str) -> str:
 def offset_endpoint(endpoint: str, index: int) -> str:
     """The endpoint of replica index: the tcp port plus index, or the ipc path with a suffix
     (vLLM offsets its data-parallel ranks' endpoints the same way)."""
+    endpoint = parse_endpoint(endpoint)  # a bare port too: it has no "host:" to keep
     if index == 0:
         return endpoint
     if endpoint.startswith("ipc://"):
