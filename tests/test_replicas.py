@@ -1,7 +1,8 @@
 """`trtprompt serve --replicas 2` on the tiny engine: two complete servers on disjoint cores behind
 sglang-router (docs/replicas.md). One group for the module: OpenAI calls through the router, the
 same prefix kept on one replica, Triton gRPC on each replica's port, a killed engine process (no
-hang, clear errors, the other replica serves, the dead one comes back), and the core split."""
+hang, clear errors, the other replica serves, the dead one comes back), and the core split.
+The group runs with an API key: the router checks it, each replica's front end checks it too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import concurrent.futures as cf
 import json
 import os
 import signal
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,12 +20,14 @@ import pytest
 from serve_fixtures import Served, check_stopped_cleanly, start_server, wait_for
 
 from trtprompt.client import LLMClient, text_inputs
+from trtprompt.serve.launch.process_group import descendants
 from trtprompt.serve.launch import router as R
 from trtprompt.serve.launch.cpu_sets import parse_cpulist, replica_cpu_sets
 from trtprompt.serve.launch.replicas import LAYOUT_FILE, replica_options
 from trtprompt.serve.wire import protocol as P
 
 PREFIX = "You are a careful assistant for the shipping desk. Answer in one short line. " * 6
+KEY = "replicas-test-key-7f3a"  # given by file (--api-key-file), as a user would
 
 
 def test_cpu_sets_split_nodes_and_refuse_too_many(tmp_path: Path) -> None:
@@ -75,7 +80,11 @@ def test_each_replica_gets_its_own_kv_event_endpoints() -> None:
 def group(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("two replicas need two cores")
-    server = start_server(tiny_engine_dir, tmp_path_factory.mktemp("replicas") / "run", "--replicas", "2")
+    root = tmp_path_factory.mktemp("replicas")
+    key_file = root / "api.key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    server = start_server(tiny_engine_dir, root / "run", "--replicas", "2", "--api-key-file", str(key_file))
     yield server
     check_stopped_cleanly(server)
 
@@ -89,7 +98,7 @@ def stats(replica: dict[str, Any]) -> dict[str, Any]:
 
 
 def client(group: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=group.openai_url, api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=group.openai_url, api_key=KEY, max_retries=0, timeout=60)
 
 
 def chat(group: Served, system: str, user: str) -> str:
@@ -101,7 +110,7 @@ def chat(group: Served, system: str, user: str) -> str:
 
 
 def router_opts(group: Served) -> R.RouterOptions:
-    return R.RouterOptions("127.0.0.1", group.openai or 0, 1)
+    return R.RouterOptions("127.0.0.1", group.openai or 0, 1, api_key=KEY)
 
 
 def test_layout_pins_each_replica_to_its_own_core(group: Served) -> None:
@@ -116,7 +125,7 @@ def test_layout_pins_each_replica_to_its_own_core(group: Served) -> None:
 def test_openai_through_the_router(group: Served) -> None:
     c = client(group)
     model_ids = [m.id for m in c.models.list().data]
-    direct = openai.OpenAI(base_url=f"{layout(group)['replicas'][0]['url']}/v1", api_key="unused")
+    direct = openai.OpenAI(base_url=f"{layout(group)['replicas'][0]['url']}/v1", api_key=KEY)
     assert model_ids == [m.id for m in direct.models.list().data]  # the replicas' own id, not "unknown"
     # Greedy text through the router equals a replica's own (which test_openai_api checks against generate()).
     done = c.completions.create(model=model_ids[0], prompt="Hello there", max_tokens=5, temperature=0)
@@ -143,7 +152,7 @@ def test_same_prefix_stays_on_one_replica(group: Served) -> None:
 
 def test_triton_grpc_on_each_replica(group: Served) -> None:
     for r in layout(group)["replicas"]:
-        with LLMClient(f"127.0.0.1:{r['grpc']}") as c:
+        with LLMClient(f"127.0.0.1:{r['grpc']}", api_key=KEY) as c:
             result = c.infer("ensemble", text_inputs("Hello", 3, True, temperature=0.0), 60.0)
         assert result.error is None and result.finished
 
@@ -170,9 +179,37 @@ def test_killed_engine_leaves_rotation_errors_clearly_and_rejoins(group: Served)
     assert len(answers) == 12
     wait_for(lambda: (stats_or_none(victim) or {}).get("restarts") == 1, "the killed engine process restarted", 120)
     wait_for(lambda: victim["url"] in R.healthy_workers(router_opts(group)), "the router took the replica back", 60)
-    back = openai.OpenAI(base_url=f"{victim['url']}/v1", api_key="unused", max_retries=0)
+    back = openai.OpenAI(base_url=f"{victim['url']}/v1", api_key=KEY, max_retries=0)
     assert back.completions.create(model=model, prompt="Hello", max_tokens=2).choices[0].finish_reason == "length"
     assert "router exited" not in group.log_path.read_text(errors="replace")
+
+
+def test_api_key_checked_by_the_router_and_every_replica(group: Served) -> None:
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
+    fronts = [group.openai_url.removesuffix("/v1")] + [r["url"] for r in layout(group)["replicas"]]
+    for base in fronts:  # the router's port, then each replica's own front end
+        for auth in ({}, {"Authorization": "Bearer wrong-key"}):
+            req = urllib.request.Request(f"{base}/v1/chat/completions", body, {"Content-Type": "application/json",
+                                                                              **auth})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=30)
+            assert refused.value.code == 401, (base, auth)
+        with urllib.request.urlopen(f"{base}/health", timeout=10) as resp:  # health checks need no key
+            assert resp.status == 200
+    assert chat(group, "Be brief.", "Hello") is not None  # and the key passes, through the router
+    assert {r["url"] for r in layout(group)["replicas"]} <= R.healthy_workers(router_opts(group))
+    # Not on any command line (tritonserver's aside: Triton 2.51 takes it only there, docs/security.md)
+    # nor in any log.
+    for pid in descendants(group.proc.pid) + [group.proc.pid]:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv[0].endswith(b"tritonserver"):
+            assert KEY.encode() not in b" ".join(argv), argv
+    for log in [group.log_path, *group.run_dir.rglob("*.log")]:
+        assert KEY not in log.read_text(errors="replace"), log
+    assert not list(group.run_dir.rglob("router.secrets")) and not list(group.run_dir.rglob("openai.key"))
 
 
 def stats_or_none(replica: dict[str, Any]) -> dict[str, Any] | None:
