@@ -20,9 +20,9 @@ import pytest
 from serve_fixtures import Served, check_stopped_cleanly, start_server, wait_for
 
 from trtprompt.client import LLMClient, text_inputs
-from trtprompt.serve.launch.process_group import descendants
 from trtprompt.serve.launch import router as R
 from trtprompt.serve.launch.cpu_sets import parse_cpulist, replica_cpu_sets
+from trtprompt.serve.launch.process_group import descendants
 from trtprompt.serve.launch.replicas import LAYOUT_FILE, replica_options
 from trtprompt.serve.wire import protocol as P
 
