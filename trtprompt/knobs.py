@@ -23,6 +23,9 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # int8_w8a8: int8 weights per channel and activations per token (torch target; TensorRT-LLM's quant_algo
 # W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN, unsmoothed). docs/quantization.md.
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "int8_w8a8", "fp8", "int4_awq")
+# auto: the engine's dtype; int8: int8 K/V with a float16 scale per (token, kv head) (torch target;
+# TensorRT-LLM's kv_cache_quant_algo INT8, vLLM's --kv-cache-dtype). docs/quantization.md, "KV cache int8".
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8")
 CAPACITY_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 # Strictest first (trtprompt/prompt/budget.py: a request may move left of its profile's policy, never right).
 OVERFLOW_POLICIES: tuple[str, ...] = ("reject", "truncate_middle", "truncate_left")
@@ -160,6 +163,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _k("quantization", "build", str, "none", "Weight quantization (int8_w8a8: int8 activations too).",
        choices=QUANTIZATIONS,
        trtllm="quantization.quant_algo"),
+    _k("kv_cache_dtype", "build", str, "auto", "KV cache storage (int8: ~1.9x the tokens of bf16, ~3.9x of "
+       "fp32 in one budget; torch target).", choices=KV_CACHE_DTYPES),
     # runtime policy: tensorrt_llm config.pbtxt parameters
     _k("enable_chunked_context", "runtime", bool, False, "Split long prompts over several steps.",
        trtllm="enable_chunked_context", llmapi="enable_chunked_prefill", engine=True, serve=True,

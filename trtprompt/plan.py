@@ -76,6 +76,7 @@ class BuildPlan:
     memory: MemoryPlan
     runtime_max_input_len: int  # what the engine will accept (TRT-LLM runtime rule)
     warnings: tuple[str, ...]
+    kv_cache_dtype: str = "auto"  # knobs.KV_CACHE_DTYPES
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -179,6 +180,9 @@ def _check_target(profile: Profile, target: str) -> None:
     if profile.quantization not in allowed:
         raise PlanError(f"quantization {profile.quantization} is not available on the {target} target; "
                         f"choose one of {', '.join(allowed)}")
+    if target != "torch" and profile.kv_cache_dtype != "auto":
+        raise PlanError(f"kv_cache_dtype {profile.kv_cache_dtype} is available on the torch target only; "
+                        f"the {target} target keeps the KV cache in the engine dtype (kv_cache_dtype auto)")
     if target == "torch" and profile.max_beam_width != 1:
         raise PlanError(f"max_beam_width {profile.max_beam_width}: the torch target does greedy and "
                         "sampled decoding only; max_beam_width must be 1")
@@ -187,7 +191,7 @@ def _check_target(profile: Profile, target: str) -> None:
 def memory_plan(pc: Mapping[str, Any], profile: Profile, bounds: BuildBounds, dtype: str,
                 kv_budget_bytes: int | None, budget_source: str) -> MemoryPlan:
     """The KV pool the engine will allocate (rules.kv_pool_blocks, the engine's own rule)."""
-    per_token = ModelConfig.from_pretrained_config(pc).kv_bytes_per_token(DTYPE_BYTES[dtype])
+    per_token = ModelConfig.from_pretrained_config(pc).kv_bytes_per_token(DTYPE_BYTES[dtype], profile.kv_cache_dtype)
     tpb = bounds.tokens_per_block
     pool = rules.kv_pool(per_token, tpb, profile.max_tokens_in_paged_kv_cache, profile.kv_cache_free_gpu_mem_fraction,
                          kv_budget_bytes, bounds.max_batch_size, bounds.max_seq_len)
@@ -236,4 +240,4 @@ def make_plan(pc: Mapping[str, Any], profile: Profile, target: str, source_dtype
     _check_memory(mem, bounds)
     runtime_input = rules.max_input_len(bounds.max_seq_len, bounds.max_num_tokens, profile.enable_chunked_context)
     return BuildPlan(target, dtype, profile.quantization, QUANT_ALGOS[profile.quantization], bounds, mem,
-                     runtime_input, _warnings(profile, bounds, dtype, target))
+                     runtime_input, _warnings(profile, bounds, dtype, target), profile.kv_cache_dtype)

@@ -31,6 +31,7 @@ import torch
 
 from trtprompt.engine import attention_paged, attention_reference, kernels
 from trtprompt.engine.attention_common import AttentionMetadata, KvCache, SeqSlice
+from trtprompt.engine.attention_int8 import Int8KvCache, allocate_int8, check_kv_cache_dtype, fill_scratch, write_rows
 from trtprompt.engine.config import ATTENTION_BACKENDS, ModelConfig
 
 # The attention interface the model and the runner use: the shared types live in
@@ -55,12 +56,16 @@ def check_slice(i: int, seq: SeqSlice, tokens_per_block: int) -> None:
 
 
 def allocate_kv_cache(
-    cfg: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig, num_blocks: int, tokens_per_block: int, dtype: torch.dtype, device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> list[KvCache]:
-    """Per layer (K, V), each [num_blocks, num_kv_heads, tokens_per_block, head_size]."""
+    """Per layer (K, V), each [num_blocks, num_kv_heads, tokens_per_block, head_size] of dtype;
+    kv_cache_dtype int8: int8 rows with their scale (attention_int8.py)."""
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     shape = (num_blocks, cfg.num_key_value_heads, tokens_per_block, cfg.head_size)
+    if check_kv_cache_dtype(kv_cache_dtype) == "int8":
+        return list(allocate_int8(cfg.num_hidden_layers, shape, dtype, device))
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(cfg.num_hidden_layers)
@@ -126,5 +131,9 @@ def log_attention_backend(requested: str, resolved: str) -> None:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] of the new tokens -> attention output [T, heads, d]."""
+    if isinstance(kv_cache, Int8KvCache):  # every backend reads the step's blocks dequantized
+        k = write_rows(kv_cache[0], meta.slot_blocks, meta.slot_offsets, k)
+        v = write_rows(kv_cache[1], meta.slot_blocks, meta.slot_offsets, v)
+        return meta.attend(q, k, v, fill_scratch(kv_cache, meta.kv_blocks), scale)
     write_kv(kv_cache, k, v, meta)
     return meta.attend(q, k, v, kv_cache, scale)

@@ -37,6 +37,9 @@ class AttentionMetadata(Protocol):
     @property
     def slot_offsets(self) -> torch.Tensor: ...  # [T] row of that slot inside its block
 
+    @property
+    def kv_blocks(self) -> torch.Tensor: ...  # every block the step reads, once (an int8 cache dequantizes them)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                scale: float) -> torch.Tensor: ...
 
@@ -51,6 +54,12 @@ def slot_tensors(seqs: Sequence[SeqSlice], tpb: int, device: torch.device) -> tu
             offsets.append(p % tpb)
     return (torch.tensor(blocks, dtype=torch.long, device=device),
             torch.tensor(offsets, dtype=torch.long, device=device))
+
+
+def step_blocks(seqs: Sequence[SeqSlice], tpb: int, device: torch.device) -> torch.Tensor:
+    """The distinct blocks the step's sequences read (those holding their first context_len + new tokens)."""
+    ids = {b for s in seqs for b in s.block_table[:-(-(s.context_len + s.num_new_tokens) // tpb)]}
+    return torch.tensor(sorted(ids), dtype=torch.long, device=device)
 
 
 def gather_tables(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from trtprompt.engine.attention_common import (
     gather_tables,
     put_rows,
     slot_tensors,
+    step_blocks,
     take_rows,
 )
 from trtprompt.engine.attention_reference import MAX_DECODE_GROUP_BLOCKS, decode_groups
@@ -171,6 +172,7 @@ class PagedMetadata:
     num_tokens: int
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
+    kv_blocks: torch.Tensor  # every block the step reads (attention_common.step_blocks)
     decodes: tuple[DecodeBatch, ...]
     prefills: tuple[PrefillChunk, ...]
     small: SmallChunks | None  # the own-token part of short chunks, batched
@@ -349,11 +351,12 @@ def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device, dtype: torch
     decodes = tuple(_decode_batch([starts[i] for i in p], [seqs[i] for i in p], [skips[i] for i in p],
                                   tpb, device, dtype, compiled) for p in parts if p)
     blocks, offsets = slot_tensors(seqs, tpb, device)
+    read = step_blocks(seqs, tpb, device)
     if compiled:
-        return PagedMetadata(starts[-1], blocks, offsets, decodes, (), None, tuple(groups), compiled,
+        return PagedMetadata(starts[-1], blocks, offsets, read, decodes, (), None, tuple(groups), compiled,
                              _kernel_chunks(starts, seqs, skips, tpb, device))
     prefills = tuple(_prefill_chunk(starts[i], s, skips[i], tpb, device)
                      for i, s in enumerate(seqs) if s.num_new_tokens > 1)
     short = [c for c in prefills if c.num_new_tokens <= SMALL_CHUNK_TOKENS]
     small = _small_chunks_batch([c.start for c in short], [c.num_new_tokens for c in short], device, dtype)
-    return PagedMetadata(starts[-1], blocks, offsets, decodes, prefills, small, tuple(groups), compiled)
+    return PagedMetadata(starts[-1], blocks, offsets, read, decodes, prefills, small, tuple(groups), compiled)

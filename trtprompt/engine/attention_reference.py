@@ -20,6 +20,7 @@ from trtprompt.engine.attention_common import (
     gather_blocks,
     gather_tables,
     slot_tensors,
+    step_blocks,
     take_rows,
 )
 
@@ -60,6 +61,7 @@ class ReferenceMetadata:
     tokens_per_block: int
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
+    kv_blocks: torch.Tensor  # every block the step reads (attention_common.step_blocks)
     prefills: tuple[PrefillPlan, ...]
     decodes: tuple[DecodePlan, ...]
 
@@ -142,7 +144,7 @@ def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device) -> Reference
     decodes = tuple(_decode_plan([decode_rows[i] for i in g], [decode_seqs[i] for i in g], tpb, device)
                     for g in groups)
     blocks, offsets = slot_tensors(seqs, tpb, device)
-    return ReferenceMetadata(start, tpb, blocks, offsets, tuple(prefills), decodes)
+    return ReferenceMetadata(start, tpb, blocks, offsets, step_blocks(seqs, tpb, device), tuple(prefills), decodes)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,

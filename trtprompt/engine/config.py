@@ -16,6 +16,9 @@ from trtprompt.engine.kv_events import KvEventsConfig
 from trtprompt.engine.tiers.config import TierConfig
 from trtprompt.knobs import CAPACITY_POLICIES, KNOBS
 
+# An int8 KV row's float16 scale, stored after its head_size values (engine/attention_int8.py).
+KV_INT8_SCALE_BYTES = 2
+
 # Every architecture the engine runs, with the Hugging Face `model_type` that names it in a config.json
 # without `architectures`: the one list (checkpoints, demo checkpoints and the trtllm target read it).
 MODEL_TYPES: Mapping[str, str] = MappingProxyType({
@@ -87,8 +90,11 @@ class ModelConfig:
         names = cls.__dataclass_fields__.keys()
         return cls(**{k: cfg[k] for k in names if k in cfg})
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_size * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+        """K and V of one token in every layer: head_size values of dtype_bytes per kv head, or with
+        kv_cache_dtype int8 one byte each plus a 2-byte scale (engine/attention_int8.py)."""
+        row = self.head_size + KV_INT8_SCALE_BYTES if kv_cache_dtype == "int8" else self.head_size * dtype_bytes
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * row
 
 
 @dataclass(frozen=True)
@@ -106,9 +112,11 @@ class KvCacheConfig:
     kv_cache_free_gpu_mem_fraction: float = KNOBS["kv_cache_free_gpu_mem_fraction"].default
     memory_budget_bytes: int | None = None
     eviction_policy: str = KNOBS["kv_cache_eviction_policy"].default
+    kv_cache_dtype: str = KNOBS["kv_cache_dtype"].default  # "int8": engine/attention_int8.py
 
     def __post_init__(self) -> None:
         KNOBS["kv_cache_eviction_policy"].check(self.eviction_policy)
+        KNOBS["kv_cache_dtype"].check(self.kv_cache_dtype)
         for name in ("tokens_per_block", "max_tokens_in_paged_kv_cache", "kv_cache_free_gpu_mem_fraction"):
             KNOBS[name].check(getattr(self, name))
         _positive("memory_budget_bytes", self.memory_budget_bytes, allow_none=True)

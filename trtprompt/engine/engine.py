@@ -83,7 +83,8 @@ class LLMEngine:
         num_blocks = self._num_blocks(config, dtype)
         self.kv = KVCacheManager(num_blocks, tpb, config.kv_cache.enable_block_reuse,
                                  config.kv_cache.eviction_policy)
-        caches = allocate_kv_cache(config.model, num_blocks, tpb, dtype, self.device)
+        kv_dtype = config.kv_cache.kv_cache_dtype
+        caches = allocate_kv_cache(config.model, num_blocks, tpb, dtype, self.device, kv_dtype)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device,
                                                            config.model.head_size, tpb)
         log_attention_backend(config.attention_backend, self.attention_backend)
@@ -93,7 +94,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, caches, tpb, self.device, self.attention_backend)
         stores = list(tier_stores) if tier_stores is not None else open_stores(config.tiers)
         if stores and config.kv_cache.enable_block_reuse:
-            self.kv.tiers = open_tiers(stores, fingerprint, kv_layout(config.model, tpb, dtype), caches,
+            self.kv.tiers = open_tiers(stores, fingerprint, kv_layout(config.model, tpb, dtype, kv_dtype), caches,
                                        config.tiers.kv_tier_write_policy, config.tiers.queue_blocks, self.kv.pool)
         elif stores:
             log.warning("KV tiers are off: they hold reusable blocks, and KV block reuse is disabled")
@@ -123,7 +124,7 @@ class LLMEngine:
     @staticmethod
     def _num_blocks(config: EngineConfig, dtype: torch.dtype) -> int:
         tpb = config.kv_cache.tokens_per_block
-        per_token = config.model.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+        per_token = config.model.kv_bytes_per_token(torch.finfo(dtype).bits // 8, config.kv_cache.kv_cache_dtype)
         num_blocks = config.kv_num_blocks(per_token)  # the build plan sizes the pool with the same rule
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget holds no block of {tpb} tokens "
@@ -144,7 +145,7 @@ class LLMEngine:
         end_ids = [eos] if isinstance(eos, int) else list(eos or [])
         fingerprint = None
         if config.tiers.enabled:
-            layout = kv_layout(config.model, config.kv_cache.tokens_per_block, dtype)
+            layout = kv_layout(config.model, config.kv_cache.tokens_per_block, dtype, config.kv_cache.kv_cache_dtype)
             fingerprint = fingerprint_engine_files(files.weights_path, files.tokenizer_dir, layout, config.dtype)
         engine = cls(config, model, end_ids, fingerprint)
         engine.files = files

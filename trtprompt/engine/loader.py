@@ -82,6 +82,7 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
         max_tokens_in_paged_kv_cache=runtime["max_tokens_in_paged_kv_cache"],
         kv_cache_free_gpu_mem_fraction=runtime["kv_cache_free_gpu_mem_fraction"],
         memory_budget_bytes=budget,
+        kv_cache_dtype=kv_cache_dtype_of(files.pretrained_config),
         eviction_policy=overrides.get("kv_cache_eviction_policy") or knobs.KNOBS["kv_cache_eviction_policy"].default,
     )
     sched = SchedulerConfig(
@@ -99,3 +100,11 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
         linear_backend=overrides.get("linear_backend") or "onednn",
         attention_backend=overrides.get("attention_backend") or DEFAULT_ATTENTION_BACKEND,
     )
+
+
+def kv_cache_dtype_of(pretrained_config: Mapping[str, Any]) -> str:
+    """The KV cache dtype config.json names (TensorRT-LLM's quantization.kv_cache_quant_algo)."""
+    algo = (pretrained_config.get("quantization") or {}).get("kv_cache_quant_algo")
+    if algo in (None, "INT8"):
+        return "int8" if algo == "INT8" else "auto"
+    raise ValueError(f"kv_cache_quant_algo {algo!r}: the torch engine reads INT8 or none")

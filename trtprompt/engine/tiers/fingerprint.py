@@ -39,6 +39,7 @@ class KvLayout:
     tokens_per_block: int
     dtype: str  # the KV cache's torch dtype name, e.g. "float32"
     dtype_bytes: int
+    row_scale_bytes: int = 0  # int8 KV: each row's scale, stored after its values (engine/attention_int8.py)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "tokens_per_block", "dtype_bytes"):
@@ -48,11 +49,13 @@ class KvLayout:
 
     @property
     def block_bytes(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.tokens_per_block * self.head_size * self.dtype_bytes
+        row = self.head_size * self.dtype_bytes + self.row_scale_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.tokens_per_block * row
 
     def describe(self) -> str:
         return (f"layers={self.num_layers} kv_heads={self.num_kv_heads} head_size={self.head_size} "
-                f"tokens_per_block={self.tokens_per_block} dtype={self.dtype}")
+                f"tokens_per_block={self.tokens_per_block} dtype={self.dtype}"
+                + (f" row_scale_bytes={self.row_scale_bytes}" if self.row_scale_bytes else ""))
 
 
 def file_digest(path: Path) -> str:

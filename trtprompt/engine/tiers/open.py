@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from trtprompt.engine.block_pool import BlockPool
-from trtprompt.engine.config import ModelConfig
+from trtprompt.engine.config import KV_INT8_SCALE_BYTES, ModelConfig
 from trtprompt.engine.tiers.config import TierConfig
 from trtprompt.engine.tiers.disk_store import DiskStore
 from trtprompt.engine.tiers.fingerprint import KvLayout
@@ -19,7 +19,12 @@ from trtprompt.engine.tiers.tiered import KvCache, KvTiers
 log = logging.getLogger(__name__)
 
 
-def kv_layout(model: ModelConfig, tokens_per_block: int, dtype: torch.dtype) -> KvLayout:
+def kv_layout(model: ModelConfig, tokens_per_block: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KvLayout:
+    """The pool's block layout; an int8 cache's rows are 1-byte values plus their float16 scale, and
+    its dtype name differs, so its blocks never meet a float engine's (the fingerprint has it)."""
+    if kv_cache_dtype == "int8":
+        return KvLayout(model.num_hidden_layers, model.num_key_value_heads, model.head_size, tokens_per_block,
+                        "int8", 1, KV_INT8_SCALE_BYTES)
     return KvLayout(model.num_hidden_layers, model.num_key_value_heads, model.head_size, tokens_per_block,
                     str(dtype).removeprefix("torch."), torch.finfo(dtype).bits // 8)
 

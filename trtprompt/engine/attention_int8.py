@@ -1,0 +1,97 @@
+"""The int8 KV cache (kv_cache_dtype int8): storage, quantization, and the float view attention reads.
+
+Each cached row (one token of one kv head) is stored as head_size int8 values
+followed by its scale, a float16, in the row's last two bytes: the cache tensor
+is int8 [blocks, kv_heads, tokens_per_block, head_size + 2]. The scale travels
+inside the row so every copy of a block (the tiers' byte views, a block written
+to disk or Redis) carries its scales without knowing they are there.
+
+Symmetric per-row scale amax / 127: a row's error is at most half a step of its
+own largest value, and one outlier token cannot coarsen its neighbours. float16
+is enough for the scale (its rounding, 2^-11, is far below int8's 1/254).
+
+Attention reads the step's blocks as floats: paged_attention dequantizes every
+block the step references (AttentionMetadata.kv_blocks) into a float scratch of
+the pool's shape, shared by all layers (they run one after another), and every
+backend (reference, torch, compiled) attends to that scratch unchanged.
+docs/quantization.md, "KV cache int8", has the measurements.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trtprompt.engine.config import KV_INT8_SCALE_BYTES as SCALE_BYTES
+from trtprompt.knobs import KNOBS
+
+_QMAX = 127.0
+
+
+class Int8KvCache(tuple[torch.Tensor, torch.Tensor]):
+    """One layer's (K, V) int8 rows, with the float scratch attention reads them through.
+
+    A tuple so everything that takes a layer's (K, V) (the tiers' byte copies, unpacking)
+    takes it as it is; `scratch` is the pool-shaped float (K, V) shared by every layer.
+    """
+
+    scratch: tuple[torch.Tensor, torch.Tensor]
+
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor,
+                scratch: tuple[torch.Tensor, torch.Tensor]) -> "Int8KvCache":
+        obj = super().__new__(cls, (k, v))
+        obj.scratch = scratch
+        return obj
+
+
+def check_kv_cache_dtype(value: str) -> str:
+    return str(KNOBS["kv_cache_dtype"].check(value))
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] float -> int8 [..., d + 2]: the rounded values, then the float16 scale's bytes."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / _QMAX).clamp_max(torch.finfo(torch.float16).max).to(torch.float16)
+    # Values are rounded against the stored scale itself, so its rounding adds no error; the smallest
+    # subnormal keeps an all-zero row zero without coarsening a row of tiny values.
+    safe = scale.float().clamp_min(2.0 ** -24)
+    q = torch.round(xf / safe).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 [..., d + 2] rows -> float [..., d] of dtype (values times their row's scale)."""
+    d = packed.shape[-1] - SCALE_BYTES
+    scale = packed[..., d:].contiguous().view(torch.float16).float()
+    return (packed[..., :d].float() * scale).to(dtype)
+
+
+def write_rows(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Quantize the new tokens' x [T, kv_heads, d] into their slots of an int8 cache; x as stored.
+
+    What is stored is what every path attends to, the new tokens' own K/V included (the paged path
+    reads those straight from the step, not the cache), so all backends see the same keys."""
+    packed = quantize_rows(x)
+    cache[blocks, :, offsets] = packed
+    return dequantize_rows(packed, x.dtype)
+
+
+def fill_scratch(kv: Int8KvCache, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float scratch with `blocks` (the step's) dequantized from kv; its other blocks are stale."""
+    k_scratch, v_scratch = kv.scratch
+    for packed, out in zip(kv, (k_scratch, v_scratch)):
+        out.index_copy_(0, blocks, dequantize_rows(packed.index_select(0, blocks), out.dtype))
+    return k_scratch, v_scratch
+
+
+def allocate_int8(num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
+                  device: torch.device) -> list[Int8KvCache]:
+    """Per layer int8 (K, V) of shape [..., head_size + 2], over one float scratch of `shape`.
+
+    The scratch starts at zero, never garbage: padded block-table entries point at blocks a
+    step did not fill, which attention masks out, and a masked NaN would still poison softmax.
+    """
+    packed = (*shape[:3], shape[3] + SCALE_BYTES)
+    scratch = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    return [Int8KvCache(torch.zeros(packed, dtype=torch.int8, device=device),
+                        torch.zeros(packed, dtype=torch.int8, device=device), scratch)
+            for _ in range(num_layers)]
