@@ -73,7 +73,7 @@ def _memory_rows(mem: Mapping[str, Any]) -> list[tuple[str, Any]]:
 def plan_table(ckpt: Checkpoint, profile: Profile, plan: BuildPlan) -> str:
     lines = [f"checkpoint {ckpt.path}  (source dtype {ckpt.source_dtype})",
              f"profile    {profile.name}  target {plan.target}  dtype {plan.dtype}  "
-             f"quantization {plan.quantization}"]
+             f"quantization {plan.quantization}  kv cache {plan.kv_cache_dtype}"]
     lines += _table("model", _model_rows(ckpt.pretrained_config))
     lines += _table("build bounds", _bounds_rows(vars(plan.bounds), plan.runtime_max_input_len))
     lines += _table("runtime policy", profile.section("runtime").items())
@@ -125,7 +125,8 @@ def inspect_data(engine: EngineDir) -> dict[str, Any]:
         "version": engine.version,
         "model": {k: v for k, v in _model_rows(engine.pretrained_config)}
         | {"dtype": engine.pretrained_config.get("dtype"),
-           "quant_algo": (engine.pretrained_config.get("quantization") or {}).get("quant_algo")},
+           "quant_algo": (engine.pretrained_config.get("quantization") or {}).get("quant_algo"),
+           "kv_cache_quant_algo": (engine.pretrained_config.get("quantization") or {}).get("kv_cache_quant_algo")},
         "bounds": bounds,
         "plugin_config": dict(engine.build_config["plugin_config"]),
         "runtime": dict(meta["runtime"]),

@@ -85,6 +85,9 @@ class LLMEngine:
                                  config.kv_cache.eviction_policy)
         kv_dtype = config.kv_cache.kv_cache_dtype
         caches = allocate_kv_cache(config.model, num_blocks, tpb, dtype, self.device, kv_dtype)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens), %s, %d bytes per token", num_blocks, tpb,
+                 num_blocks * tpb, "int8 + float16 scale per row" if kv_dtype == "int8" else config.dtype,
+                 config.model.kv_bytes_per_token(torch.finfo(dtype).bits // 8, kv_dtype))
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device,
                                                            config.model.head_size, tpb)
         log_attention_backend(config.attention_backend, self.attention_backend)
