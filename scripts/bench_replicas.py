@@ -16,7 +16,8 @@ the router calling the replica healthy), then SIGHUP runs a rolling restart; eve
 
 Hit rate: hit_tokens / queried_tokens over the phase, summed over the replicas' engines (their own
 stats op: trtprompt/bench/replica_group.py, shared with `trtprompt bench --replicas-file`). TTFT:
-streamed chat completion, time to the first chunk with text. Run it under the bench lock: flock /tmp/bench.lock .venv/bin/python scripts/bench_replicas.py ENGINE
+streamed chat completion, time to the first chunk with text. Run it under the bench
+lock: flock /tmp/bench.lock .venv/bin/python scripts/bench_replicas.py ENGINE
 """
 
 from __future__ import annotations
