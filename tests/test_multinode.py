@@ -1,6 +1,7 @@
 """Many machines, played here by ports (docs/multi-node.md): a router node (`trtprompt router`,
 sglang-router with no worker) and two `trtprompt serve --join-router` servers that register
-themselves through the router's worker API, which an admin key guards. Real processes only."""
+themselves through the router's worker API, which an admin key guards; clients need the API key,
+which the router checks and the servers check again. Real processes only."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ import pytest
 from serve_fixtures import ROOT, Served, check_stopped_cleanly, start_server, wait_for
 
 from trtprompt.serve.launch import router as R
+from trtprompt.serve.launch.process_group import descendants
 from trtprompt.serve.ports import free_ports
 
 ADMIN_KEY = "multinode-admin-key-for-tests"
+API_KEY = "multinode-api-key-for-tests"
 LONG = "You answer questions about the warehouse inventory, briefly and exactly. " * 8
 
 
@@ -31,33 +34,44 @@ class Cluster:
     router_proc: subprocess.Popen[bytes]
     servers: list[Served]
     key_file: Path
+    api_key_file: Path
     root: Path
 
     def join_args(self) -> tuple[str, ...]:
-        return ("--join-router", self.router.base, "--router-admin-key-file", str(self.key_file))
+        return ("--join-router", self.router.base, "--router-admin-key-file", str(self.key_file),
+                "--api-key-file", str(self.api_key_file))
 
 
-def start_router_node(root: Path, key_file: Path) -> tuple[R.RouterAPI, subprocess.Popen[bytes]]:
-    port, metrics = free_ports(2)
-    log = root / "router-node.log"
+def secret_file(path: Path, value: str) -> Path:
+    path.write_text(value + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def start_router_node(root: Path, key_file: Path, api_key_file: Path,
+                      port: int | None = None) -> tuple[R.RouterAPI, subprocess.Popen[bytes]]:
+    free, metrics = free_ports(2)
+    port = port or free
+    log = root / f"router-node-{port}-{len(list(root.glob('router-node-*.log')))}.log"
     cmd = [sys.executable, "-m", "trtprompt.cli", "router", "--port", str(port), "--metrics-port", str(metrics),
-           "--admin-key-file", str(key_file), "--run-dir", str(root / "router")]
+           "--admin-key-file", str(key_file), "--api-key-file", str(api_key_file), "--run-dir", str(root / "router")]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     wait_for(lambda: "trtprompt router: ready" in log.read_text(errors="replace") or proc.poll() is not None,
              "the router node ready", 90)
     assert proc.poll() is None, log.read_text(errors="replace")
+    for pid in [proc.pid, *descendants(proc.pid)]:  # the router itself: its keys on no command line
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert ADMIN_KEY.encode() not in argv and API_KEY.encode() not in argv, argv
     return R.RouterAPI(f"http://127.0.0.1:{port}", ADMIN_KEY), proc
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("multinode")
-    key_file = root / "admin.key"
-    key_file.write_text(ADMIN_KEY + "\n")
-    key_file.chmod(0o600)
-    router, proc = start_router_node(root, key_file)
-    c = Cluster(router, proc, [], key_file, root)
+    key_file, api_key_file = secret_file(root / "admin.key", ADMIN_KEY), secret_file(root / "api.key", API_KEY)
+    router, proc = start_router_node(root, key_file, api_key_file)
+    c = Cluster(router, proc, [], key_file, api_key_file, root)
     try:
         with cf.ThreadPoolExecutor(2) as pool:  # the two "machines" start side by side
             c.servers = list(pool.map(lambda i: start_server(tiny_engine_dir, root / f"machine-{i}",
@@ -67,8 +81,8 @@ def cluster(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         for s in c.servers:
             if s.proc.poll() is None:
                 check_stopped_cleanly(s)
-        proc.terminate()
-        assert proc.wait(30) == 0, (root / "router-node.log").read_text(errors="replace")
+        c.router_proc.terminate()
+        assert c.router_proc.wait(30) == 0, "the router node did not stop cleanly"
 
 
 def url(server: Served) -> str:
@@ -76,7 +90,7 @@ def url(server: Served) -> str:
 
 
 def router_client(c: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{c.router.base}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{c.router.base}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def test_both_servers_join_and_the_worker_api_needs_the_admin_key(cluster: Cluster) -> None:
@@ -85,7 +99,12 @@ def test_both_servers_join_and_the_worker_api_needs_the_admin_key(cluster: Clust
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(f"{cluster.router.base}/workers", timeout=5)
     assert refused.value.code == 401
-    assert ADMIN_KEY not in (cluster.root / "router-node.log").read_text(errors="replace")
+    with pytest.raises(openai.AuthenticationError):  # a client without the API key, through the router
+        openai.OpenAI(base_url=f"{cluster.router.base}/v1", api_key="wrong", max_retries=0).completions.create(
+            model="m", prompt="Hello", max_tokens=2)
+    logs = list(cluster.root.rglob("*.log"))
+    assert not any(k in log.read_text(errors="replace") for log in logs for k in (ADMIN_KEY, API_KEY))
+    assert not list(cluster.root.rglob("router.secrets"))  # read and removed
     for s in cluster.servers:
         assert f"registered {url(s)} with the router" in s.log_path.read_text(errors="replace")
 
@@ -104,6 +123,19 @@ def test_chat_through_the_router_and_one_prefix_stays_on_one_server(cluster: Clu
     hits = [a["hit_tokens"] - b["hit_tokens"] for a, b in zip(after, before)]
     assert sorted(q > 0 for q in queried) == [False, True], f"the prefix went to both servers: {queried}"
     assert hits[queried.index(max(queried))] >= 32  # the second request reused the first one's blocks
+
+
+def test_a_restarted_router_gets_both_servers_back(cluster: Cluster) -> None:
+    cluster.router_proc.terminate()
+    assert cluster.router_proc.wait(30) == 0
+    port = int(cluster.router.base.rsplit(":", 1)[1])
+    cluster.router, cluster.router_proc = start_router_node(cluster.root, cluster.key_file, cluster.api_key_file,
+                                                            port)
+    # Its list starts empty; each server's keeper sees itself missing and registers again.
+    wait_for(lambda: R.healthy_workers(cluster.router) == {url(s) for s in cluster.servers},
+             "both servers back in the restarted router", 60)
+    for s in cluster.servers:
+        assert f"registered {url(s)} with the router {cluster.router.base} again" in s.log_path.read_text()
 
 
 def test_a_stopped_server_leaves_and_rejoins(cluster: Cluster, tiny_engine_dir: Path) -> None:

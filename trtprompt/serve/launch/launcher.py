@@ -34,6 +34,7 @@ from trtprompt.engine.tiers.redis_store import RedisTarget
 from trtprompt.serve.launch.options import ApiKey, EngineInfo, OpenAIOptions, ServeOptions
 from trtprompt.serve.launch.process_group import SHM_DIR, remove_shm, stop_group
 from trtprompt.serve.launch.repository import RepoContext, write_repository
+from trtprompt.serve.launch.router import ADMIN_KEY_ENV
 from trtprompt.serve.ports import http_ok
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.process import SOCKET_ENV
@@ -125,6 +126,7 @@ def child_env(install: TritonInstall, socket_path: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(PACKAGE_PARENT), env.get("PYTHONPATH", "")] if p)
     env[SOCKET_ENV] = socket_path
     env.pop(API_KEY_ENV, None)  # only the front end needs it, and it is handed over explicitly
+    env.pop(ADMIN_KEY_ENV, None)  # serve --join-router's router key: only this process's keeper sends it
     if install.bundled:
         # Without it the stub loads the system libpython and every model fails.
         libdir = sysconfig.get_config_var("LIBDIR") or ""
