@@ -9,7 +9,10 @@ publishes vLLM-format KV events on PORT + i), then, over its two replicas, in tu
   vllm_cache_aware    vllm-router, --policy cache_aware;
   vllm_kv_aware       vllm-router, --policy kv_aware, fed with each replica's KV events
                       (--kv-event-source URL=ENDPOINT, --kv-event-block-size = tokens_per_block);
-  vllm_kv_aware_tokenizer  the same, with the engine's tokenizer directory in VLLM_ROUTER_TOKENIZER.
+  vllm_kv_aware_tokenize   the same, each replica behind a TokenizeShim: what kv_aware does once a
+                      worker answers vLLM's POST /tokenize, which trtprompt's front end lacks (without
+                      it kv_aware has no token ids and scores load only: outcome "missing_tokens");
+  vllm_kv_aware_tokenizer  kv_aware with VLLM_ROUTER_TOKENIZER set (0.1.17 uses it on its gRPC path only).
 
 Each router first gets the fronting checks (chat and completions, whole and streamed; /v1/models
 names the replicas' model id), then one phase of scripts/bench_replicas.py's workload with its own
@@ -32,10 +35,14 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from http.client import HTTPConnection
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import openai
 
@@ -45,8 +52,10 @@ import bench_replicas as B  # noqa: E402
 from trtprompt.bench.replica_group import ReplicaGroup, engine_counts, read_group, replica_rows  # noqa: E402
 from trtprompt.serve.launch import router as R  # noqa: E402
 from trtprompt.serve.ports import free_ports  # noqa: E402
+from trtprompt.tokenizer import Tokenizer  # noqa: E402
 
-ROUTERS = ("sglang_cache_aware", "sglang_round_robin", "vllm_cache_aware", "vllm_kv_aware", "vllm_kv_aware_tokenizer")
+ROUTERS = ("sglang_cache_aware", "sglang_round_robin", "vllm_cache_aware", "vllm_kv_aware", "vllm_kv_aware_tokenize",
+           "vllm_kv_aware_tokenizer")
 
 
 def start_group(engine: Path, run_dir: Path, log: Path, events_port: int) -> subprocess.Popen[bytes]:
@@ -87,6 +96,54 @@ def vllm_router_command(exe: str, port: int, metrics: int, policy: str, replicas
     return cmd
 
 
+class TokenizeShim:
+    """A bench-only stand-in for the vLLM `POST /tokenize` a replica's front end lacks: answers it
+    with the engine's own tokenizer and chat template (vLLM's reply: count, max_model_len, tokens)
+    and relays everything else to the replica unchanged (the body close-delimited, so streams flow)."""
+
+    def __init__(self, upstream: str, tokenizer: Tokenizer) -> None:
+        target, tok = urlsplit(upstream), tokenizer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self._relay(b"")
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                if self.path != "/tokenize":
+                    return self._relay(body)
+                req = json.loads(body)
+                ids = tok.encode_chat(req["messages"]) if "messages" in req else tok.encode(req["prompt"])
+                out = json.dumps({"count": len(ids), "max_model_len": 2048, "tokens": ids}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def _relay(self, body: bytes) -> None:
+                conn = HTTPConnection(target.hostname or "127.0.0.1", target.port or 80, timeout=600)
+                conn.request(self.command, self.path, body or None, {"content-type": "application/json"})
+                resp = conn.getresponse()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.send_header("connection", "close")
+                self.end_headers()
+                while chunk := resp.read1(65536):
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+                conn.close()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
 def models_ok(base: str) -> bool:
     try:
         with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as resp:
@@ -106,8 +163,12 @@ def start_router(name: str, args: argparse.Namespace, layout: dict[str, Any], bl
         opts = R.RouterOptions("127.0.0.1", port, metrics, policy="round_robin")
         cmd = R.router_command(opts, [r["url"] for r in replicas])
     else:
-        cmd = vllm_router_command(args.vllm_router, port, metrics, name.split("_", 1)[1].removesuffix("_tokenizer"),
-                                  replicas, block_size, model, args.vllm_log_level)
+        if name.endswith("_tokenize"):
+            tok = Tokenizer.from_dir(args.engine / "tokenizer")
+            replicas = [r | {"url": TokenizeShim(r["url"], tok).url} for r in replicas]
+        policy = "cache_aware" if name == "vllm_cache_aware" else "kv_aware"
+        cmd = vllm_router_command(args.vllm_router, port, metrics, policy, replicas, block_size, model,
+                                  args.vllm_log_level)
     env = {"VLLM_ROUTER_TOKENIZER": str(args.engine / "tokenizer")} if name.endswith("_tokenizer") else {}
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                             env={**os.environ, **env})
@@ -175,7 +236,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engine", type=Path)
     ap.add_argument("--vllm-router", default="/work/peers/vllm-router/bin/vllm-router")
-    ap.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS[:4]))
+    ap.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS[:5]))
     ap.add_argument("--vllm-log-level", default="info", choices=("debug", "info", "warning"))
     ap.add_argument("--prompts", type=int, default=4, help="system prompts per phase")
     ap.add_argument("--users", type=int, default=6, help="users per system prompt")
