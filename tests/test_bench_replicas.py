@@ -116,6 +116,18 @@ def test_replicas_file_refuses_what_is_not_a_layout(tmp_path: Path) -> None:
         read_group(bad)
 
 
+def test_replicas_file_needs_the_routers_openai_endpoint(tiny_engine_dir: Path) -> None:
+    from trtprompt.bench.compare import BenchPlan
+    from trtprompt.bench.runner import LoadSpec
+    from trtprompt.bench.workloads import WorkloadSpec
+
+    with pytest.raises(ValueError, match="url must be the router's OpenAI endpoint"):
+        BenchPlan(tiny_engine_dir, WorkloadSpec("random"), [LoadSpec(concurrency=1)], url="127.0.0.1:8001",
+                  replicas_file=Path("replicas.json"))
+    with pytest.raises(ValueError, match="overhead_requests must be >= 1"):
+        BenchPlan(tiny_engine_dir, WorkloadSpec("random"), [LoadSpec(concurrency=1)], overhead_requests=0)
+
+
 def _replayed(endpoint: str) -> tuple[int, int]:
     """(batches, events) the replay socket resends from sequence 0: every batch it kept."""
     import msgpack  # type: ignore[import-untyped]
