@@ -155,6 +155,30 @@ def test_a_stopped_server_leaves_and_rejoins(cluster: Cluster, tiny_engine_dir: 
     assert answer.choices[0].finish_reason == "length"
 
 
+def test_a_server_with_a_key_refuses_a_router_without_one(cluster: Cluster) -> None:
+    """An open router would call a keyed server with the server's own key for anyone."""
+    from trtprompt.serve.launch.join import JoinOptions, RouterJoin
+    from trtprompt.serve.launch.launcher import LaunchError
+
+    port, metrics = free_ports(2)
+    log = cluster.root / "open-router.log"
+    with open(log, "wb") as out:
+        open_router = subprocess.Popen([sys.executable, "-m", "trtprompt.cli", "router", "--port", str(port),
+                                        "--metrics-port", str(metrics)], stdout=out, stderr=subprocess.STDOUT,
+                                       cwd=ROOT, env={k: v for k, v in os.environ.items() if "KEY" not in k})
+    try:
+        wait_for(lambda: "trtprompt router: ready" in log.read_text(errors="replace"), "the open router", 90)
+        server = cluster.servers[0]
+        keeper = RouterJoin(JoinOptions(R.RouterAPI(f"http://127.0.0.1:{port}"), url(server), API_KEY),
+                            f"{url(server)}/health", lambda _: None)
+        with pytest.raises(LaunchError, match="takes requests without an API key"):
+            keeper.start()
+        assert R.workers(R.RouterAPI(f"http://127.0.0.1:{port}")) == []  # nothing registered
+    finally:
+        open_router.terminate()
+        open_router.wait(30)
+
+
 def test_join_refuses_an_unspecified_advertise_host() -> None:
     from trtprompt.serve.launch.join import join_options
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable
 from urllib.parse import urlparse
@@ -71,7 +73,12 @@ class RouterJoin:
         self.registrations = 0
 
     def start(self) -> None:
-        self.check_once()  # the first registration before the banner, so a wrong router or key is seen now
+        """The first registration before the banner, so a wrong router or key is seen now."""
+        if self.opts.worker_key is not None and router_is_open(self.opts.router) is True:
+            raise LaunchError(f"the router {self.opts.router.base} takes requests without an API key, and it would "
+                              "call this server with this server's key for anyone: start it with the same key "
+                              "(trtprompt router --api-key-file), or serve without one (docs/multi-node.md)")
+        self.check_once()
         self._thread.start()
 
     def check_once(self) -> bool:
@@ -112,6 +119,20 @@ class RouterJoin:
             self.log(f"trtprompt serve: removed {url} from the router {self.opts.router.base}")
         except R.RouterError as exc:  # the router's health checks take it out instead
             self.log(f"trtprompt serve: could not leave the router {self.opts.router.base}: {exc}")
+
+
+def router_is_open(router: R.RouterAPI) -> bool | None:
+    """Whether the router passes requests without a key (None: it cannot be reached now). Asked
+    with an empty, unauthenticated completion: sglang-router 0.3.2 with an API key answers 401
+    before it looks at the body or its workers; without one, anything else (measured)."""
+    req = urllib.request.Request(f"{router.base}/v1/completions", b"{}", {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5.0):
+            return True
+    except urllib.error.HTTPError as exc:
+        return exc.code != 401
+    except (urllib.error.URLError, OSError):
+        return None
 
 
 def serve_joined(server: Server, join: JoinOptions, health_url: str) -> int:
