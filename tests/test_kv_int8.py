@@ -81,6 +81,32 @@ def test_backends_agree_on_int8_pool(ckpt: Path, backend: str, monkeypatch: pyte
     assert 0 < err < 0.05, f"int8 vs fp32 KV max abs difference {err}"
 
 
+@pytest.mark.skipif("compiled" not in BACKENDS, reason="no compiled kernels on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_decode_reads_int8_in_place_as_the_reference_dequantizes(ckpt: Path, dtype: torch.dtype) -> None:
+    """A pure decode step: kernels.paged_decode_int8 on the int8 rows against the reference path
+    (blocks dequantized into the scratch, then SDPA), on the same int8 pool."""
+    cfg = model_config(ckpt)
+    torch.manual_seed(2)
+    lens = [37, 8, 1, 64, 21]
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(lens))]
+    caches = allocate_kv_cache(cfg, 40, TPB, dtype, torch.device("cpu"), "int8")
+    heads, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_size
+    warm = [SeqSlice(0, n - 1, t) for n, t in zip(lens, tables) if n > 1]
+    n = sum(s.num_new_tokens for s in warm)
+    meta = build_attention_metadata(warm, TPB, torch.device("cpu"), "reference")
+    paged_attention(torch.randn(n, heads, d, dtype=dtype), torch.randn(n, kvh, d, dtype=dtype) * 3,
+                    torch.randn(n, kvh, d, dtype=dtype), caches[0], meta, d ** -0.5)
+    step = [SeqSlice(n - 1, 1, t) for n, t in zip(lens, tables)]
+    q, k, v = (torch.randn(len(lens), h, d, dtype=dtype) for h in (heads, kvh, kvh))
+    outs = {}
+    for backend in ("reference", "compiled"):
+        meta = build_attention_metadata(step, TPB, torch.device("cpu"), backend)
+        outs[backend] = paged_attention(q, k, v, caches[0], meta, d ** -0.5)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs["compiled"].float(), outs["reference"].float(), atol=tol, rtol=tol)
+
+
 def _engine(ckpt: Path, kv_dtype: str, backend: str = "auto", tiers: list | None = None) -> LLMEngine:
     base = make_engine(ckpt, tokens_per_block=TPB, kv_tokens=2048, max_seq_len=512, attention_backend=backend)
     kv = dataclasses.replace(base.config.kv_cache, kv_cache_dtype=kv_dtype)

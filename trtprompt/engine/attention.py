@@ -131,9 +131,12 @@ def log_attention_backend(requested: str, resolved: str) -> None:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] of the new tokens -> attention output [T, heads, d]."""
-    if isinstance(kv_cache, Int8KvCache):  # every backend reads the step's blocks dequantized
+    if isinstance(kv_cache, Int8KvCache):
         k = write_rows(kv_cache[0], meta.slot_blocks, meta.slot_offsets, k)
         v = write_rows(kv_cache[1], meta.slot_blocks, meta.slot_offsets, v)
+        if isinstance(meta, attention_paged.PagedMetadata) and meta.compiled and meta.pure_decode:
+            return meta.decode_int8(q, kv_cache, scale)  # the int8 rows read in place
+        # Every other step and backend reads the step's blocks dequantized (attention_int8.py).
         return meta.attend(q, k, v, fill_scratch(kv_cache, meta.kv_blocks), scale)
     write_kv(kv_cache, k, v, meta)
     return meta.attend(q, k, v, kv_cache, scale)

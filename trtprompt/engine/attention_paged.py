@@ -180,10 +180,20 @@ class PagedMetadata:
     compiled: bool
     chunks: KernelChunks | None = None  # compiled: all prefill chunks in one kernel call (prefills, small empty)
 
+    @property
+    def pure_decode(self) -> bool:
+        """Every row is a decode, in one batch in packed order, with no shared prefix."""
+        return not self.prefills and not self.groups and self.small is None and self.chunks is None \
+            and len(self.decodes) == 1 and self.decodes[0].rows_start == 0
+
+    def decode_int8(self, q: torch.Tensor, kv_cache: KvCache, scale: float) -> torch.Tensor:
+        """A pure decode step (compiled) over an int8 cache, its blocks read in place (no scratch)."""
+        dec = self.decodes[0]
+        return kernels.paged_decode_int8(q.contiguous(), kv_cache[0], kv_cache[1], dec.tables, dec.lens, scale)[0]
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                scale: float) -> torch.Tensor:
-        if not self.prefills and not self.groups and self.small is None and self.chunks is None \
-                and len(self.decodes) == 1 and self.decodes[0].rows_start == 0:
+        if self.pure_decode:
             return self._decode(q, kv_cache, self.decodes[0], scale)[0]  # a pure decode step
         if self.chunks is not None:  # rows of the chunks written, the others set below
             out, lse = kernels.paged_prefill(q.contiguous(), kv_cache[0], kv_cache[1], self.chunks.tables,

@@ -132,6 +132,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out, lse
 
 
+def paged_decode_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_decode over int8 caches [blocks, kv_heads, tpb, D + 2] (values, then a float16 scale per row),
+    read in place (kv_cache_dtype int8; engine/attention_int8.py)."""
+    out, lse = torch.ops.trtprompt.paged_decode_int8(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return out, lse
+
+
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   segments: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, H, D], lse [T, H] float32) of query rows attending to K/V blocks in place, as blocked GEMMs.

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -99,6 +100,23 @@ inline const float* rows_as_float<float>(const float* rows, float*, int64_t) {
   return rows;
 }
 
+// n rows of head_size d as float. int8 rows (kv_cache_dtype int8, engine/attention_int8.py) hold
+// d values, then the row's float16 scale in their last two bytes: dequantized into buf.
+inline const float* rows_as(const int8_t* rows, float* buf, int64_t n, int64_t d) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* r = rows + t * (d + 2);
+    c10::Half s;
+    std::memcpy(&s, r + d, sizeof(s));
+    const float sc = static_cast<float>(s);
+    for (int64_t i = 0; i < d; ++i) buf[t * d + i] = sc * static_cast<float>(r[i]);
+  }
+  return buf;
+}
+template <typename T>
+inline const float* rows_as(const T* rows, float* buf, int64_t n, int64_t d) {
+  return rows_as_float(rows, buf, n * d);
+}
+
 struct Shape {
   int64_t heads, kv_heads, head_size, tokens_per_block, max_blocks;
 };
@@ -139,27 +157,29 @@ struct Online {
   }
 };
 
-template <typename T>
-void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
+// C: the cache's element type, T's for float caches, int8_t for int8 rows of d + 2 bytes.
+template <typename T, typename C = T>
+void decode_one(const T* q, const C* k_cache, const C* v_cache, const int32_t* table, int64_t len,
                 const Shape& sh, float scale, int64_t kh, T* out, float* lse, Online& st) {
   const int64_t g = sh.heads / sh.kv_heads, d = sh.head_size, tpb = sh.tokens_per_block;
+  const int64_t rs = std::is_same_v<C, int8_t> ? d + 2 : d;  // elements per cached row
   st.reset();
   for (int64_t j = 0; j < g; ++j)
     for (int64_t i = 0; i < d; ++i) st.q[j * d + i] = static_cast<float>(q[(kh * g + j) * d + i]) * scale;
   for (int64_t b = 0; b * tpb < len; ++b) {
     const int64_t n = std::min(tpb, len - b * tpb);
-    const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + kh) * tpb * d;
+    const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + kh) * tpb * rs;
     if ((b + 1) * tpb < len) {
-      const int64_t next = (static_cast<int64_t>(table[b + 1]) * sh.kv_heads + kh) * tpb * d;
-      prefetch_run(k_cache + next, tpb * d);
-      prefetch_run(v_cache + next, tpb * d);
+      const int64_t next = (static_cast<int64_t>(table[b + 1]) * sh.kv_heads + kh) * tpb * rs;
+      prefetch_run(k_cache + next, tpb * rs);
+      prefetch_run(v_cache + next, tpb * rs);
     }
     const int64_t n4 = (n + 3) / 4 * 4;  // rows past n lie inside the block; their scores are unused
-    const float* k = rows_as_float(k_cache + base, st.kbuf.data(), n4 * d);
+    const float* k = rows_as(k_cache + base, st.kbuf.data(), n4, d);
     for (int64_t j = 0; j < g; ++j)
       for (int64_t t = 0; t < n; t += 4) dot4(st.q.data() + j * d, k + t * d, d, st.scores.data() + j * tpb + t);
     st.softmax_block(g, n, tpb, d);
-    const float* v = rows_as_float(v_cache + base, st.vbuf.data(), n * d);
+    const float* v = rows_as(v_cache + base, st.vbuf.data(), n, d);
     for (int64_t j = 0; j < g; ++j) accumulate_rows(st.scores.data() + j * tpb, v, n, d, st.acc.data() + j * d);
   }
   for (int64_t j = 0; j < g; ++j) {
@@ -170,14 +190,14 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
   }
 }
 
-template <typename T>
+template <typename T, typename C = T>
 void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
                 const at::Tensor& lens, double scale, at::Tensor& out, at::Tensor& lse) {
-  const Shape sh{q.size(1), kc.size(1), kc.size(3), kc.size(2), tables.size(1)};
+  const Shape sh{q.size(1), kc.size(1), q.size(2), kc.size(2), tables.size(1)};
   const int64_t g = sh.heads / sh.kv_heads, stride = sh.heads * sh.head_size;
   const T* qp = q.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
+  const C* kp = kc.data_ptr<C>();
+  const C* vp = vc.data_ptr<C>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
@@ -186,7 +206,7 @@ void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
     Online st(g, sh);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t s = w / sh.kv_heads, kh = w % sh.kv_heads;
-      decode_one<T>(qp + s * stride, kp, vp, tp + s * sh.max_blocks, lp[s], sh, static_cast<float>(scale), kh,
+      decode_one<T, C>(qp + s * stride, kp, vp, tp + s * sh.max_blocks, lp[s], sh, static_cast<float>(scale), kh,
                     op + s * stride, lsep + s * sh.heads, st);
     }
   });
@@ -214,11 +234,43 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
   return {out, lse};
 }
 
+// The same over int8 caches [blocks, kv_heads, tokens_per_block, D + 2] (values, then a float16
+// scale per row), read in place: a quarter of fp32's bytes per decode step, no dequantized copy.
+std::tuple<at::Tensor, at::Tensor> paged_decode_int8(const at::Tensor& q, const at::Tensor& k_cache,
+                                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                     const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_int8: q must be [S, H, D] and the caches [blocks, kv_heads, tokens_per_block, D + 2]");
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar,
+              "paged_decode_int8: the caches must be int8");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) + 2 && q.size(1) % k_cache.size(1) == 0,
+              "paged_decode_int8: cache rows must be D + 2 bytes and heads a multiple of kv_heads");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && k_cache.size(2) % 4 == 0, "paged_decode_int8: head_size must be a ",
+              "multiple of ", kLanes, " (this kernel variant's vector width) and tokens_per_block of 4");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode_int8: inputs must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && seq_lens.numel() == q.size(0) &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode_int8: one contiguous int32 block-table row and length per sequence");
+  auto out = at::empty_like(q);
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  dispatch_float_types(q, "paged_decode_int8", [&](auto tag) {
+    decode_all<decltype(tag), int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, out, lse);
+  });
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(trtprompt, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale) -> (Tensor, Tensor)");
+  m.def("paged_decode_int8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(trtprompt, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_decode_int8", &paged_decode_int8);
+}
