@@ -37,7 +37,10 @@ def _random_linear(gen: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, 
 
 @needs_fbgemm
 @pytest.mark.parametrize(("m", "k", "n", "bias"), [(1, 64, 48, False), (7, 96, 200, True), (33, 512, 136, False),
-                                                    (130, 24, 8, True), (5, 1536, 40, False)])
+                                                    (130, 24, 8, True), (5, 1536, 40, False),
+                                                    # SmolLM2's qkv, gate_up and down_proj shapes
+                                                    (1, 576, 960, True), (8, 576, 3072, False),
+                                                    (32, 1536, 576, False)])
 def test_fbgemm_matches_reference(m: int, k: int, n: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + k)
     qweight, scale = _random_linear(gen, n, k)
