@@ -143,6 +143,15 @@ def completion_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
             "cache_prompt": True, "stream": True, "return_tokens": True, "seed": 0}
 
 
+def merge_tokens(so_far: list[int], event: dict[str, Any]) -> list[int]:
+    """Partial events carry their new tokens; the final one (stop) may repeat them all: its
+    tokens_predicted says which."""
+    new = list(event["tokens"])
+    if event.get("stop") and so_far and len(new) == event.get("tokens_predicted"):
+        return new
+    return so_far + new
+
+
 def one_completion(port: int, prompt: list[int], max_tokens: int, t0: float) -> dict[str, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
     try:
@@ -161,7 +170,7 @@ def one_completion(port: int, prompt: list[int], max_tokens: int, t0: float) -> 
             event = json.loads(line[6:])
             if event.get("tokens"):
                 first = time.perf_counter() if first is None else first
-                tokens.extend(event["tokens"])
+                tokens = merge_tokens(tokens, event)
         return {"tokens": tokens, "ttft_s": None if first is None else first - t0,
                 "cached": event.get("tokens_cached"), "done": time.perf_counter() - t0}
     finally:
