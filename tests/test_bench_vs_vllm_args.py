@@ -139,3 +139,11 @@ def test_llamacpp_convert_and_build_command_lines(tmp_path: Path) -> None:
     assert cmd[cmd.index("--outfile") + 1] == str(tmp_path / "llamacpp/gguf/smollm2-q8_0.gguf")
     configure = llama.cmake_configure_cmd(paths)
     assert {"-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"} <= set(configure)
+
+
+def test_llamacpp_stream_tokens_are_counted_once() -> None:
+    merge = _load("peer_llamacpp").merge_tokens
+    got = merge(merge([], {"tokens": [4], "stop": False}), {"tokens": [5], "stop": False})
+    assert got == [4, 5]
+    assert merge(got, {"tokens": [4, 5, 6], "stop": True, "tokens_predicted": 3}) == [4, 5, 6]  # all again
+    assert merge(got, {"tokens": [6], "stop": True, "tokens_predicted": 3}) == [4, 5, 6]  # only the last
