@@ -67,8 +67,10 @@ def test_rotary_of_qkv_views(dtype: torch.dtype, d: int) -> None:
     q = qkv[:, :heads * d].view(t, heads, d)  # rows strided by the fused width
     k = qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d)
     cos, sin = rotary_inputs(t, d, dtype, gen)
-    for x in (q, k, q.contiguous()):
-        close(TorchOps().rotary(x, cos, sin), CompiledOps().rotary(x, cos, sin))
+    torch_ops, compiled = TorchOps(), CompiledOps()
+    for x in (q, k, q.contiguous()):  # each with its own step tables (rotary_tables), as the model passes them
+        close(torch_ops.rotary(x, *torch_ops.rotary_tables(cos, sin)),
+              compiled.rotary(x, *compiled.rotary_tables(cos, sin)))
 
 
 def test_the_compiled_backend_brings_the_compiled_ops() -> None:

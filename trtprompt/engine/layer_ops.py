@@ -21,11 +21,17 @@ class LayerOps(Protocol):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
 
 
 class TorchOps:
     """transformers' expressions; cos/sin are [T, 1, head_size/2]."""
+
+    def rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, 1, head_size/2] as rotary takes them; once per step, shared by every layer."""
+        return cos, sin
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Normalise in float32, round to dtype, then scale (transformers' LlamaRMSNorm).
@@ -61,9 +67,14 @@ class CompiledOps:
         out: torch.Tensor = torch.ops.trtprompt.silu_and_mul(gate_up.contiguous())
         return out
 
+    def rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, head_size/2] once per step, not two squeezes per rotary call (4 ops a layer)."""
+        return cos.squeeze(1), sin.squeeze(1)
+
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x may be a view of the fused qkv output (strided rows): the kernel reads it in place."""
-        out: torch.Tensor = torch.ops.trtprompt.rotary(x, cos.squeeze(1), sin.squeeze(1))
+        """x may be a view of the fused qkv output (strided rows): the kernel reads it in place.
+        cos/sin come from rotary_tables."""
+        out: torch.Tensor = torch.ops.trtprompt.rotary(x, cos, sin)
         return out
 
 

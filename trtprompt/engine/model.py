@@ -175,7 +175,7 @@ class DecoderModel(torch.nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {len(self.layers)}")
         x = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        cos, sin = ops.rotary_tables(*self.rotary.cos_sin(positions, self.dtype))
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv_cache, ops)
         x = self.norm(x.index_select(0, logits_indices), ops)

@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Where an engine step's time goes: kernels vs everything between them (issue 26 item 5).
+
+    python scripts/bench_step_overhead.py ENGINE_DIR [--batches 1,8,32] [--steps 20] [--profile]
+
+For each batch size, B requests of --prompt random tokens are prefilled, then --steps decode
+steps are timed, each split by wall clock into schedule / prepare (input tensors and attention
+metadata) / forward / sample / update (stop checks, outputs). A mixed step (one chunk of
+--chunk prefill tokens beside B-1 decodes) is timed the same way. With --profile, torch.profiler
+sums the ops' self CPU time per class over the decode steps (linears, attention, row-wise ops,
+other small ops); the rest of the step is Python between ops. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trtprompt.engine import engine as engine_module
+from trtprompt.engine.engine import LLMEngine
+from trtprompt.engine.request import SamplingParams
+
+PARTS = ("schedule", "prepare", "forward", "sample", "update")
+# Op name fragments -> class, first match wins (profiler keys of the ops the model runs).
+OP_CLASSES = (("linear", ("_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "w8a8", "int8")),
+              ("attention", ("paged", "attention", "sdpa", "flash")),
+              ("rowwise", ("rms_norm", "silu_and_mul", "rotary", "aten::rsqrt", "aten::silu")))
+
+
+class PartTimer:
+    """Wall time of the engine's step parts, by wrapping the callables the step calls."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.times[name] += time.perf_counter() - t0
+        return timed
+
+    def install(self, engine: LLMEngine) -> None:
+        engine.scheduler.schedule = self.wrap("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
+        runner = engine.runner
+        runner.prepare = self.wrap("prepare", runner.prepare)  # type: ignore[method-assign]
+        runner.model.forward = self.wrap("forward", runner.model.forward)  # type: ignore[method-assign]
+        engine._update = self.wrap("update", engine._update)  # type: ignore[method-assign]
+        engine_module.sample = self.wrap("sample", engine_module.sample)  # type: ignore[attr-defined]
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def start_batch(engine: LLMEngine, batch: int, prompt: int, tag: str) -> None:
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    for i, p in enumerate(prompts(batch, prompt, engine.model_config.vocab_size, batch)):
+        engine.add_request(f"{tag}{i}", p, params)
+    while any(r.num_output == 0 for r in engine.requests.values()):
+        engine.step()
+
+
+def timed_steps(engine: LLMEngine, timer: PartTimer, steps: int) -> dict[str, float]:
+    """Median and minimum over steps of the step and of each part (the minimum: the least disturbed
+    by other processes on a shared machine)."""
+    per_step: list[dict[str, float]] = []
+    for _ in range(steps):
+        timer.times.clear()
+        t0 = time.perf_counter()
+        engine.step()
+        parts = {p: timer.times[p] * 1e3 for p in PARTS}
+        parts["step"] = (time.perf_counter() - t0) * 1e3
+        parts["other"] = parts["step"] - sum(parts[p] for p in PARTS)
+        per_step.append(parts)
+    res: dict[str, float] = {}
+    for key in ("step", *PARTS, "other"):
+        vals = [s[key] for s in per_step]
+        res[f"{key}_ms_median"], res[f"{key}_ms_min"] = statistics.median(vals), min(vals)
+    return res
+
+
+def op_class(key: str) -> str:
+    low = key.lower()
+    for cls, frags in OP_CLASSES:
+        if any(f in low for f in frags):
+            return cls
+    return "small_ops"
+
+
+def profile_steps(engine: LLMEngine, steps: int) -> dict[str, Any]:
+    """Self CPU time per op class over decode steps, and the share of the step it covers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    wall_us = (time.perf_counter() - t0) * 1e6
+    per_class: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    top: list[tuple[float, str, int]] = []
+    for ev in prof.key_averages():
+        per_class[op_class(ev.key)] += ev.self_cpu_time_total
+        counts[op_class(ev.key)] += ev.count
+        top.append((ev.self_cpu_time_total, ev.key, ev.count))
+    top.sort(reverse=True)
+    in_ops = sum(per_class.values())
+    return {"wall_ms_per_step_profiled": wall_us / steps / 1e3,
+            "ms_per_step": {k: v / steps / 1e3 for k, v in sorted(per_class.items())},
+            "ops_per_step": {k: v / steps for k, v in sorted(counts.items())},
+            "between_ops_ms_per_step": (wall_us - in_ops) / steps / 1e3,
+            "top_ops": [(k, round(t / steps / 1e3, 3), c // steps) for t, k, c in top[:15]]}
+
+
+def mixed_step(engine: LLMEngine, timer: PartTimer, chunk: int, steps: int) -> dict[str, float]:
+    """One request's prefill chunks beside the running decodes (chunked context)."""
+    rng = random.Random(7)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    results = []
+    for k in range(steps):
+        prompt = [rng.randrange(3, engine.model_config.vocab_size) for _ in range(chunk)]
+        engine.add_request(f"mix{k}", prompt, params)
+        results.append(timed_steps(engine, timer, 1))
+        while f"mix{k}" in engine.requests:  # its first token, if the chunk did not finish it
+            engine.step()
+    return {key: statistics.median(r[key] for r in results) for key in results[0]}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    engine = LLMEngine.from_engine_dir(args.engine_dir, enable_kv_cache_reuse=False)
+    timer = PartTimer()
+    timer.install(engine)
+    out: dict[str, Any] = {"engine": str(args.engine_dir), "layers": engine.model_config.num_hidden_layers,
+                           "attention_backend": engine.attention_backend, "batches": {}}
+    for batch in (int(b) for b in args.batches.split(",")):
+        start_batch(engine, batch, args.prompt, f"b{batch}-")
+        timed_steps(engine, timer, 3)  # warm-up
+        res: dict[str, Any] = {"decode": timed_steps(engine, timer, args.steps)}
+        if args.profile:
+            res["profile"] = profile_steps(engine, max(3, args.steps // 4))
+        if batch > 1 and args.chunk:
+            res["mixed"] = mixed_step(engine, timer, args.chunk, max(3, args.steps // 4))
+        out["batches"][batch] = res
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        engine.step()
+    engine.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("engine_dir", type=Path)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--chunk", type=int, default=128, help="prefill tokens of the mixed step (0: none)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    res = run(args)
+    res["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
+    text = json.dumps(res, indent=1, default=str)
+    if args.out:
+        args.out.write_text(text, encoding="utf-8")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
