@@ -10,10 +10,12 @@ Symmetric per-row scale amax / 127: a row's error is at most half a step of its
 own largest value, and one outlier token cannot coarsen its neighbours. float16
 is enough for the scale (its rounding, 2^-11, is far below int8's 1/254).
 
-Attention reads the step's blocks as floats: paged_attention dequantizes every
-block the step references (AttentionMetadata.kv_blocks) into a float scratch of
-the pool's shape, shared by all layers (they run one after another), and every
-backend (reference, torch, compiled) attends to that scratch unchanged.
+Reading: a pure decode step on the compiled backend reads the int8 rows in place
+(kernels.paged_decode_int8). Every other step, and the torch and reference
+backends, read floats: paged_attention dequantizes every block the step
+references (AttentionMetadata.kv_blocks) into a float scratch of the pool's
+shape, shared by all layers (they run one after another), and the backend
+attends to that scratch unchanged.
 docs/quantization.md, "KV cache int8", has the measurements.
 """
 
