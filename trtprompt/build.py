@@ -104,7 +104,8 @@ def engine_config(ckpt: Checkpoint, plan: BuildPlan) -> dict[str, Any]:
     b = plan.bounds
     pretrained = {**ckpt.pretrained_config, "dtype": plan.dtype,
                   "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
-                  "quantization": {"quant_algo": plan.quant_algo, "kv_cache_quant_algo": "INT8" if plan.kv_cache_dtype == "int8" else None}}
+                  "quantization": {"quant_algo": plan.quant_algo,
+                                   "kv_cache_quant_algo": "INT8" if plan.kv_cache_dtype == "int8" else None}}
     build = {
         "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len, "max_seq_len": b.max_seq_len,
         "max_num_tokens": b.max_num_tokens, "opt_num_tokens": b.opt_num_tokens,
