@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from trtprompt.serve.openai import responses as R
+from trtprompt.serve.openai import tokenize as tok
 from trtprompt.serve.openai.batch import Item, merged
 from trtprompt.serve.openai.config import FrontendConfig
 from trtprompt.serve.openai.errors import APIError, unauthorized
@@ -101,6 +102,16 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     return await _generate(request, "chat")
+
+
+async def tokenize(request: Request) -> Response:
+    _authorize(request, request.app.state.cfg)
+    return await tok.tokenize(request)
+
+
+async def detokenize(request: Request) -> Response:
+    _authorize(request, request.app.state.cfg)
+    return await tok.detokenize(request)
 
 
 async def _generate(request: Request, kind: str) -> Response:
@@ -235,7 +246,8 @@ def create_app(cfg: FrontendConfig, http: HttpLimits) -> Starlette:
     routes = [Route("/health", health), Route("/v1/models", models),
               *(Route(path, server_info) for path in SGLANG_INFO_PATHS),
               Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(BodyLimit, max_bytes=http.max_request_bytes)],
                     exception_handlers={APIError: _api_error, HTTPException: _http_error,
