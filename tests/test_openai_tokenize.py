@@ -106,3 +106,12 @@ def test_a_wrong_model_is_404_and_the_key_is_required(front: tuple[TestClient, F
         resp = front[0].post(path, json=body, headers=headers)
         assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
     assert post(front, path, body)[0] == 200
+
+
+def test_through_triton_tokenize_is_501(served: Served) -> None:
+    """Without an engine socket the ensemble tokenizes: no ids are answered that might differ."""
+    cfg = FrontendConfig.for_engine(served.engine_dir, served.url)
+    with TestClient(create_app(cfg, HttpLimits(1 << 20))) as client:
+        for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
+            resp = client.post(path, json=body)
+            assert resp.status_code == 501 and "engine path" in resp.json()["error"]["message"]
