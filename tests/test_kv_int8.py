@@ -7,6 +7,7 @@ as they do on a float pool; int8 against fp32 KV is measured (greedy agreement o
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
@@ -107,14 +108,17 @@ def test_compiled_decode_reads_int8_in_place_as_the_reference_dequantizes(ckpt: 
     torch.testing.assert_close(outs["compiled"].float(), outs["reference"].float(), atol=tol, rtol=tol)
 
 
-def _engine(ckpt: Path, kv_dtype: str, backend: str = "auto", tiers: list | None = None) -> LLMEngine:
+def _engine(ckpt: Path, kv_dtype: str, backend: str = "auto", tiers: list | None = None,
+            weights: Path | None = None) -> LLMEngine:
+    """weights: the safetensors file the tier fingerprint digests (its digest cache is written beside
+    it, so tests pass a private copy rather than the shared checkpoint's)."""
     base = make_engine(ckpt, tokens_per_block=TPB, kv_tokens=2048, max_seq_len=512, attention_backend=backend)
     kv = dataclasses.replace(base.config.kv_cache, kv_cache_dtype=kv_dtype)
     cfg = dataclasses.replace(base.config, kv_cache=kv, tiers=TierConfig())
     if tiers is None:
         return LLMEngine(cfg, base.runner.model, [EOS])
     layout = kv_layout(cfg.model, TPB, torch.float32, kv_dtype)
-    fingerprint = fingerprint_engine_files(ckpt / "model.safetensors", None, layout, "float32")
+    fingerprint = fingerprint_engine_files(weights or ckpt / "model.safetensors", None, layout, "float32")
     return LLMEngine(cfg, base.runner.model, [EOS], fingerprint, tiers)
 
 
@@ -160,14 +164,18 @@ def test_disk_tier_round_trip_int8_blocks(ckpt: Path, tmp_path: Path) -> None:
     """Blocks written by an int8 engine come back (values and scales) with the same tokens; a fp32
     engine over the same store never reads them (its fingerprint names another layout)."""
     prompt = list(range(5, 5 + 8 * TPB + 3))
-    first = _engine(ckpt, "int8", tiers=[DiskStore(tmp_path, 1 << 26)])
+    weights = tmp_path / "weights" / "model.safetensors"
+    weights.parent.mkdir()
+    shutil.copyfile(ckpt / "model.safetensors", weights)
+    store = tmp_path / "store"
+    first = _engine(ckpt, "int8", tiers=[DiskStore(store, 1 << 26)], weights=weights)
     out, _ = run_one(first, "a", prompt)
     first.close()
-    again = _engine(ckpt, "int8", tiers=[DiskStore(tmp_path, 1 << 26)])
+    again = _engine(ckpt, "int8", tiers=[DiskStore(store, 1 << 26)], weights=weights)
     out2, reused = run_one(again, "b", prompt)
     again.close()
     assert reused == 8 and out2 == out
-    other = _engine(ckpt, "auto", tiers=[DiskStore(tmp_path, 1 << 26)])
+    other = _engine(ckpt, "auto", tiers=[DiskStore(store, 1 << 26)], weights=weights)
     _, reused_fp32 = run_one(other, "c", prompt)
     other.close()
     assert reused_fp32 == 0
