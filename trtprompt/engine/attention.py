@@ -31,7 +31,14 @@ import torch
 
 from trtprompt.engine import attention_paged, attention_reference, kernels
 from trtprompt.engine.attention_common import AttentionMetadata, KvCache, SeqSlice
-from trtprompt.engine.attention_int8 import Int8KvCache, allocate_int8, check_kv_cache_dtype, fill_scratch, write_rows
+from trtprompt.engine.attention_int8 import (
+    Int8KvCache,
+    allocate_int8,
+    check_kv_cache_dtype,
+    dequantize_rows,
+    fill_scratch,
+    write_rows,
+)
 from trtprompt.engine.config import ATTENTION_BACKENDS, ModelConfig
 
 # The attention interface the model and the runner use: the shared types live in
@@ -132,11 +139,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] of the new tokens -> attention output [T, heads, d]."""
     if isinstance(kv_cache, Int8KvCache):
-        k = write_rows(kv_cache[0], meta.slot_blocks, meta.slot_offsets, k)
-        v = write_rows(kv_cache[1], meta.slot_blocks, meta.slot_offsets, v)
+        k_rows = write_rows(kv_cache[0], meta.slot_blocks, meta.slot_offsets, k)
+        v_rows = write_rows(kv_cache[1], meta.slot_blocks, meta.slot_offsets, v)
         if isinstance(meta, attention_paged.PagedMetadata) and meta.compiled and meta.pure_decode:
             return meta.decode_int8(q, kv_cache, scale)  # the int8 rows read in place
-        # Every other step and backend reads the step's blocks dequantized (attention_int8.py).
-        return meta.attend(q, k, v, fill_scratch(kv_cache, meta.kv_blocks), scale)
+        # Every other step and backend reads the step's blocks dequantized (attention_int8.py), and the
+        # new tokens' own K/V as stored.
+        return meta.attend(q, dequantize_rows(k_rows, k.dtype), dequantize_rows(v_rows, v.dtype),
+                           fill_scratch(kv_cache, meta.kv_blocks), scale)
     write_kv(kv_cache, k, v, meta)
     return meta.attend(q, k, v, kv_cache, scale)

@@ -68,13 +68,14 @@ def dequantize_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def write_rows(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Quantize the new tokens' x [T, kv_heads, d] into their slots of an int8 cache; x as stored.
+    """Quantize the new tokens' x [T, kv_heads, d] into their slots of an int8 cache; the packed rows.
 
     What is stored is what every path attends to, the new tokens' own K/V included (the paged path
-    reads those straight from the step, not the cache), so all backends see the same keys."""
+    reads those straight from the step, not the cache: dequantize_rows of these rows), so all
+    backends see the same keys."""
     packed = quantize_rows(x)
     cache[blocks, :, offsets] = packed
-    return dequantize_rows(packed, x.dtype)
+    return packed
 
 
 def fill_scratch(kv: Int8KvCache, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

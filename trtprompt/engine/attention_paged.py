@@ -31,13 +31,13 @@ from trtprompt.engine import kernels
 from trtprompt.engine.attention_common import (
     KvCache,
     SeqSlice,
+    StepReads,
     additive_mask,
     contiguous_start,
     gather_blocks,
     gather_tables,
     put_rows,
     slot_tensors,
-    step_blocks,
     take_rows,
 )
 from trtprompt.engine.attention_reference import MAX_DECODE_GROUP_BLOCKS, decode_groups
@@ -172,13 +172,18 @@ class PagedMetadata:
     num_tokens: int
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
-    kv_blocks: torch.Tensor  # every block the step reads (attention_common.step_blocks)
+    reads: StepReads  # kv_blocks, listed when an int8 cache asks
     decodes: tuple[DecodeBatch, ...]
     prefills: tuple[PrefillChunk, ...]
     small: SmallChunks | None  # the own-token part of short chunks, batched
     groups: tuple[PrefixGroup, ...]
     compiled: bool
     chunks: KernelChunks | None = None  # compiled: all prefill chunks in one kernel call (prefills, small empty)
+
+    @property
+    def kv_blocks(self) -> torch.Tensor:
+        """Every block the step reads, once (attention_common.StepReads)."""
+        return self.reads.blocks
 
     @property
     def pure_decode(self) -> bool:
@@ -361,7 +366,7 @@ def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device, dtype: torch
     decodes = tuple(_decode_batch([starts[i] for i in p], [seqs[i] for i in p], [skips[i] for i in p],
                                   tpb, device, dtype, compiled) for p in parts if p)
     blocks, offsets = slot_tensors(seqs, tpb, device)
-    read = step_blocks(seqs, tpb, device)
+    read = StepReads(tuple(seqs), tpb, device)
     if compiled:
         return PagedMetadata(starts[-1], blocks, offsets, read, decodes, (), None, tuple(groups), compiled,
                              _kernel_chunks(starts, seqs, skips, tpb, device))

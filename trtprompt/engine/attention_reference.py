@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from trtprompt.engine.attention_common import (
     KvCache,
     SeqSlice,
+    StepReads,
     contiguous_start,
     gather_blocks,
     gather_tables,
     slot_tensors,
-    step_blocks,
     take_rows,
 )
 
@@ -61,9 +61,14 @@ class ReferenceMetadata:
     tokens_per_block: int
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
-    kv_blocks: torch.Tensor  # every block the step reads (attention_common.step_blocks)
+    reads: StepReads  # kv_blocks, listed when an int8 cache asks
     prefills: tuple[PrefillPlan, ...]
     decodes: tuple[DecodePlan, ...]
+
+    @property
+    def kv_blocks(self) -> torch.Tensor:
+        """Every block the step reads, once (attention_common.StepReads)."""
+        return self.reads.blocks
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                scale: float) -> torch.Tensor:
@@ -144,7 +149,7 @@ def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device) -> Reference
     decodes = tuple(_decode_plan([decode_rows[i] for i in g], [decode_seqs[i] for i in g], tpb, device)
                     for g in groups)
     blocks, offsets = slot_tensors(seqs, tpb, device)
-    return ReferenceMetadata(start, tpb, blocks, offsets, step_blocks(seqs, tpb, device), tuple(prefills), decodes)
+    return ReferenceMetadata(start, tpb, blocks, offsets, StepReads(tuple(seqs), tpb, device), tuple(prefills), decodes)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
