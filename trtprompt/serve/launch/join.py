@@ -111,11 +111,7 @@ class RouterJoin:
             self._thread.join(self.opts.interval_s + 5.0)
         url = self.opts.advertise_url
         try:
-            for worker in R.workers(self.opts.router):
-                if worker["url"] == url:
-                    R._call(self.opts.router, "DELETE", f"/workers/{worker['id']}")
-            R.wait_until(lambda: all(w["url"] != url for w in R.workers(self.opts.router)),
-                         f"the router to drop {url}", LEAVE_TIMEOUT_S)
+            R.remove_worker(self.opts.router, url, LEAVE_TIMEOUT_S)
             self.log(f"trtprompt serve: removed {url} from the router {self.opts.router.base}")
         except R.RouterError as exc:  # the router's health checks take it out instead
             self.log(f"trtprompt serve: could not leave the router {self.opts.router.base}: {exc}")

@@ -199,13 +199,13 @@ def healthy_workers(opts: Endpoint) -> set[str]:
         return set()
 
 
-def remove_worker(opts: Endpoint, url: str) -> None:
+def remove_worker(opts: Endpoint, url: str, timeout_s: float = 30.0) -> None:
     """Take url out of the rotation (DELETE /workers/{id}; the router finishes it in the background,
-    so this waits until the worker is no longer listed)."""
+    so this waits, up to timeout_s, until the worker is no longer listed)."""
     for worker in workers(opts):
         if worker["url"] == url:
             _call(opts, "DELETE", f"/workers/{worker['id']}")
-    wait_until(lambda: all(w["url"] != url for w in workers(opts)), f"the router to drop {url}")
+    wait_until(lambda: all(w["url"] != url for w in workers(opts)), f"the router to drop {url}", timeout_s)
 
 
 def register_worker(opts: Endpoint, url: str, worker_key: str | None) -> None:
