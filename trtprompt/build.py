@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 from trtprompt import __version__
 from trtprompt.checkpoint import Checkpoint, read_checkpoint
 from trtprompt.engine.engine_dir import ENGINE_FORMAT, atomic_engine_dir, check_output_dir, write_json
+from trtprompt.knobs import KV_CACHE_QUANT_ALGOS
 from trtprompt.plan import BuildPlan, make_plan
 from trtprompt.profile import Profile, load_profile
 
@@ -105,7 +106,7 @@ def engine_config(ckpt: Checkpoint, plan: BuildPlan) -> dict[str, Any]:
     pretrained = {**ckpt.pretrained_config, "dtype": plan.dtype,
                   "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
                   "quantization": {"quant_algo": plan.quant_algo,
-                                   "kv_cache_quant_algo": "INT8" if plan.kv_cache_dtype == "int8" else None}}
+                                   "kv_cache_quant_algo": KV_CACHE_QUANT_ALGOS[plan.kv_cache_dtype]}}
     build = {
         "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len, "max_seq_len": b.max_seq_len,
         "max_num_tokens": b.max_num_tokens, "opt_num_tokens": b.opt_num_tokens,
@@ -159,7 +160,6 @@ def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: Bu
             llmapi = write_llmapi_engine(tmp, Path(req.output), ckpt, profile, plan, req.tp_size, req.pp_size)
         elif plan.target == "trtllm":
             from trtprompt.targets.trtllm_build import build_trtllm_engine
-
             from trtprompt.targets.trtllm_config import Parallelism
 
             build_trtllm_engine(tmp, ckpt, profile, plan, Parallelism(req.tp_size, req.pp_size))

@@ -26,6 +26,8 @@ QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "int8_w8a8", "fp8", "int4_a
 # auto: the engine's dtype; int8: int8 K/V with a float16 scale per (token, kv head) (torch target;
 # TensorRT-LLM's kv_cache_quant_algo INT8, vLLM's --kv-cache-dtype). docs/quantization.md, "KV cache int8".
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8")
+# config.json names each as TensorRT-LLM does (quantization.kv_cache_quant_algo): the build writes, the engine reads.
+KV_CACHE_QUANT_ALGOS: dict[str, str | None] = {"auto": None, "int8": "INT8"}
 CAPACITY_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 # Strictest first (trtprompt/prompt/budget.py: a request may move left of its profile's policy, never right).
 OVERFLOW_POLICIES: tuple[str, ...] = ("reject", "truncate_middle", "truncate_left")

@@ -105,6 +105,7 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
 def kv_cache_dtype_of(pretrained_config: Mapping[str, Any]) -> str:
     """The KV cache dtype config.json names (TensorRT-LLM's quantization.kv_cache_quant_algo)."""
     algo = (pretrained_config.get("quantization") or {}).get("kv_cache_quant_algo")
-    if algo in (None, "INT8"):
-        return "int8" if algo == "INT8" else "auto"
-    raise ValueError(f"kv_cache_quant_algo {algo!r}: the torch engine reads INT8 or none")
+    by_algo = {a: dtype for dtype, a in knobs.KV_CACHE_QUANT_ALGOS.items()}
+    if algo not in by_algo:
+        raise ValueError(f"kv_cache_quant_algo {algo!r}: the torch engine reads INT8 or none")
+    return by_algo[algo]
