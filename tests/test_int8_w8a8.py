@@ -15,10 +15,15 @@ from trtprompt.engine import quant_w8a8
 from trtprompt.engine.attention import SeqSlice, build_attention_metadata
 from trtprompt.engine.engine import LLMEngine
 from trtprompt.engine.quant_w8a8 import (
-    ACT_QMAX,
+    BUILD_BITS,
+    INT16_MAX,
+    LEGACY_BITS,
     FbgemmW8A8Linear,
     ReferenceW8A8Linear,
+    W8A8Bits,
+    bits_of,
     fbgemm_unavailable_reason,
+    make_w8a8_linear,
     quantize_per_token,
     reference_w8a8,
     resolve_w8a8_backend,
@@ -26,31 +31,79 @@ from trtprompt.engine.quant_w8a8 import (
 from trtprompt.engine.request import SamplingParams
 from trtprompt.targets.torch_build import quantize_int8
 
-needs_fbgemm = pytest.mark.skipif(fbgemm_unavailable_reason() is not None,
+SPLITS = [LEGACY_BITS, W8A8Bits(weight_bits=7, activation_bits=8)]
+needs_fbgemm = pytest.mark.skipif(any(fbgemm_unavailable_reason(b) is not None for b in SPLITS),
                                   reason=f"fbgemm int8 GEMM unavailable: {fbgemm_unavailable_reason()}")
 PROMPTS = [list(range(5, 45)), list(range(100, 117)), [7, 3, 9, 300, 2, 11] * 5]
 
 
-def _random_linear(gen: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_int8(torch.randn(n, k, generator=gen) * 0.05)
+def _random_linear(gen: torch.Generator, n: int, k: int, bits: W8A8Bits = LEGACY_BITS) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+    return quantize_int8(torch.randn(n, k, generator=gen) * 0.05, bits.weight_qmax)
 
 
 @needs_fbgemm
+@pytest.mark.parametrize("bits", SPLITS, ids=["w8a7", "w7a8"])
 @pytest.mark.parametrize(("m", "k", "n", "bias"), [(1, 64, 48, False), (7, 96, 200, True), (33, 512, 136, False),
                                                     (130, 24, 8, True), (5, 1536, 40, False),
-                                                    # SmolLM2's qkv, gate_up and down_proj shapes
-                                                    (1, 576, 960, True), (8, 576, 3072, False),
-                                                    (32, 1536, 576, False)])
-def test_fbgemm_matches_reference(m: int, k: int, n: int, bias: bool) -> None:
+                                                    # SmolLM2's qkv, o_proj, gate_up and down_proj shapes
+                                                    (1, 576, 960, True), (9, 576, 576, False),
+                                                    (8, 576, 3072, False), (32, 1536, 576, False)])
+def test_fbgemm_matches_reference(m: int, k: int, n: int, bias: bool, bits: W8A8Bits) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + k)
-    qweight, scale = _random_linear(gen, n, k)
+    qweight, scale = _random_linear(gen, n, k, bits)
     b = torch.randn(n, generator=gen) if bias else None
     x = torch.randn(m, k, generator=gen)
     x[:, ::7] *= 30.0  # outlier channels: the largest |value| per token sets its scale
-    fast = FbgemmW8A8Linear(qweight, scale, b)(x)
-    ref = reference_w8a8(x, qweight, scale, b)
+    fast = FbgemmW8A8Linear(qweight, scale, b, bits)(x)
+    ref = reference_w8a8(x, qweight, scale, b, bits)
     # Same integer sums on both paths; only the fp32 rescale rounds differently.
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+def _exact_sums(x: torch.Tensor, qweight: torch.Tensor, bits: W8A8Bits) -> torch.Tensor:
+    """The integer sums, in int64: what fbgemm must return once the per-token scale is taken back out."""
+    q, _ = quantize_per_token(x, bits.act_qmax)
+    return q.long() @ qweight.long().t()
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("bits", SPLITS, ids=["w8a7", "w7a8"])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (576, 576), (576, 3072), (1536, 576)])  # SmolLM2's linears
+def test_fbgemm_sums_stay_exact_where_pairs_would_saturate(k: int, n: int, bits: W8A8Bits) -> None:
+    """Every activation at +-act_qmax (uint8 1 or 255 after the zero point) against weights at +-weight_qmax of
+    the same signs: each vpmaddubsw pair is as large as the split allows; 8 + 8 bits would pass INT16_MAX here."""
+    gen = torch.Generator().manual_seed(k + n)
+    signs = torch.randint(0, 2, (4, k), generator=gen) * 2 - 1
+    x = signs.float() * 3.0
+    qweight = (signs[torch.arange(n) % 4] * bits.weight_qmax).to(torch.int8)
+    qweight[1::3] *= -1
+    scale = torch.ones(n)
+    y = FbgemmW8A8Linear(qweight, scale, None, bits)(x)
+    sums = _exact_sums(x, qweight, bits)
+    assert sums.abs().max() == k * bits.act_qmax * bits.weight_qmax  # the extreme case really is in there
+    # The scale is 3 / act_qmax per token; undo it in float64 and compare integers exactly.
+    got = (y.double() / (3.0 / bits.act_qmax)).round().long()
+    assert torch.equal(got, sums)
+    assert 2 * (2 * bits.act_qmax + 1) * bits.weight_qmax <= INT16_MAX
+
+
+def test_bit_splits_that_would_saturate_are_refused() -> None:
+    with pytest.raises(ValueError, match="reaches 64770 > 32767"):
+        W8A8Bits(weight_bits=8, activation_bits=8)
+    with pytest.raises(ValueError, match="weight_bits must be 7 or 8, got 4"):
+        W8A8Bits(weight_bits=4, activation_bits=8)
+    assert (W8A8Bits(7, 8).weight_qmax, W8A8Bits(7, 8).act_qmax, W8A8Bits(7, 8).act_zero_point) == (63, 127, 128)
+
+
+def test_config_records_the_split_and_the_loader_checks_the_weights() -> None:
+    assert bits_of({"quant_algo": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"}) == LEGACY_BITS  # older engines
+    assert bits_of(BUILD_BITS.to_config()) == BUILD_BITS
+    with pytest.raises(ValueError, match="activation_bits None"):
+        bits_of({"weight_bits": 7})
+    q8, scale = _random_linear(torch.Generator().manual_seed(4), 8, 16)
+    with pytest.raises(ValueError, match=r"weights reach \|127\| but the engine records weight_bits 7"):
+        make_w8a8_linear(q8, scale, None, "reference", W8A8Bits(7, 8))
 
 
 @needs_fbgemm
@@ -65,11 +118,12 @@ def test_fbgemm_keeps_leading_dims_and_zero_tokens() -> None:
     assert torch.equal(y[1, 2], torch.zeros(16))
 
 
-def test_per_token_quantization_bounds_and_error() -> None:
+@pytest.mark.parametrize("bits", SPLITS, ids=["w8a7", "w7a8"])
+def test_per_token_quantization_bounds_and_error(bits: W8A8Bits) -> None:
     x = torch.randn(9, 40, generator=torch.Generator().manual_seed(2)) * torch.logspace(-3, 2, 9)[:, None]
-    q, s = quantize_per_token(x)
-    assert torch.equal(q, q.round()) and q.abs().max() == ACT_QMAX
-    assert torch.equal(q.abs().amax(dim=1), torch.full((9,), float(ACT_QMAX)))  # every token uses the full range
+    q, s = quantize_per_token(x, bits.act_qmax)
+    assert torch.equal(q, q.round()) and q.abs().max() == bits.act_qmax
+    assert torch.equal(q.abs().amax(dim=1), torch.full((9,), float(bits.act_qmax)))  # every token: the full range
     assert ((q * s - x).abs() <= s / 2 + 1e-6 * x.abs()).all()
 
 
@@ -84,7 +138,7 @@ def test_reference_against_float_math() -> None:
 
 
 def test_unavailable_kernel_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(quant_w8a8, "fbgemm_unavailable_reason", lambda: "torch's quantized engine is 'qnnpack'")
+    monkeypatch.setattr(quant_w8a8, "fbgemm_unavailable_reason", lambda bits: "torch's quantized engine is 'qnnpack'")
     with pytest.raises(ValueError, match=r"need torch's fbgemm int8 GEMM.*'qnnpack'.*linear_backend='reference'"):
         resolve_w8a8_backend("onednn")
     assert resolve_w8a8_backend("reference") == "reference"

@@ -152,7 +152,7 @@ def _copy_tokenizer(ckpt: Checkpoint, out_dir: Path) -> None:
 def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: BuildPlan) -> Path:
     if req.output is None:
         raise ValueError("write_engine needs an output directory")
-    llmapi = None
+    llmapi = smoothing = None
     with atomic_engine_dir(req.output, req.force) as tmp:
         if req.api == "llmapi":  # nothing compiled: the LLM API loads the checkpoint at serve time
             from trtprompt.targets.llmapi_build import write_llmapi_engine
@@ -166,13 +166,16 @@ def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: Bu
         else:
             from trtprompt.targets.torch_build import write_weights
 
-            write_weights(tmp, ckpt, ckpt.pretrained_config, plan.dtype, plan.quantization, req.progress)
+            smoothing = write_weights(tmp, ckpt, ckpt.pretrained_config, plan.dtype, plan.quantization,
+                                      req.progress, profile.smoothquant_alpha)
         _copy_tokenizer(ckpt, tmp)
         meta = engine_meta(ckpt, profile, plan)
         if llmapi is not None:
             from trtprompt.targets.llmapi_build import llmapi_meta
 
             meta = llmapi_meta(meta, llmapi)
+        if smoothing is not None:
+            meta["smoothquant"] = smoothing.to_json()
         write_json(tmp / "trtprompt.json", meta)
         # Last, so a half-written directory never has a config.json. The trtllm engine build
         # already holds TensorRT-LLM's own config.json (engine.save), which must stay.
@@ -180,6 +183,10 @@ def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: Bu
             config = engine_config(ckpt, plan)
             config["pretrained_config"]["mapping"] = {"world_size": req.tp_size * req.pp_size,
                                                       "tp_size": req.tp_size, "pp_size": req.pp_size}
+            if plan.quantization == "int8_w8a8":  # torch target only (the plan refuses it elsewhere)
+                from trtprompt.targets.torch_build import w8a8_config_entries
+
+                config["pretrained_config"]["quantization"].update(w8a8_config_entries(smoothing))
             write_json(tmp / "config.json", config)
     return Path(req.output)
 

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from trtprompt.engine.quant_w8a8 import make_w8a8_linear
+from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, make_w8a8_linear
 
 LINEAR_BACKENDS: tuple[str, ...] = ("onednn", "reference")
 # The M a prepacked weight is tuned for; measured insensitive between decode and prefill sizes.
@@ -108,13 +108,14 @@ def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, dtype: torch.dtype,
-                scale: torch.Tensor | None = None, w8a8_backend: str | None = None) -> torch.nn.Module:
+                scale: torch.Tensor | None = None, w8a8_backend: str | None = None,
+                w8a8_bits: W8A8Bits = LEGACY_BITS) -> torch.nn.Module:
     """A linear for `weight` [out, in] (int8 when `scale` is given) on an already resolved backend.
 
     int8 weights run the W8A8 kernel `w8a8_backend` when one is given, else are dequantized (W8A16).
     """
     if scale is not None and w8a8_backend is not None:
-        return make_w8a8_linear(weight, scale, bias, w8a8_backend)
+        return make_w8a8_linear(weight, scale, bias, w8a8_backend, w8a8_bits)
     if scale is not None:
         weight = dequantize(weight, scale, dtype)
     if backend == "onednn":

@@ -26,7 +26,7 @@ from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model'
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.layer_ops import LayerOps, TorchOps
 from trtprompt.engine.linear import make_linear, resolve_backend
-from trtprompt.engine.quant_w8a8 import resolve_w8a8_backend
+from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, resolve_w8a8_backend
 from trtprompt.engine.rope import RotaryEmbedding
 from trtprompt.engine.weights import W8A8, LinearWeights, check_quant_algo, fuse_linears, take_linear, take_tensor
 
@@ -109,11 +109,13 @@ class DecoderModel(torch.nn.Module):
         self.norm: RMSNorm | None = None
         self.lm_head: torch.nn.Module | None = None
         self.w8a8_backend: str | None = None  # the int8 GEMM of W8A8 linears (quant_w8a8.py); None: not W8A8
+        self.w8a8_bits = LEGACY_BITS  # their weight / activation bit split (config.json records it)
 
     # -- weights -----------------------------------------------------------------
 
     def _linear(self, lw: LinearWeights) -> torch.nn.Module:
-        return make_linear(lw.weight, lw.bias, self.linear_backend, self.dtype, lw.scale, self.w8a8_backend)
+        return make_linear(lw.weight, lw.bias, self.linear_backend, self.dtype, lw.scale, self.w8a8_backend,
+                           self.w8a8_bits)
 
     def _norm(self, tensors: Mapping[str, torch.Tensor], name: str, size: int) -> RMSNorm:
         weight = take_tensor(tensors, name, (size,), self.dtype, self.device)
@@ -140,12 +142,14 @@ class DecoderModel(torch.nn.Module):
         return DecoderLayer(attn, mlp, self._norm(tensors, p + "input_layernorm.weight", h),
                             self._norm(tensors, p + "post_attention_layernorm.weight", h))
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor], quant_algo: str | None = None) -> None:
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], quant_algo: str | None = None,
+                     w8a8_bits: W8A8Bits = LEGACY_BITS) -> None:
         """Load HF-named tensors; with a quant_algo the layer linears are int8 + `<name>_scale`."""
         check_quant_algo(quant_algo)
         c = self.cfg
         quantized = quant_algo is not None
-        self.w8a8_backend = resolve_w8a8_backend(self.linear_backend) if quant_algo == W8A8 else None
+        self.w8a8_bits = w8a8_bits
+        self.w8a8_backend = resolve_w8a8_backend(self.linear_backend, w8a8_bits) if quant_algo == W8A8 else None
         embed_shape = (c.vocab_size, c.hidden_size)
         self.embed_tokens = take_tensor(tensors, "model.embed_tokens.weight", embed_shape, self.dtype, self.device)
         self.layers = torch.nn.ModuleList(self._layer(tensors, i, quantized)
@@ -184,10 +188,11 @@ class DecoderModel(torch.nn.Module):
 
 
 def load_model_from_safetensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                                linear_backend: str, quant_algo: str | None = None) -> DecoderModel:
+                                linear_backend: str, quant_algo: str | None = None,
+                                w8a8_bits: W8A8Bits = LEGACY_BITS) -> DecoderModel:
     from safetensors.torch import load_file
 
     tensors = load_file(str(path), device="cpu")
     model = DecoderModel(cfg, dtype, device, linear_backend)
-    model.load_weights(tensors, quant_algo)
+    model.load_weights(tensors, quant_algo, w8a8_bits)
     return model

@@ -1,9 +1,8 @@
 """W8A8 linears: int8 weights per output channel, int8 activations per token, integer GEMM.
 
 y[m, n] = s_x[m] * s_w[n] * sum_k q_x[m, k] * q_w[n, k] (+ bias[n]): the weight is quantized once
-at build (symmetric per output channel, int8 in [-127, 127]), the activation at every call
-(symmetric per token). Both paths below compute the same integer sums; they differ only in fp32
-rounding of the rescale.
+at build (symmetric per output channel), the activation at every call (symmetric per token). Both
+paths below compute the same integer sums; they differ only in fp32 rounding of the rescale.
 
 - fbgemm: torch's fbgemm int8 GEMM (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`)
   on a weight prepacked once. fbgemm takes one activation scale per call, so each token is first
@@ -12,40 +11,98 @@ rounding of the rescale.
 - reference: the same integers multiplied in floating point, exact while every partial sum stays
   below 2^24 (float64 beyond), then rescaled.
 
-Activations use 7 bits ([-63, 63]), not 8: without AVX-512 VNNI, fbgemm (and oneDNN) multiply
-unsigned 8-bit activations (zero point added) by signed 8-bit weights with vpmaddubsw, which
-saturates each pair of products at 2^15 - 1; with the zero point at 64 every pair stays below it
-and the sums are exact. docs/quantization.md has the measurements behind these choices.
+The bit split (W8A8Bits): without AVX-512 VNNI, fbgemm (and oneDNN) multiply unsigned 8-bit
+activations (zero point added) by signed 8-bit weights with vpmaddubsw, which saturates each pair
+of products at 2^15 - 1. One side gives up a bit so every pair stays below it and the sums are
+exact: 8-bit weights with 7-bit activations ([-63, 63], zero point 64: pairs up to 2 x 127 x 127),
+or 7-bit weights ([-63, 63]) with 8-bit activations (zero point 128: pairs up to 2 x 255 x 63).
+The build chooses and config.json records it (`weight_bits`, `activation_bits`); docs/quantization.md
+has the measurements behind these choices.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 
 W8A8_BACKENDS: tuple[str, ...] = ("fbgemm", "reference")
-WEIGHT_QMAX = 127
-ACT_QMAX = 63
-ACT_ZERO_POINT = 64  # ACT_QMAX + 1: quantized activations land in [1, 127] as uint8
+INT16_MAX = (1 << 15) - 1  # where vpmaddubsw saturates a pair of u8 x s8 products
 MIN_SCALE = 1e-12  # an all-zero token quantizes to zeros instead of dividing by zero
 FP32_EXACT = 1 << 24  # float32 holds every integer below this exactly
 FBGEMM_ENGINES: tuple[str, ...] = ("x86", "fbgemm")
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale): q float32 holding integers in [-ACT_QMAX, ACT_QMAX], x ~= q * scale, scale [..., 1]."""
+@dataclass(frozen=True)
+class W8A8Bits:
+    """Bits of the weights and of the activations; symmetric ranges [-(2^(b-1) - 1), 2^(b-1) - 1]."""
+
+    weight_bits: int
+    activation_bits: int
+
+    def __post_init__(self) -> None:
+        for name in ("weight_bits", "activation_bits"):
+            if getattr(self, name) not in (7, 8):
+                raise ValueError(f"{name} must be 7 or 8, got {getattr(self, name)!r}")
+        if self.pair_max > INT16_MAX:
+            raise ValueError(f"weight_bits {self.weight_bits} with activation_bits {self.activation_bits}: a pair of "
+                             f"products reaches {self.pair_max} > {INT16_MAX}, where AVX2's vpmaddubsw saturates")
+
+    @property
+    def weight_qmax(self) -> int:
+        return (1 << (self.weight_bits - 1)) - 1
+
+    @property
+    def act_qmax(self) -> int:
+        return (1 << (self.activation_bits - 1)) - 1
+
+    @property
+    def act_zero_point(self) -> int:
+        """Shifts [-act_qmax, act_qmax] into uint8 [1, 2 * act_qmax + 1], what fbgemm's activations are."""
+        return self.act_qmax + 1
+
+    @property
+    def pair_max(self) -> int:
+        """The largest |sum of two u8 x s8 products| fbgemm's inner step can see."""
+        return 2 * (2 * self.act_qmax + 1) * self.weight_qmax
+
+    def to_config(self) -> dict[str, int]:
+        return {"weight_bits": self.weight_bits, "activation_bits": self.activation_bits}
+
+
+# Engines built before the split was recorded hold 8-bit weights and ran 7-bit activations.
+LEGACY_BITS = W8A8Bits(weight_bits=8, activation_bits=7)
+BUILD_BITS = LEGACY_BITS  # what `trtprompt build --quantization int8_w8a8` writes (docs/quantization.md)
+WEIGHT_QMAX = LEGACY_BITS.weight_qmax  # int8_wo's weights: always 8 bits
+
+
+def bits_of(quantization: Mapping[str, Any] | None) -> W8A8Bits:
+    """The split config.json's pretrained_config.quantization records (absent: LEGACY_BITS)."""
+    q = quantization or {}
+    if "weight_bits" not in q and "activation_bits" not in q:
+        return LEGACY_BITS
+    try:
+        return W8A8Bits(int(q["weight_bits"]), int(q["activation_bits"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"config.json quantization records weight_bits {q.get('weight_bits')!r} and "
+                         f"activation_bits {q.get('activation_bits')!r}: {exc}") from exc
+
+
+def quantize_per_token(x: torch.Tensor, act_qmax: int = LEGACY_BITS.act_qmax) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): q float32 holding integers in [-act_qmax, act_qmax], x ~= q * scale, scale [..., 1]."""
     x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=MIN_SCALE).div_(ACT_QMAX)
-    return torch.round(x / scale).clamp_(-ACT_QMAX, ACT_QMAX), scale
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=MIN_SCALE).div_(act_qmax)
+    return torch.round(x / scale).clamp_(-act_qmax, act_qmax), scale
 
 
 def reference_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
+                   bias: torch.Tensor | None, bits: W8A8Bits = LEGACY_BITS) -> torch.Tensor:
     """The W8A8 linear in plain torch: x [..., in] float, qweight int8 [out, in], scale float32 [out]."""
-    q, s = quantize_per_token(x)
-    exact = qweight.shape[1] * WEIGHT_QMAX * ACT_QMAX < FP32_EXACT
+    q, s = quantize_per_token(x, bits.act_qmax)
+    exact = qweight.shape[1] * bits.weight_qmax * bits.act_qmax < FP32_EXACT
     acc_dtype = torch.float32 if exact else torch.float64
     acc = torch.matmul(q.to(acc_dtype), qweight.to(acc_dtype).t())
     y = (acc * scale.to(acc_dtype)).float() * s
@@ -54,13 +111,22 @@ def reference_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return y.to(x.dtype)
 
 
+def check_weight_range(qweight: torch.Tensor, bits: W8A8Bits) -> None:
+    """Refuse weights outside the recorded split: on fbgemm they could saturate, silently."""
+    top = int(qweight.abs().max()) if qweight.numel() else 0
+    if top > bits.weight_qmax:
+        raise ValueError(f"int8 weights reach |{top}| but the engine records weight_bits {bits.weight_bits} "
+                         f"(|q| <= {bits.weight_qmax}); config.json and the weights disagree: rebuild the engine")
+
+
 class ReferenceW8A8Linear(torch.nn.Module):
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 bits: W8A8Bits = LEGACY_BITS) -> None:
         super().__init__()
-        self.qweight, self.scale, self.bias = qweight, scale.float(), bias
+        self.qweight, self.scale, self.bias, self.bits = qweight, scale.float(), bias, bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reference_w8a8(x, self.qweight, self.scale, self.bias)
+        return reference_w8a8(x, self.qweight, self.scale, self.bias, self.bits)
 
 
 def _prepack(qweight: torch.Tensor, scale: torch.Tensor) -> torch.ScriptObject:
@@ -76,48 +142,57 @@ def _prepack(qweight: torch.Tensor, scale: torch.Tensor) -> torch.ScriptObject:
 class FbgemmW8A8Linear(torch.nn.Module):
     """Holds only the prepacked int8 weight (fbgemm's copy), not the checkpoint's."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 bits: W8A8Bits = LEGACY_BITS) -> None:
         super().__init__()
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
         self.packed = _prepack(qweight, scale)
-        self.bias = bias
+        self.bias, self.bits = bias, bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()
-        s = x2.abs().amax(dim=-1, keepdim=True).clamp_(min=MIN_SCALE).div_(ACT_QMAX)
+        s = x2.abs().amax(dim=-1, keepdim=True).clamp_(min=MIN_SCALE).div_(self.bits.act_qmax)
         # Rounded here: fbgemm's own input conversion does not round the same way on every shape (M=32,
-        # K=1536 differed); no clamp, |x / s| <= ACT_QMAX already. Three passes over the activations, not six.
+        # K=1536 differed); no clamp, |x / s| <= act_qmax already. Three passes over the activations, not six.
         y: torch.Tensor = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            torch.div(x2, s).round_(), 1.0, ACT_ZERO_POINT, self.packed)
+            torch.div(x2, s).round_(), 1.0, self.bits.act_zero_point, self.packed)
         y = y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
+def _probe_inputs(bits: W8A8Bits) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(qweight, scale, x): random values, and the worst case for saturation (every product at its largest)."""
+    gen = torch.Generator().manual_seed(0)
+    q = bits.weight_qmax
+    qweight = torch.randint(-q, q + 1, (24, 64), generator=gen, dtype=torch.int8)
+    scale = torch.rand(24, generator=gen) + 0.5
+    worst = torch.full((24, 64), q, dtype=torch.int8)
+    worst[1::2] = -q
+    return [(qweight, scale, torch.randn(5, 64, generator=gen)), (worst, scale, torch.ones(3, 64))]
+
+
 @functools.lru_cache(maxsize=None)
-def fbgemm_unavailable_reason() -> str | None:
-    """Why the fbgemm path cannot run here (None: it runs and matches the reference on a probe)."""
+def fbgemm_unavailable_reason(bits: W8A8Bits = LEGACY_BITS) -> str | None:
+    """Why the fbgemm path cannot run here at this split (None: it runs and matches the reference on probes)."""
     engine = torch.backends.quantized.engine
     if engine not in FBGEMM_ENGINES:
         return (f"torch's quantized engine is {engine!r} (supported here: "
                 f"{', '.join(torch.backends.quantized.supported_engines)}), not fbgemm or x86")
-    gen = torch.Generator().manual_seed(0)
-    qweight = torch.randint(-WEIGHT_QMAX, WEIGHT_QMAX + 1, (24, 64), generator=gen, dtype=torch.int8)
-    scale = torch.rand(24, generator=gen) + 0.5
-    x = torch.randn(5, 64, generator=gen)
-    try:
-        y = FbgemmW8A8Linear(qweight, scale, None)(x)
-    except RuntimeError as exc:
-        return f"fbgemm's int8 linear failed: {str(exc).strip().splitlines()[0][:200]}"
-    if not torch.allclose(y, reference_w8a8(x, qweight, scale, None), rtol=1e-5, atol=1e-4):
-        return "fbgemm's int8 linear disagrees with the reference on a probe"
+    for qweight, scale, x in _probe_inputs(bits):
+        try:
+            y = FbgemmW8A8Linear(qweight, scale, None, bits)(x)
+        except RuntimeError as exc:
+            return f"fbgemm's int8 linear failed: {str(exc).strip().splitlines()[0][:200]}"
+        if not torch.allclose(y, reference_w8a8(x, qweight, scale, None, bits), rtol=1e-5, atol=1e-4):
+            return "fbgemm's int8 linear disagrees with the reference on a probe"
     return None
 
 
-def resolve_w8a8_backend(linear_backend: str) -> str:
+def resolve_w8a8_backend(linear_backend: str, bits: W8A8Bits = LEGACY_BITS) -> str:
     """The W8A8 kernel for an already resolved linear backend: onednn (the fast CPU path) -> fbgemm."""
     if linear_backend == "reference":
         return "reference"
-    why = fbgemm_unavailable_reason()
+    why = fbgemm_unavailable_reason(bits)
     if why is not None:
         raise ValueError(f"W8A8 linears (quantization int8_w8a8) need torch's fbgemm int8 GEMM, which cannot "
                          f"run here: {why}. Load the engine with linear_backend='reference' to run the "
@@ -126,9 +201,10 @@ def resolve_w8a8_backend(linear_backend: str) -> str:
 
 
 def make_w8a8_linear(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                     backend: str) -> torch.nn.Module:
+                     backend: str, bits: W8A8Bits = LEGACY_BITS) -> torch.nn.Module:
     if backend not in W8A8_BACKENDS:
         raise ValueError(f"W8A8 backend must be one of {', '.join(W8A8_BACKENDS)}, got {backend!r}")
+    check_weight_range(qweight, bits)
     if backend == "fbgemm":
-        return FbgemmW8A8Linear(qweight.cpu(), scale.cpu(), bias)
-    return ReferenceW8A8Linear(qweight, scale, bias)
+        return FbgemmW8A8Linear(qweight.cpu(), scale.cpu(), bias, bits)
+    return ReferenceW8A8Linear(qweight, scale, bias, bits)

@@ -4,7 +4,8 @@ Weights keep their Hugging Face names. With int8 weight-only quantization
 (quant_algo "W8A16") or W8A8 (int8_w8a8: the same weights; the engine quantizes
 activations per token at run time, docs/quantization.md) each linear inside the
 layers becomes int8 [out, in] plus `<name>_scale` float32 [out], symmetric per
-output channel; embeddings, norms and lm_head stay in the engine dtype.
+output channel; embeddings, norms and lm_head stay in the engine dtype. int8_w8a8 smooths the
+float weights first (targets/smoothquant.py) and writes weights of quant_w8a8.BUILD_BITS' width.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from trtprompt.checkpoint import Checkpoint, expected_weight_shapes, is_layer_linear, iter_tensors
+from trtprompt.engine.quant_w8a8 import BUILD_BITS, WEIGHT_QMAX
 from trtprompt.errors import CheckpointError
 from trtprompt.plan import INT8_WEIGHT_QUANTIZATIONS
+from trtprompt.targets.smoothquant import SmoothQuantRecord, smooth
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -26,11 +29,11 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 WEIGHTS_FILE = "rank0.safetensors"
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: w ~= q * scale[:, None], |error| <= scale / 2 per row."""
+def quantize_int8(weight: torch.Tensor, qmax: int = WEIGHT_QMAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 in [-qmax, qmax]: w ~= q * scale[:, None], |error| <= scale / 2 per row."""
     w = weight.to(torch.float32)
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / float(qmax)
+    q = torch.round(w / scale[:, None]).clamp(-qmax, qmax).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
 
@@ -40,19 +43,48 @@ def _ignorable(name: str, pc: Mapping[str, Any]) -> bool:
 
 
 def _convert_one(name: str, tensor: torch.Tensor, dtype: torch.dtype,
-                 quantize: bool) -> dict[str, torch.Tensor]:
-    if quantize and is_layer_linear(name):
-        q, scale = quantize_int8(tensor)
+                 qmax: int | None) -> dict[str, torch.Tensor]:
+    """qmax: the int8 range of layer linears (None: not quantized)."""
+    if qmax is not None and is_layer_linear(name):
+        q, scale = quantize_int8(tensor, qmax)
         return {name: q, f"{name}_scale": scale}
     return {name: tensor.to(dtype).contiguous()}
 
 
+def _weight_qmax(quantization: str) -> int | None:
+    if quantization not in INT8_WEIGHT_QUANTIZATIONS:
+        return None
+    return BUILD_BITS.weight_qmax if quantization == "int8_w8a8" else WEIGHT_QMAX  # int8_wo: always 8 bits
+
+
+def _tokenizer_json(ckpt: Checkpoint) -> Path:
+    found = [p for p in ckpt.tokenizer_files if p.name == "tokenizer.json"]
+    if not found:
+        raise CheckpointError(f"{ckpt.path}: SmoothQuant calibration (quantization int8_w8a8) encodes its text with "
+                              "tokenizer.json, which this checkpoint lacks; build with --quantization int8_wo")
+    return found[0]
+
+
 def convert_weights(ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str, quantization: str,
-                    progress: bool = True) -> dict[str, torch.Tensor]:
-    """Every expected tensor, shape-checked and cast; unknown tensors are an error, not dropped."""
+                    progress: bool = True,
+                    smoothquant_alpha: float | None = None) -> tuple[dict[str, torch.Tensor], SmoothQuantRecord | None]:
+    """Every expected tensor, shape-checked and cast (unknown tensors are an error, not dropped), and how
+    int8_w8a8's weights were smoothed (None: not smoothed; smoothquant_alpha applies to int8_w8a8 only)."""
+    tensors = _read_tensors(ckpt, pc, progress)
+    record = None
+    if quantization == "int8_w8a8" and smoothquant_alpha is not None:
+        tensors, record = smooth(tensors, pc, smoothquant_alpha, _tokenizer_json(ckpt), progress)
+    qmax, target = _weight_qmax(quantization), TORCH_DTYPES[dtype]
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        out.update(_convert_one(name, tensor, target, qmax))
+    return out, record
+
+
+def _read_tensors(ckpt: Checkpoint, pc: Mapping[str, Any], progress: bool) -> dict[str, torch.Tensor]:
     expected = expected_weight_shapes(pc)
     out: dict[str, torch.Tensor] = {}
-    bar = tqdm(total=len(expected), desc="converting weights", unit="tensor", disable=not progress)
+    bar = tqdm(total=len(expected), desc="reading weights", unit="tensor", disable=not progress)
     with bar:
         for name, tensor in iter_tensors(ckpt):
             if name not in expected:
@@ -63,7 +95,7 @@ def convert_weights(ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str, quantiz
             if tuple(tensor.shape) != expected[name]:
                 raise CheckpointError(f"{ckpt.path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                       f"config.json implies {expected[name]}")
-            out.update(_convert_one(name, tensor, TORCH_DTYPES[dtype], quantization in INT8_WEIGHT_QUANTIZATIONS))
+            out[name] = tensor
             bar.update(1)
     missing = [n for n in expected if n not in out]
     if missing:
@@ -72,9 +104,17 @@ def convert_weights(ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str, quantiz
     return out
 
 
+def w8a8_config_entries(record: SmoothQuantRecord | None) -> dict[str, Any]:
+    """What an int8_w8a8 engine's pretrained_config.quantization adds: its bit split (the loader checks the
+    weights against it) and, when smoothed, TensorRT-LLM's smoothquant_val."""
+    return {**BUILD_BITS.to_config(), **(record.config_entries() if record is not None else {})}
+
+
 def write_weights(out_dir: Path, ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str,
-                  quantization: str, progress: bool = True) -> Path:
-    tensors = convert_weights(ckpt, pc, dtype, quantization, progress)
-    path = out_dir / WEIGHTS_FILE
-    save_file(tensors, str(path), metadata={"format": "pt", "dtype": dtype, "quantization": quantization})
-    return path
+                  quantization: str, progress: bool = True,
+                  smoothquant_alpha: float | None = None) -> SmoothQuantRecord | None:
+    """Write rank0.safetensors; returns how its int8_w8a8 weights were smoothed (None: not smoothed)."""
+    tensors, record = convert_weights(ckpt, pc, dtype, quantization, progress, smoothquant_alpha)
+    save_file(tensors, str(out_dir / WEIGHTS_FILE),
+              metadata={"format": "pt", "dtype": dtype, "quantization": quantization})
+    return record

@@ -1,0 +1,198 @@
+"""SmoothQuant for `--quantization int8_w8a8` (torch target): per-channel factors folded into the weights.
+
+W8A8 quantizes each token on its own scale, so a few input channels with large values (the same
+channels in every token) leave the many small ones a handful of levels. For a linear y = W x whose
+input is made by something scalable per channel, x / s and W * s (columns) give the same y in float
+and move part of each outlier into the weight, which is quantized per output row and takes it far
+better. With calibration maxima max|X_j| and the weight's column maxima max|W_:,j|,
+
+    s_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha)        (SmoothQuant, Xiao et al. 2023)
+
+Where 1/s goes, per decoder layer (all exact in float):
+- qkv:     input_layernorm's weight (the norm's output is q/k/v's input);
+- gate_up: post_attention_layernorm's weight;
+- down:    up_proj's rows (down's input is silu(gate) * up, linear in up's output);
+- o_proj:  v_proj's rows (attention output is a convex mix of v rows): one factor per v channel, shared
+           by the query heads that read that kv head (GQA), from the maxima over those heads.
+Every factor comes from the float model's activations and its original weights; norms stay float and
+the run-time math is unchanged (TensorRT-LLM's SmoothQuant checkpoint layout). Calibration text: the
+project's own corpora shipped in the package (trtprompt/data, the demo tokenizer's training text:
+prose, field notes, code, several languages), one sequence per file; nothing is downloaded, and none
+of it is the held-out text the quality benchmark scores (docs/quantization.md, "SmoothQuant").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from tqdm import tqdm
+
+from trtprompt.engine.attention import SeqSlice, allocate_kv_cache, build_attention_metadata
+from trtprompt.engine.config import ModelConfig
+from trtprompt.engine.model import DecoderLayer, DecoderModel
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+CALIBRATION_FILES: tuple[str, ...] = ("corpus_en.txt", "corpus_notes.txt", "corpus_code.txt",
+                                      "corpus_multilingual.txt")
+SEQ_LEN = 512  # tokens per calibration sequence (fewer where the model's positions end sooner)
+TOKENS_PER_BLOCK = 32
+MIN_VALUE = 1e-5  # floor of maxima and factors: a dead channel must not divide by zero
+KINDS: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass(frozen=True)
+class SmoothQuantRecord:
+    """How an engine's factors were made: config.json and trtprompt.json record it."""
+
+    alpha: float
+    sequences: int
+    tokens: int
+    source: str
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.sequences < 1 or self.tokens < self.sequences:
+            raise ValueError(f"calibration needs at least one token per sequence, got {self.sequences} "
+                             f"sequences of {self.tokens} tokens")
+
+    def config_entries(self) -> dict[str, Any]:
+        """pretrained_config.quantization keys (TensorRT-LLM's QuantConfig names alpha smoothquant_val)."""
+        return {"smoothquant_val": self.alpha}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"alpha": self.alpha, "smoothed": list(KINDS),
+                "calibration": {"source": self.source, "sequences": self.sequences, "tokens": self.tokens}}
+
+
+def calibration_sequences(tokenizer_json: Path, seq_len: int) -> list[list[int]]:
+    """The first seq_len tokens of each shipped corpus file, as the checkpoint's tokenizer encodes it."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    seqs = [tok.encode((DATA_DIR / name).read_text(encoding="utf-8")).ids[:seq_len] for name in CALIBRATION_FILES]
+    return [s for s in seqs if s]
+
+
+def smoothing_factors(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha), both maxima and s floored at MIN_VALUE."""
+    a = act_max.float().clamp(min=MIN_VALUE)
+    w = weight_max.float().clamp(min=MIN_VALUE)
+    return (a.pow(alpha) / w.pow(1.0 - alpha)).clamp(min=MIN_VALUE)
+
+
+def per_kv_channel(values: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """[heads * head_size] -> [kv_heads * head_size]: the max over the query heads that read each kv head."""
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    return values.view(cfg.num_key_value_heads, group, cfg.head_size).amax(dim=1).reshape(-1)
+
+
+def to_query_heads(values: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """[kv_heads * head_size] -> [heads * head_size]: each query head takes its kv head's values."""
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    kv = values.view(cfg.num_key_value_heads, 1, cfg.head_size)
+    return kv.expand(cfg.num_key_value_heads, group, cfg.head_size).reshape(-1)
+
+
+def _recorder(store: dict[str, torch.Tensor], kind: str) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
+    def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0]
+        top = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+        store[kind] = top if kind not in store else torch.maximum(store[kind], top)
+    return hook
+
+
+def _prefill(model: DecoderModel, ids: Sequence[int]) -> None:
+    blocks = -(-len(ids) // TOKENS_PER_BLOCK)
+    caches = allocate_kv_cache(model.cfg, blocks, TOKENS_PER_BLOCK, torch.float32, model.device)
+    meta = build_attention_metadata([SeqSlice(0, len(ids), list(range(blocks)))], TOKENS_PER_BLOCK, model.device,
+                                    backend="torch")
+    model(torch.tensor(ids), torch.arange(len(ids)), meta, caches, torch.tensor([len(ids) - 1]))
+
+
+def collect_input_maxima(model: DecoderModel, sequences: Sequence[Sequence[int]],
+                         progress: bool = True) -> list[dict[str, torch.Tensor]]:
+    """Per layer, per kind (KINDS): max |input| of that linear per input channel over every calibration token."""
+    maxima: list[dict[str, torch.Tensor]] = [{} for _ in model.layers]
+    handles = []
+    for store, layer in zip(maxima, model.layers):
+        if not isinstance(layer, DecoderLayer):
+            raise TypeError(f"calibration hooks the engine's DecoderLayer, got {type(layer).__name__}")
+        modules: dict[str, torch.nn.Module] = {"qkv": layer.attn.qkv, "o": layer.attn.o_proj,
+                                               "gate_up": layer.mlp.gate_up, "down": layer.mlp.down}
+        handles += [modules[k].register_forward_pre_hook(_recorder(store, k)) for k in KINDS]
+    try:
+        for ids in tqdm(sequences, desc="calibrating (smoothquant)", unit="seq", disable=not progress):
+            _prefill(model, ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return maxima
+
+
+def _column_max(t: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor:
+    return torch.stack([t[n].abs().amax(dim=0) for n in names]).amax(dim=0)
+
+
+def layer_factors(t: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig,
+                  maxima: Mapping[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """Each kind's factors (o: one per v channel) from the layer's original float weights."""
+    a, m = prefix + "self_attn.", prefix + "mlp."
+    qkv = [f"{a}{p}_proj.weight" for p in "qkv"]
+    o_weight = per_kv_channel(_column_max(t, [a + "o_proj.weight"]), cfg)
+    return {
+        "qkv": smoothing_factors(maxima["qkv"], _column_max(t, qkv), alpha),
+        "gate_up": smoothing_factors(maxima["gate_up"], _column_max(t, [m + "gate_proj.weight", m + "up_proj.weight"]),
+                                     alpha),
+        "down": smoothing_factors(maxima["down"], _column_max(t, [m + "down_proj.weight"]), alpha),
+        "o": smoothing_factors(per_kv_channel(maxima["o"], cfg), o_weight, alpha),
+    }
+
+
+def _scale_rows(t: dict[str, torch.Tensor], linear: str, inverse: torch.Tensor) -> None:
+    """A producing linear's output channel j (and its bias) times inverse[j]."""
+    t[linear + ".weight"] = t[linear + ".weight"] * inverse[:, None]
+    if linear + ".bias" in t:
+        t[linear + ".bias"] = t[linear + ".bias"] * inverse
+
+
+def fold_layer(t: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, s: Mapping[str, torch.Tensor]) -> None:
+    """Replace the layer's tensors in t (new tensors: the originals may be the checkpoint's memory map)."""
+    a, m = prefix + "self_attn.", prefix + "mlp."
+    for name in (f"{a}q_proj", f"{a}k_proj", f"{a}v_proj"):
+        t[name + ".weight"] = t[name + ".weight"] * s["qkv"]
+    t[prefix + "input_layernorm.weight"] = t[prefix + "input_layernorm.weight"] / s["qkv"]
+    for name in (m + "gate_proj", m + "up_proj"):
+        t[name + ".weight"] = t[name + ".weight"] * s["gate_up"]
+    t[prefix + "post_attention_layernorm.weight"] = t[prefix + "post_attention_layernorm.weight"] / s["gate_up"]
+    t[m + "down_proj.weight"] = t[m + "down_proj.weight"] * s["down"]
+    _scale_rows(t, m + "up_proj", 1.0 / s["down"])
+    t[a + "o_proj.weight"] = t[a + "o_proj.weight"] * to_query_heads(s["o"], cfg)
+    _scale_rows(t, a + "v_proj", 1.0 / s["o"])
+
+
+def calibration_model(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig) -> DecoderModel:
+    """The float model on the plain torch paths (F.linear, pure-torch attention): nothing compiled at build."""
+    model = DecoderModel(cfg, torch.float32, torch.device("cpu"), "reference")
+    model.load_weights(tensors)
+    return model
+
+
+def smooth(tensors: Mapping[str, torch.Tensor], pc: Mapping[str, Any], alpha: float, tokenizer_json: Path,
+           progress: bool = True) -> tuple[dict[str, torch.Tensor], SmoothQuantRecord]:
+    """The checkpoint's tensors in float32 with every layer smoothed, and the record of how."""
+    cfg = ModelConfig.from_pretrained_config(pc)
+    floats = {name: t.float() for name, t in tensors.items()}
+    sequences = calibration_sequences(tokenizer_json, min(SEQ_LEN, cfg.max_position_embeddings))
+    if not sequences:
+        raise ValueError(f"{tokenizer_json} encodes the calibration text to no tokens")
+    maxima = collect_input_maxima(calibration_model(floats, cfg), sequences, progress)
+    out = dict(floats)
+    for i, layer_max in enumerate(maxima):
+        prefix = f"model.layers.{i}."
+        fold_layer(out, prefix, cfg, layer_factors(floats, prefix, cfg, layer_max, alpha))
+    source = "trtprompt/data/" + ", ".join(CALIBRATION_FILES) + f" (first {SEQ_LEN} tokens each)"
+    return out, SmoothQuantRecord(alpha, len(sequences), sum(map(len, sequences)), source)
