@@ -11,10 +11,11 @@ gemm:       every int8 GEMM torch offers on this CPU against fp32 F.linear and t
             (int8: GOP/s) and each int8 kernel's error against the exact integer product.
 throughput: the peer workload, 32 x (128 in, 64 out), greedy, offline, in process, on a
             peer-checkpoint engine built fp32 and int8_w8a8, reps alternating.
-quality:    SmolLM2-135M-Instruct (`make real-model`), fp32 against int8_w8a8 (and the
-            same integers with 8-bit activations on the reference path, to show what 7 bits cost):
-            greedy agreement over 32 prompts x 64 tokens, and perplexity on a held-out text
-            (/usr/share/common-licenses/GPL-3, Debian's base-files).
+quality:    SmolLM2-135M-Instruct (`make real-model`), fp32 against int8_w8a8 variants
+            (--variants: bit split and SmoothQuant alpha, e.g. w8a7@none,w8a7@0.5,w7a8@0.75, and
+            wo for int8_wo): perplexity on a held-out text (/usr/share/common-licenses/GPL-3,
+            Debian's base-files), teacher-forced top-1 and free-running greedy agreement over
+            32 prompts x 64 tokens. Every variant runs the engine's default (fbgemm) path.
 
 Writes JSON under build/bench-int8/ and prints Markdown. Not part of `make test`.
 docs/quantization.md explains the kernels and the numbers.
@@ -23,6 +24,7 @@ docs/quantization.md explains the kernels and the numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -31,8 +33,9 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +43,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trtprompt.engine import quant_w8a8  # noqa: E402
-from trtprompt.engine.quant_w8a8 import FbgemmW8A8Linear, quantize_per_token  # noqa: E402
+from trtprompt.engine.quant_w8a8 import LEGACY_BITS, FbgemmW8A8Linear, W8A8Bits, quantize_per_token  # noqa: E402
 
 OUT = ROOT / "build/bench-int8"
 # (name, K, N) per model: fused qkv, o_proj, fused gate_up, down_proj, lm_head.
@@ -95,8 +97,8 @@ def _onednn_int8(qw: torch.Tensor, sw: torch.Tensor, m: int) -> Callable[[torch.
 
     def run(x: torch.Tensor) -> torch.Tensor:
         q, s = quantize_per_token(x)
-        qu = (q + quant_w8a8.ACT_ZERO_POINT).to(torch.uint8)
-        y: torch.Tensor = torch.ops.onednn.qlinear_pointwise(qu, 1.0, quant_w8a8.ACT_ZERO_POINT, packed, sw, zps,
+        qu = (q + LEGACY_BITS.act_zero_point).to(torch.uint8)
+        y: torch.Tensor = torch.ops.onednn.qlinear_pointwise(qu, 1.0, LEGACY_BITS.act_zero_point, packed, sw, zps,
                                                              None, 1.0, 0, torch.float32, "none", [], "")
         return y * s
     return run
@@ -274,6 +276,54 @@ def _teacher_forced(engine: Any, prompts: list[list[int]], ref: list[list[int]])
     return hits / total
 
 
+SPLITS = {"w8a7": W8A8Bits(weight_bits=8, activation_bits=7), "w7a8": W8A8Bits(weight_bits=7, activation_bits=8)}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """fp32, int8_wo, or int8_w8a8 at a bit split with SmoothQuant alpha (None: unsmoothed)."""
+
+    spec: str  # "fp32", "wo", "w8a7@none", "w7a8@0.5", "w7a8@0.5+skip1"
+    quantization: str
+    bits: W8A8Bits | None = None
+    alpha: float | None = None
+    skip_first: int | None = None  # calibration tokens left out per sequence (None: the build's choice)
+
+
+def parse_variant(spec: str) -> Variant:
+    if spec in ("fp32", "wo"):
+        return Variant(spec, "none" if spec == "fp32" else "int8_wo")
+    split, _, rest = spec.partition("@")
+    alpha, _, skip = rest.partition("+skip")
+    if split not in SPLITS or not alpha:
+        raise SystemExit(f"variant {spec!r}: fp32, wo, or SPLIT@ALPHA[+skipN] with SPLIT in {', '.join(SPLITS)}, "
+                         "ALPHA a number or none, N the calibration tokens left out at each sequence's start")
+    return Variant(spec, "int8_w8a8", SPLITS[split], None if alpha == "none" else float(alpha),
+                   int(skip) if skip else None)
+
+
+@contextlib.contextmanager
+def build_as(v: Variant) -> Iterator[None]:
+    """The build writes quant_w8a8.BUILD_BITS; this benchmark builds other splits (and unsmoothed) to compare them."""
+    from trtprompt.targets import smoothquant, torch_build
+
+    saved_bits, saved_smooth, saved_skip = torch_build.BUILD_BITS, torch_build.smooth, smoothquant.SKIP_FIRST
+    torch_build.BUILD_BITS = v.bits or saved_bits
+    smoothquant.SKIP_FIRST = saved_skip if v.skip_first is None else v.skip_first
+    if v.quantization == "int8_w8a8" and v.alpha is None:
+        torch_build.smooth = lambda tensors, *_a, **_k: (dict(tensors), None)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch_build.BUILD_BITS, torch_build.smooth, smoothquant.SKIP_FIRST = saved_bits, saved_smooth, saved_skip
+
+
+def variant_engine(v: Variant, checkpoint: Path, overrides: dict[str, Any]) -> Path:
+    extra = {"smoothquant_alpha": v.alpha} if v.alpha is not None else {}
+    with build_as(v):
+        return built(checkpoint, OUT / f"smollm2-{v.spec}", v.quantization, {**overrides, **extra})
+
+
 def quality(args: argparse.Namespace) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
@@ -281,37 +331,30 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
 
     tok = Tokenizer.from_file(str(args.checkpoint / "tokenizer.json"))
     overrides = {"max_seq_len": 2048, "max_num_tokens": 2048, "max_batch_size": 32}
-    variants: dict[str, tuple[str, str, int]] = {  # name: (quantization, linear_backend, activation qmax)
-        "fp32": ("none", "onednn", 0),
-        "int8_w8a8 (7-bit activations, fbgemm)": ("int8_w8a8", "onednn", 63),
-        "int8 weights, 8-bit activations (reference path)": ("int8_w8a8", "reference", 127),
-        "int8_wo (W8A16)": ("int8_wo", "onednn", 0),
-    }
     prompts = [tok.encode(CHAT.format(topic=t), add_special_tokens=False).ids for t in TOPICS[:args.prompts]]
-    text = tok.encode(HELD_OUT.read_text(encoding="utf-8"), add_special_tokens=False).ids[:PPL_TOKENS]
-    results: dict[str, Any] = {"held_out": f"{HELD_OUT} (first {len(text)} tokens)"}
+    text = tok.encode(HELD_OUT.read_text(encoding="utf-8"), add_special_tokens=False).ids[:args.ppl_tokens]
+    results: dict[str, Any] = {"held_out": f"{HELD_OUT} (first {len(text)} tokens)",
+                               "prompts": f"{len(prompts)} x {args.tokens} greedy tokens"}
     ref: list[list[int]] = []
-    wanted = [name for i, name in enumerate(variants) if i == 0 or str(i) in args.variants.split(",")]
-    for name, (quant, backend, qmax) in ((n, variants[n]) for n in wanted):
-        path = built(args.checkpoint, OUT / f"smollm2-{quant}", quant, overrides)
-        engine = LLMEngine.from_engine_dir(path, linear_backend=backend)
-        saved = quant_w8a8.ACT_QMAX
-        quant_w8a8.ACT_QMAX = qmax or saved  # the reference path reads it per call: what 8 bits would give
-        try:
-            toks, wall = run_greedy(engine, prompts, args.tokens)
-            row: dict[str, Any] = {"ppl": perplexity(engine, text), "generate_s": wall}
-            if not ref:
-                ref = toks
-            else:
-                row.update(_agreement(ref, toks))
-                row["teacher_forced_top1"] = _teacher_forced(engine, prompts, ref)
-        finally:
-            quant_w8a8.ACT_QMAX = saved
-        results[name] = row
-        print(name, json.dumps(row), flush=True)
+    for v in [parse_variant("fp32"), *(parse_variant(s) for s in args.variants.split(",") if s)]:
+        t0 = time.perf_counter()
+        engine = LLMEngine.from_engine_dir(variant_engine(v, args.checkpoint, overrides))
+        row: dict[str, Any] = {"ppl": perplexity(engine, text)}
+        toks, row["generate_s"] = run_greedy(engine, prompts, args.tokens)
+        if not ref:
+            ref = toks
+        else:
+            row.update(_agreement(ref, toks))
+            row["teacher_forced_top1"] = _teacher_forced(engine, prompts, ref)
+        row["wall_s"], row["utc"] = time.perf_counter() - t0, time.strftime("%H:%M:%S", time.gmtime())
+        row["loadavg"] = os.getloadavg()[0]
+        results[v.spec] = row
+        print(v.spec, json.dumps(row), flush=True)
+        del engine
     base = results["fp32"]["ppl"]
-    for name in wanted:
-        results[name]["ppl_increase"] = results[name]["ppl"] / base - 1
+    for name, r in results.items():
+        if isinstance(r, dict) and "ppl" in r:
+            r["ppl_increase"] = r["ppl"] / base - 1
     results["sample"] = {"prompt": tok.decode(prompts[0]), "fp32": tok.decode(ref[0])}
     return results
 
@@ -344,8 +387,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--checkpoint", type=Path, default=ROOT / "build/smollm2", help="quality: SmolLM2 checkpoint")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--variants", default="1,2,3", help="quality: comma list of variants besides fp32 (0): "
-                    "1 int8_w8a8, 2 int8 weights with 8-bit activations (reference path, slow), 3 int8_wo")
+    ap.add_argument("--variants", default="w8a7@none,w8a7@0.5,w7a8@0.5,wo",
+                    help="quality: comma list of variants besides fp32: wo (int8_wo), or SPLIT@ALPHA (SPLIT w8a7 "
+                    "or w7a8: weight / activation bits; ALPHA: SmoothQuant alpha, or none)")
+    ap.add_argument("--ppl-tokens", type=int, default=PPL_TOKENS, help="quality: held-out tokens scored")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_line()}", flush=True)

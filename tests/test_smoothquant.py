@@ -154,3 +154,12 @@ def test_calibration_is_not_the_held_out_text() -> None:
     if held_out.is_file():
         assert "GNU" not in text and held_out.read_text(encoding="utf-8")[:2000] not in text
     assert len(text) > 20_000
+
+
+def test_maxima_skip_each_sequences_first_tokens_when_asked() -> None:
+    store: dict[str, torch.Tensor] = {}
+    x = torch.tensor([[100.0, -1.0], [2.0, -3.0], [-4.0, 1.0]])
+    sq._recorder(store, "down", 1)(torch.nn.Identity(), (x,))
+    torch.testing.assert_close(store["down"], torch.tensor([4.0, 3.0]))
+    sq._recorder(store, "down", 0)(torch.nn.Identity(), (x * 0.5,))  # a second sequence: the running max
+    torch.testing.assert_close(store["down"], torch.tensor([50.0, 3.0]))

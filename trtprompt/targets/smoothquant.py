@@ -41,6 +41,10 @@ SEQ_LEN = 512  # tokens per calibration sequence (fewer where the model's positi
 TOKENS_PER_BLOCK = 32
 MIN_VALUE = 1e-5  # floor of maxima and factors: a dead channel must not divide by zero
 KINDS: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
+# Leading tokens of each calibration sequence left out of the maxima. A model's first position carries
+# activations tens of times above every other token's (attention sinks); smoothing all tokens for it
+# would coarsen every weight. docs/quantization.md, "SmoothQuant", has what each choice measured.
+SKIP_FIRST = 0
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class SmoothQuantRecord:
     sequences: int
     tokens: int
     source: str
+    skipped_first: int = 0  # leading tokens per sequence left out of the maxima
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -65,7 +70,8 @@ class SmoothQuantRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "smoothed": list(KINDS),
-                "calibration": {"source": self.source, "sequences": self.sequences, "tokens": self.tokens}}
+                "calibration": {"source": self.source, "sequences": self.sequences, "tokens": self.tokens,
+                                "skipped_first_tokens": self.skipped_first}}
 
 
 def calibration_sequences(tokenizer_json: Path, seq_len: int) -> list[list[int]]:
@@ -97,10 +103,11 @@ def to_query_heads(values: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return kv.expand(cfg.num_key_value_heads, group, cfg.head_size).reshape(-1)
 
 
-def _recorder(store: dict[str, torch.Tensor], kind: str) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
+def _recorder(store: dict[str, torch.Tensor], kind: str,
+              skip: int) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
     def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        x = args[0]
-        top = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+        x = args[0]  # one whole sequence's prefill: [tokens, channels]
+        top = x.detach().reshape(-1, x.shape[-1])[skip:].abs().amax(dim=0).float()
         store[kind] = top if kind not in store else torch.maximum(store[kind], top)
     return hook
 
@@ -113,9 +120,12 @@ def _prefill(model: DecoderModel, ids: Sequence[int]) -> None:
     model(torch.tensor(ids), torch.arange(len(ids)), meta, caches, torch.tensor([len(ids) - 1]))
 
 
-def collect_input_maxima(model: DecoderModel, sequences: Sequence[Sequence[int]],
-                         progress: bool = True) -> list[dict[str, torch.Tensor]]:
-    """Per layer, per kind (KINDS): max |input| of that linear per input channel over every calibration token."""
+def collect_input_maxima(model: DecoderModel, sequences: Sequence[Sequence[int]], progress: bool = True,
+                         skip_first: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Per layer, per kind (KINDS): max |input| of that linear per input channel over the calibration tokens
+    (all but each sequence's first skip_first)."""
+    if any(len(ids) <= skip_first for ids in sequences):
+        raise ValueError(f"every calibration sequence needs more than skip_first={skip_first} tokens")
     maxima: list[dict[str, torch.Tensor]] = [{} for _ in model.layers]
     handles = []
     for store, layer in zip(maxima, model.layers):
@@ -123,7 +133,7 @@ def collect_input_maxima(model: DecoderModel, sequences: Sequence[Sequence[int]]
             raise TypeError(f"calibration hooks the engine's DecoderLayer, got {type(layer).__name__}")
         modules: dict[str, torch.nn.Module] = {"qkv": layer.attn.qkv, "o": layer.attn.o_proj,
                                                "gate_up": layer.mlp.gate_up, "down": layer.mlp.down}
-        handles += [modules[k].register_forward_pre_hook(_recorder(store, k)) for k in KINDS]
+        handles += [modules[k].register_forward_pre_hook(_recorder(store, k, skip_first)) for k in KINDS]
     try:
         for ids in tqdm(sequences, desc="calibrating (smoothquant)", unit="seq", disable=not progress):
             _prefill(model, ids)
@@ -189,10 +199,11 @@ def smooth(tensors: Mapping[str, torch.Tensor], pc: Mapping[str, Any], alpha: fl
     sequences = calibration_sequences(tokenizer_json, min(SEQ_LEN, cfg.max_position_embeddings))
     if not sequences:
         raise ValueError(f"{tokenizer_json} encodes the calibration text to no tokens")
-    maxima = collect_input_maxima(calibration_model(floats, cfg), sequences, progress)
+    skip = SKIP_FIRST
+    maxima = collect_input_maxima(calibration_model(floats, cfg), sequences, progress, skip)
     out = dict(floats)
     for i, layer_max in enumerate(maxima):
         prefix = f"model.layers.{i}."
         fold_layer(out, prefix, cfg, layer_factors(floats, prefix, cfg, layer_max, alpha))
     source = "trtprompt/data/" + ", ".join(CALIBRATION_FILES) + f" (first {SEQ_LEN} tokens each)"
-    return out, SmoothQuantRecord(alpha, len(sequences), sum(map(len, sequences)), source)
+    return out, SmoothQuantRecord(alpha, len(sequences), sum(map(len, sequences)), source, skip)
