@@ -12,8 +12,9 @@ gemm:       every int8 GEMM torch offers on this CPU against fp32 F.linear and t
 throughput: the peer workload, 32 x (128 in, 64 out), greedy, offline, in process, on a
             peer-checkpoint engine built fp32 and int8_w8a8, reps alternating.
 quality:    SmolLM2-135M-Instruct (`make real-model`), fp32 against int8_w8a8 variants
-            (--variants: bit split and SmoothQuant alpha, e.g. w8a7@none,w8a7@0.5,w7a8@0.75, and
-            wo for int8_wo): perplexity on a held-out text (/usr/share/common-licenses/GPL-3,
+            (--variants: bit split and SmoothQuant alpha, e.g. w8a7@none,w8a7@0.5,w7a8@auto
+            (alpha searched per linear), +skip1 (calibration maxima without each sequence's
+            first token), and wo for int8_wo): perplexity on a held-out text (/usr/share/common-licenses/GPL-3,
             Debian's base-files), teacher-forced top-1 and free-running greedy agreement over
             32 prompts x 64 tokens. Every variant runs the engine's default (fbgemm) path.
 
@@ -288,6 +289,7 @@ class Variant:
     bits: W8A8Bits | None = None
     alpha: float | None = None
     skip_first: int | None = None  # calibration tokens left out per sequence (None: the build's choice)
+    search: bool = False  # alpha "auto": searched per linear (smoothquant.ALPHA_GRID)
 
 
 def parse_variant(spec: str) -> Variant:
@@ -298,8 +300,8 @@ def parse_variant(spec: str) -> Variant:
     if split not in SPLITS or not alpha:
         raise SystemExit(f"variant {spec!r}: fp32, wo, or SPLIT@ALPHA[+skipN] with SPLIT in {', '.join(SPLITS)}, "
                          "ALPHA a number or none, N the calibration tokens left out at each sequence's start")
-    return Variant(spec, "int8_w8a8", SPLITS[split], None if alpha == "none" else float(alpha),
-                   int(skip) if skip else None)
+    value = None if alpha in ("none", "auto") else float(alpha)
+    return Variant(spec, "int8_w8a8", SPLITS[split], value, int(skip) if skip else None, alpha == "auto")
 
 
 @contextlib.contextmanager
@@ -310,8 +312,10 @@ def build_as(v: Variant) -> Iterator[None]:
     saved_bits, saved_smooth, saved_skip = torch_build.BUILD_BITS, torch_build.smooth, smoothquant.SKIP_FIRST
     torch_build.BUILD_BITS = v.bits or saved_bits
     smoothquant.SKIP_FIRST = saved_skip if v.skip_first is None else v.skip_first
-    if v.quantization == "int8_w8a8" and v.alpha is None:
+    if v.quantization == "int8_w8a8" and v.alpha is None and not v.search:
         torch_build.smooth = lambda tensors, *_a, **_k: (dict(tensors), None)  # type: ignore[assignment]
+    if v.search:
+        torch_build.smooth = lambda t, pc, _alpha, *a, **k: saved_smooth(t, pc, None, *a, **k)
     try:
         yield
     finally:

@@ -163,3 +163,18 @@ def test_maxima_skip_each_sequences_first_tokens_when_asked() -> None:
     torch.testing.assert_close(store["down"], torch.tensor([4.0, 3.0]))
     sq._recorder(store, "down", 0)(torch.nn.Identity(), (x * 0.5,))  # a second sequence: the running max
     torch.testing.assert_close(store["down"], torch.tensor([50.0, 3.0]))
+
+
+def test_alpha_search_keeps_the_float_model_and_records_its_choices(
+        tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    ckpt = tiny_checkpoint_factory("llama")
+    pc = read_checkpoint(ckpt).pretrained_config
+    cfg = ModelConfig.from_pretrained_config(pc)
+    tensors = _tensors(ckpt)
+    smoothed, record = sq.smooth(tensors, pc, None, ckpt / "tokenizer.json", progress=False, bits=BUILD_BITS)
+    assert record.alpha is None and record.per_layer is not None and len(record.per_layer) == cfg.num_hidden_layers
+    assert all(a in sq.ALPHA_GRID for row in record.per_layer for a in row)
+    searched = record.to_json()["searched"]
+    assert searched["per_layer"][0].keys() == set(sq.KINDS) and record.config_entries() == {}
+    ref = _logits(tensors, cfg)
+    torch.testing.assert_close(_logits(smoothed, cfg), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from trtprompt.engine.attention import SeqSlice, allocate_kv_cache, build_attention_metadata
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.model import DecoderLayer, DecoderModel
+from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, reference_w8a8
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 CALIBRATION_FILES: tuple[str, ...] = ("corpus_en.txt", "corpus_notes.txt", "corpus_code.txt",
@@ -45,31 +46,44 @@ KINDS: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
 # activations tens of times above every other token's (attention sinks); smoothing all tokens for it
 # would coarsen every weight. docs/quantization.md, "SmoothQuant", has what each choice measured.
 SKIP_FIRST = 0
+# alpha None: each linear of each layer takes the alpha of this grid whose W8A8 output is closest to the float
+# output on calibration rows (every SAMPLE_STRIDE-th token), at the build's bit split.
+ALPHA_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(2, 10))
+SAMPLE_STRIDE = 8
+WEIGHTS: dict[str, tuple[str, ...]] = {  # each kind's weights, the input channels they share
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",),
+}
 
 
 @dataclass(frozen=True)
 class SmoothQuantRecord:
     """How an engine's factors were made: config.json and trtprompt.json record it."""
 
-    alpha: float
+    alpha: float | None  # None: searched per linear (per_layer)
     sequences: int
     tokens: int
     source: str
     skipped_first: int = 0  # leading tokens per sequence left out of the maxima
+    per_layer: tuple[tuple[float, ...], ...] | None = None  # searched alphas, per layer in KINDS order
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
+        if self.alpha is not None and not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if (self.alpha is None) == (self.per_layer is None):
+            raise ValueError("a record holds either one alpha or the searched per-layer alphas")
         if self.sequences < 1 or self.tokens < self.sequences:
             raise ValueError(f"calibration needs at least one token per sequence, got {self.sequences} "
                              f"sequences of {self.tokens} tokens")
 
     def config_entries(self) -> dict[str, Any]:
         """pretrained_config.quantization keys (TensorRT-LLM's QuantConfig names alpha smoothquant_val)."""
-        return {"smoothquant_val": self.alpha}
+        return {"smoothquant_val": self.alpha} if self.alpha is not None else {}
 
     def to_json(self) -> dict[str, Any]:
-        return {"alpha": self.alpha, "smoothed": list(KINDS),
+        searched = None if self.per_layer is None else {"grid": list(ALPHA_GRID), "per_layer": [
+            dict(zip(KINDS, row)) for row in self.per_layer]}
+        return {"alpha": self.alpha, "searched": searched, "smoothed": list(KINDS),
                 "calibration": {"source": self.source, "sequences": self.sequences, "tokens": self.tokens,
                                 "skipped_first_tokens": self.skipped_first}}
 
@@ -112,6 +126,14 @@ def _recorder(store: dict[str, torch.Tensor], kind: str,
     return hook
 
 
+def _sampler(store: dict[str, list[torch.Tensor]], kind: str,
+             skip: int) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
+    def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0]
+        store.setdefault(kind, []).append(x.detach().reshape(-1, x.shape[-1])[skip::SAMPLE_STRIDE].float().clone())
+    return hook
+
+
 def _prefill(model: DecoderModel, ids: Sequence[int]) -> None:
     blocks = -(-len(ids) // TOKENS_PER_BLOCK)
     caches = allocate_kv_cache(model.cfg, blocks, TOKENS_PER_BLOCK, torch.float32, model.device)
@@ -121,19 +143,22 @@ def _prefill(model: DecoderModel, ids: Sequence[int]) -> None:
 
 
 def collect_input_maxima(model: DecoderModel, sequences: Sequence[Sequence[int]], progress: bool = True,
-                         skip_first: int = 0) -> list[dict[str, torch.Tensor]]:
+                         skip_first: int = 0, samples: list[dict[str, list[torch.Tensor]]] | None = None,
+                         ) -> list[dict[str, torch.Tensor]]:
     """Per layer, per kind (KINDS): max |input| of that linear per input channel over the calibration tokens
-    (all but each sequence's first skip_first)."""
+    (all but each sequence's first skip_first); samples (one dict per layer): every SAMPLE_STRIDE-th input row."""
     if any(len(ids) <= skip_first for ids in sequences):
         raise ValueError(f"every calibration sequence needs more than skip_first={skip_first} tokens")
     maxima: list[dict[str, torch.Tensor]] = [{} for _ in model.layers]
     handles = []
-    for store, layer in zip(maxima, model.layers):
+    for i, (store, layer) in enumerate(zip(maxima, model.layers)):
         if not isinstance(layer, DecoderLayer):
             raise TypeError(f"calibration hooks the engine's DecoderLayer, got {type(layer).__name__}")
         modules: dict[str, torch.nn.Module] = {"qkv": layer.attn.qkv, "o": layer.attn.o_proj,
                                                "gate_up": layer.mlp.gate_up, "down": layer.mlp.down}
         handles += [modules[k].register_forward_pre_hook(_recorder(store, k, skip_first)) for k in KINDS]
+        if samples is not None:
+            handles += [modules[k].register_forward_pre_hook(_sampler(samples[i], k, skip_first)) for k in KINDS]
     try:
         for ids in tqdm(sequences, desc="calibrating (smoothquant)", unit="seq", disable=not progress):
             _prefill(model, ids)
@@ -147,19 +172,48 @@ def _column_max(t: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Te
     return torch.stack([t[n].abs().amax(dim=0) for n in names]).amax(dim=0)
 
 
+def kind_weight(t: Mapping[str, torch.Tensor], prefix: str, kind: str) -> torch.Tensor:
+    """The kind's weights as one [sum(out), in] matrix (as the engine fuses them)."""
+    return torch.cat([t[f"{prefix}{name}.weight"] for name in WEIGHTS[kind]])
+
+
+def kind_factors(t: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig, maxima: Mapping[str, torch.Tensor],
+                 kind: str, alpha: float) -> torch.Tensor:
+    """One kind's factors (o: one per v channel) from the layer's original float weights."""
+    weight_max = _column_max(t, [f"{prefix}{name}.weight" for name in WEIGHTS[kind]])
+    if kind == "o":
+        return smoothing_factors(per_kv_channel(maxima["o"], cfg), per_kv_channel(weight_max, cfg), alpha)
+    return smoothing_factors(maxima[kind], weight_max, alpha)
+
+
+def column_factors(s: torch.Tensor, kind: str, cfg: ModelConfig) -> torch.Tensor:
+    """What the kind's weight columns are multiplied by (o: each query head takes its kv head's factors)."""
+    return to_query_heads(s, cfg) if kind == "o" else s
+
+
 def layer_factors(t: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig,
-                  maxima: Mapping[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
-    """Each kind's factors (o: one per v channel) from the layer's original float weights."""
-    a, m = prefix + "self_attn.", prefix + "mlp."
-    qkv = [f"{a}{p}_proj.weight" for p in "qkv"]
-    o_weight = per_kv_channel(_column_max(t, [a + "o_proj.weight"]), cfg)
-    return {
-        "qkv": smoothing_factors(maxima["qkv"], _column_max(t, qkv), alpha),
-        "gate_up": smoothing_factors(maxima["gate_up"], _column_max(t, [m + "gate_proj.weight", m + "up_proj.weight"]),
-                                     alpha),
-        "down": smoothing_factors(maxima["down"], _column_max(t, [m + "down_proj.weight"]), alpha),
-        "o": smoothing_factors(per_kv_channel(maxima["o"], cfg), o_weight, alpha),
-    }
+                  maxima: Mapping[str, torch.Tensor], alphas: Mapping[str, float]) -> dict[str, torch.Tensor]:
+    return {kind: kind_factors(t, prefix, cfg, maxima, kind, alphas[kind]) for kind in KINDS}
+
+
+def w8a8_error(x: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor, bits: W8A8Bits) -> float:
+    """Squared error of the W8A8 linear smoothed by cols against the float one, on rows x."""
+    from trtprompt.targets.torch_build import quantize_int8  # torch_build imports this module
+
+    q, scale = quantize_int8(weight * cols, bits.weight_qmax)
+    return float((reference_w8a8(x / cols, q, scale, None, bits) - x @ weight.t()).pow(2).sum())
+
+
+def search_alphas(t: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig, maxima: Mapping[str, torch.Tensor],
+                  samples: Mapping[str, list[torch.Tensor]], bits: W8A8Bits) -> dict[str, float]:
+    """Per kind, the ALPHA_GRID value with the smallest W8A8 output error on the sampled calibration rows."""
+    best: dict[str, float] = {}
+    for kind in KINDS:
+        x, weight = torch.cat(samples[kind]), kind_weight(t, prefix, kind)
+        errors = {a: w8a8_error(x, weight, column_factors(kind_factors(t, prefix, cfg, maxima, kind, a), kind, cfg),
+                                bits) for a in ALPHA_GRID}
+        best[kind] = min(errors, key=lambda a: errors[a])
+    return best
 
 
 def _scale_rows(t: dict[str, torch.Tensor], linear: str, inverse: torch.Tensor) -> None:
@@ -191,19 +245,34 @@ def calibration_model(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig) -> 
     return model
 
 
-def smooth(tensors: Mapping[str, torch.Tensor], pc: Mapping[str, Any], alpha: float, tokenizer_json: Path,
-           progress: bool = True) -> tuple[dict[str, torch.Tensor], SmoothQuantRecord]:
-    """The checkpoint's tensors in float32 with every layer smoothed, and the record of how."""
+def smooth(tensors: Mapping[str, torch.Tensor], pc: Mapping[str, Any], alpha: float | None, tokenizer_json: Path,
+           progress: bool = True, bits: W8A8Bits = LEGACY_BITS) -> tuple[dict[str, torch.Tensor], SmoothQuantRecord]:
+    """The checkpoint's tensors in float32 with every layer smoothed, and the record of how.
+    alpha None: searched per layer and kind over ALPHA_GRID at this bit split."""
     cfg = ModelConfig.from_pretrained_config(pc)
     floats = {name: t.float() for name, t in tensors.items()}
     sequences = calibration_sequences(tokenizer_json, min(SEQ_LEN, cfg.max_position_embeddings))
     if not sequences:
         raise ValueError(f"{tokenizer_json} encodes the calibration text to no tokens")
     skip = SKIP_FIRST
-    maxima = collect_input_maxima(calibration_model(floats, cfg), sequences, progress, skip)
-    out = dict(floats)
-    for i, layer_max in enumerate(maxima):
-        prefix = f"model.layers.{i}."
-        fold_layer(out, prefix, cfg, layer_factors(floats, prefix, cfg, layer_max, alpha))
+    samples: list[dict[str, list[torch.Tensor]]] | None = None if alpha is not None else [
+        {} for _ in range(cfg.num_hidden_layers)]
+    maxima = collect_input_maxima(calibration_model(floats, cfg), sequences, progress, skip, samples)
+    out, chosen = _smooth_layers(floats, cfg, maxima, alpha, samples, bits, progress)
     source = "trtprompt/data/" + ", ".join(CALIBRATION_FILES) + f" (first {SEQ_LEN} tokens each)"
-    return out, SmoothQuantRecord(alpha, len(sequences), sum(map(len, sequences)), source, skip)
+    return out, SmoothQuantRecord(alpha, len(sequences), sum(map(len, sequences)), source, skip,
+                                  None if alpha is not None else chosen)
+
+
+def _smooth_layers(floats: Mapping[str, torch.Tensor], cfg: ModelConfig, maxima: list[dict[str, torch.Tensor]],
+                   alpha: float | None, samples: list[dict[str, list[torch.Tensor]]] | None, bits: W8A8Bits,
+                   progress: bool) -> tuple[dict[str, torch.Tensor], tuple[tuple[float, ...], ...]]:
+    out, chosen = dict(floats), []
+    bar = tqdm(maxima, desc="searching alpha", unit="layer", disable=not progress or alpha is not None)
+    for i, layer_max in enumerate(bar):
+        prefix = f"model.layers.{i}."
+        alphas = dict.fromkeys(KINDS, alpha) if alpha is not None else search_alphas(
+            floats, prefix, cfg, layer_max, samples[i] if samples else {}, bits)
+        chosen.append(tuple(alphas[k] for k in KINDS))
+        fold_layer(out, prefix, cfg, layer_factors(floats, prefix, cfg, layer_max, alphas))
+    return out, tuple(chosen)

@@ -73,7 +73,7 @@ def convert_weights(ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str, quantiz
     tensors = _read_tensors(ckpt, pc, progress)
     record = None
     if quantization == "int8_w8a8" and smoothquant_alpha is not None:
-        tensors, record = smooth(tensors, pc, smoothquant_alpha, _tokenizer_json(ckpt), progress)
+        tensors, record = smooth(tensors, pc, smoothquant_alpha, _tokenizer_json(ckpt), progress, BUILD_BITS)
     qmax, target = _weight_qmax(quantization), TORCH_DTYPES[dtype]
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
