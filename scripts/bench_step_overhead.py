@@ -6,7 +6,9 @@
 For each batch size, B requests of --prompt random tokens are prefilled, then --steps decode
 steps are timed, each split by wall clock into schedule / prepare (input tensors and attention
 metadata) / forward / sample / update (stop checks, outputs). A mixed step (one chunk of
---chunk prefill tokens beside B-1 decodes) is timed the same way. With --profile, torch.profiler
+--chunk prefill tokens beside B-1 decodes) is timed the same way. Forward is split again, by wall
+clock, into the layers' linears, lm_head and attention (KV writes included), and forward_rest (norms,
+rotary, residual adds, views and the Python between them). With --profile, torch.profiler
 sums the ops' self CPU time per class over the decode steps (linears, attention, row-wise ops,
 other small ops); the rest of the step is Python between ops. Prints JSON.
 """
@@ -26,10 +28,14 @@ from typing import Any, Callable
 import torch
 
 from trtprompt.engine import engine as engine_module
+from trtprompt.engine import model as model_module
 from trtprompt.engine.engine import LLMEngine
 from trtprompt.engine.request import SamplingParams
 
 PARTS = ("schedule", "prepare", "forward", "sample", "update")
+# Inside forward, by wall clock too (no profiler, whose per-op cost would swamp the small ops): the
+# layers' linears, the output projection, attention (KV write included); forward_rest is the rest.
+FORWARD_PARTS = ("linears", "lm_head", "attention")
 # Op name fragments -> class, first match wins (profiler keys of the ops the model runs).
 OP_CLASSES = (("linear", ("_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "w8a8", "int8")),
               ("attention", ("paged", "attention", "sdpa", "flash")),
@@ -54,10 +60,19 @@ class PartTimer:
     def install(self, engine: LLMEngine) -> None:
         engine.scheduler.schedule = self.wrap("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
         runner = engine.runner
+        self.install_forward_parts(runner.model)
         runner.prepare = self.wrap("prepare", runner.prepare)  # type: ignore[method-assign]
         runner.model.forward = self.wrap("forward", runner.model.forward)  # type: ignore[method-assign]
         engine._update = self.wrap("update", engine._update)  # type: ignore[method-assign]
         engine_module.sample = self.wrap("sample", engine_module.sample)  # type: ignore[attr-defined]
+
+
+    def install_forward_parts(self, model: Any) -> None:
+        for layer in model.layers:
+            for lin in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down):
+                lin.forward = self.wrap("linears", lin.forward)
+        model.lm_head.forward = self.wrap("lm_head", model.lm_head.forward)
+        model_module.paged_attention = self.wrap("attention", model_module.paged_attention)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -81,12 +96,13 @@ def timed_steps(engine: LLMEngine, timer: PartTimer, steps: int) -> dict[str, fl
         timer.times.clear()
         t0 = time.perf_counter()
         engine.step()
-        parts = {p: timer.times[p] * 1e3 for p in PARTS}
+        parts = {p: timer.times[p] * 1e3 for p in PARTS + FORWARD_PARTS}
         parts["step"] = (time.perf_counter() - t0) * 1e3
         parts["other"] = parts["step"] - sum(parts[p] for p in PARTS)
+        parts["forward_rest"] = parts["forward"] - sum(parts[p] for p in FORWARD_PARTS)
         per_step.append(parts)
     res: dict[str, float] = {}
-    for key in ("step", *PARTS, "other"):
+    for key in ("step", *PARTS, "other", *FORWARD_PARTS, "forward_rest"):
         vals = [s[key] for s in per_step]
         res[f"{key}_ms_median"], res[f"{key}_ms_min"] = statistics.median(vals), min(vals)
     return res
