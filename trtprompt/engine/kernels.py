@@ -152,6 +152,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out, lse
 
 
+def paged_prefill_int8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       segments: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_prefill over int8 caches [blocks, kv_heads, tpb, D + 2] (values, then a float16 scale per row),
+    read in place: each run is dequantized into the thread's tile buffer as it is read (kv_cache_dtype int8)."""
+    out, lse = torch.ops.trtprompt.paged_prefill_int8(q, k_cache, v_cache, block_tables, segments, scale)
+    return out, lse
+
+
 def _build_in_child(v: KernelVariant) -> str:
     """Build one variant in a child process (a process can load one variant only: they define the same ops)."""
     env = {**os.environ, isa.ISA_ENV: v.name}

@@ -14,6 +14,10 @@
 // diagonal are masked. Items go to threads dynamically, most work first, as causal
 // tiles differ in cost. The log-sum-exp is returned so callers merge partial results
 // (cascade attention over a shared prefix). Design and figures: docs/attention.md.
+//
+// paged_prefill_int8 is the same kernel over int8 caches (kv_cache_dtype int8, engine/attention_int8.py):
+// rows of D int8 values then their float16 scale, each run dequantized into the thread's tile buffer as
+// the tile reads it, so no float copy of the cache exists anywhere.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -32,6 +36,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -198,6 +203,30 @@ inline const float* rows_as_float<float>(const float* rows, float*, int64_t) {
   return rows;
 }
 
+// Elements per cached row of head size d: int8 rows carry their float16 scale after the values.
+constexpr int64_t kInt8ScaleBytes = 2;
+template <typename C>
+inline int64_t row_elems(int64_t d) {
+  return std::is_same_v<C, int8_t> ? d + kInt8ScaleBytes : d;
+}
+
+// n cached rows of head size d as float (d values each): int8 rows times their scale, into buf.
+inline const float* rows_as(const int8_t* rows, float* buf, int64_t n, int64_t d) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* r = rows + t * (d + kInt8ScaleBytes);
+    c10::Half s;
+    std::memcpy(&s, r + d, sizeof(s));
+    const float sc = static_cast<float>(s);
+    float* dst = buf + t * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = sc * static_cast<float>(r[i]);
+  }
+  return buf;
+}
+template <typename C>
+inline const float* rows_as(const C* rows, float* buf, int64_t n, int64_t d) {
+  return rows_as_float(rows, buf, n * d);
+}
+
 struct Segment {
   int64_t row_start, num_rows, num_keys, first_limit;
 };
@@ -241,11 +270,12 @@ inline void softmax_tile(Scratch& st, int64_t nk, int64_t ncp) {
   }
 }
 
-template <typename T>
+// T: the queries' and output's dtype; C: the cache's element type (T, or int8_t for int8 rows).
+template <typename T, typename C = T>
 struct Inputs {
   const T* q;
-  const T* k;
-  const T* v;
+  const C* k;
+  const C* v;
   const int32_t* tables;
   const Segment* segs;
   T* out;
@@ -253,8 +283,8 @@ struct Inputs {
   float scale;
 };
 
-template <typename T>
-void pack_queries(const Inputs<T>& in, const Shape& sh, const Segment& sg, const Item& it, Scratch& st) {
+template <typename T, typename C>
+void pack_queries(const Inputs<T, C>& in, const Shape& sh, const Segment& sg, const Item& it, Scratch& st) {
   const int64_t d = sh.d, g = sh.group, ncp = sh.ncp, cols = it.nt * g;
   std::fill(st.qt.begin(), st.qt.end(), 0.f);
   for (int64_t c = 0; c < cols; ++c) {
@@ -269,8 +299,8 @@ void pack_queries(const Inputs<T>& in, const Shape& sh, const Segment& sg, const
   std::fill(st.l.begin(), st.l.end(), 0.f);
 }
 
-template <typename T>
-void write_item(const Inputs<T>& in, const Shape& sh, const Segment& sg, const Item& it, const Scratch& st) {
+template <typename T, typename C>
+void write_item(const Inputs<T, C>& in, const Shape& sh, const Segment& sg, const Item& it, const Scratch& st) {
   const int64_t d = sh.d, g = sh.group;
   for (int64_t c = 0; c < it.nt * g; ++c) {
     const int64_t row = sg.row_start + it.t0 + c / g, h = it.kv_head * g + c % g;
@@ -282,23 +312,23 @@ void write_item(const Inputs<T>& in, const Shape& sh, const Segment& sg, const I
 }
 
 // The tile's runs: blocks b0 .. of the segment's table holding keys [b0 * tpb, b0 * tpb + nk).
-template <typename T>
-int64_t tile_runs(const Inputs<T>& in, const Shape& sh, const int32_t* table, int64_t kv_head, int64_t b0,
+template <typename T, typename C>
+int64_t tile_runs(const Inputs<T, C>& in, const Shape& sh, const int32_t* table, int64_t kv_head, int64_t b0,
                   int64_t nk, Scratch& st) {
-  const int64_t d = sh.d, tpb = sh.tpb, num_runs = (nk + tpb - 1) / tpb;
+  const int64_t d = sh.d, tpb = sh.tpb, num_runs = (nk + tpb - 1) / tpb, rs = row_elems<C>(d);
   for (int64_t j = 0; j < num_runs; ++j) {
-    const int64_t base = (static_cast<int64_t>(table[b0 + j]) * sh.kv_heads + kv_head) * tpb * d;
+    const int64_t base = (static_cast<int64_t>(table[b0 + j]) * sh.kv_heads + kv_head) * tpb * rs;
     const int64_t n = std::min(tpb, nk - j * tpb), n4 = (n + 3) / 4 * 4;
-    st.runs[j] = {rows_as_float(in.k + base, st.kbuf.data() + j * tpb * d, n4 * d),
-                  rows_as_float(in.v + base, st.vbuf.data() + j * tpb * d, n * d), n};
+    st.runs[j] = {rows_as(in.k + base, st.kbuf.data() + j * tpb * d, n4, d),
+                  rows_as(in.v + base, st.vbuf.data() + j * tpb * d, n, d), n};
   }
   return num_runs;
 }
 
-template <int D, typename T>
-void run_item(const Inputs<T>& in, const Shape& sh, const Item& it, Scratch& st) {
+template <int D, typename T, typename C>
+void run_item(const Inputs<T, C>& in, const Shape& sh, const Item& it, Scratch& st) {
   const Segment& sg = in.segs[it.seg];
-  const int64_t d = sh.d, tpb = sh.tpb, ncp = sh.ncp, tile = sh.tile_blocks * tpb;
+  const int64_t d = sh.d, tpb = sh.tpb, ncp = sh.ncp, tile = sh.tile_blocks * tpb, rs = row_elems<C>(d);
   pack_queries(in, sh, sg, it, st);
   const int64_t last = std::min(sg.num_keys, sg.first_limit + it.t0 + it.nt - 1);  // keys the last row sees
   const int64_t first = std::min(sg.num_keys, sg.first_limit + it.t0);             // keys the first row sees
@@ -306,9 +336,9 @@ void run_item(const Inputs<T>& in, const Shape& sh, const Item& it, Scratch& st)
   for (int64_t k0 = 0; k0 < last; k0 += tile) {
     const int64_t nk = std::min(tile, last - k0);
     for (int64_t b = (k0 + tile) / tpb; b < (k0 + 2 * tile) / tpb && b * tpb < last; ++b) {
-      const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + it.kv_head) * tpb * d;
-      prefetch_run(in.k + base, tpb * d);
-      prefetch_run(in.v + base, tpb * d);
+      const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + it.kv_head) * tpb * rs;
+      prefetch_run(in.k + base, tpb * rs);
+      prefetch_run(in.v + base, tpb * rs);
     }
     const int64_t num_runs = tile_runs(in, sh, table, it.kv_head, k0 / tpb, nk, st);
     qk_tile<D>(st.runs.data(), num_runs, d, st.qt.data(), ncp, st.s.data(), st.mx.data(), st.limit.data(), k0,
@@ -333,8 +363,8 @@ std::vector<Item> make_items(const std::vector<Segment>& segs, const Shape& sh) 
   return items;
 }
 
-template <typename T>
-void prefill_all(const Inputs<T>& in, const Shape& sh, const std::vector<Item>& items) {
+template <typename T, typename C>
+void prefill_all(const Inputs<T, C>& in, const Shape& sh, const std::vector<Item>& items) {
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
@@ -343,63 +373,91 @@ void prefill_all(const Inputs<T>& in, const Shape& sh, const std::vector<Item>& 
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
         if (sh.d == 64)
-          run_item<64, T>(in, sh, items[i], st);
+          run_item<64, T, C>(in, sh, items[i], st);
         else if (sh.d == 128)
-          run_item<128, T>(in, sh, items[i], st);
+          run_item<128, T, C>(in, sh, items[i], st);
         else
-          run_item<0, T>(in, sh, items[i], st);
+          run_item<0, T, C>(in, sh, items[i], st);
       }
     }
   });
 }
 
-void check_inputs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
-                  const at::Tensor& segments) {
-  check_query_and_caches("paged_prefill", "[T, H, D]", q, kc, vc);
-  TORCH_CHECK(tables.scalar_type() == at::kInt && segments.scalar_type() == at::kLong,
-              "paged_prefill: block_tables must be int32 and segments int64");
+void check_indices(const char* op, const at::Tensor& tables, const at::Tensor& segments) {
+  TORCH_CHECK(tables.scalar_type() == at::kInt && segments.scalar_type() == at::kLong, op,
+              ": block_tables must be int32 and segments int64");
   TORCH_CHECK(tables.dim() == 2 && segments.dim() == 2 && segments.size(1) == 4 &&
                   segments.size(0) == tables.size(0),
-              "paged_prefill: segments must be [S, 4] (row_start, num_rows, num_keys, first_limit), one per "
-              "block-table row");
-  TORCH_CHECK(tables.is_contiguous() && segments.is_contiguous(), "paged_prefill: inputs must be contiguous");
+              op, ": segments must be [S, 4] (row_start, num_rows, num_keys, first_limit), one per block-table row");
+  TORCH_CHECK(tables.is_contiguous() && segments.is_contiguous(), op, ": inputs must be contiguous");
 }
 
-std::vector<Segment> read_segments(const at::Tensor& segments, const at::Tensor& tables, int64_t rows,
-                                   int64_t tpb) {
+// q [T, H, D] against int8 caches [blocks, kv_heads, tokens_per_block, D + 2] (D values, then the scale).
+void check_int8_caches(const char* op, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc) {
+  TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && vc.sizes() == kc.sizes(), op,
+              ": q must be [T, H, D] and the caches [blocks, kv_heads, tokens_per_block, D + 2]");
+  TORCH_CHECK(kc.scalar_type() == at::kChar && vc.scalar_type() == at::kChar, op, ": the caches must be int8");
+  TORCH_CHECK(kc.size(3) == q.size(2) + kInt8ScaleBytes && q.size(1) % kc.size(1) == 0, op,
+              ": cache rows must be D + 2 bytes and heads a multiple of kv_heads");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && kc.size(2) % 4 == 0, op, ": head_size must be a multiple of ", kLanes,
+              " (this kernel variant's vector width) and tokens_per_block of 4");
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), op, ": inputs must be contiguous");
+}
+
+std::vector<Segment> read_segments(const char* op, const at::Tensor& segments, const at::Tensor& tables,
+                                   int64_t rows, int64_t tpb) {
   std::vector<Segment> segs(segments.size(0));
   const int64_t* p = segments.data_ptr<int64_t>();
   for (size_t s = 0; s < segs.size(); ++s) {
     segs[s] = {p[4 * s], p[4 * s + 1], p[4 * s + 2], p[4 * s + 3]};
     const Segment& sg = segs[s];
     TORCH_CHECK(sg.row_start >= 0 && sg.num_rows >= 0 && sg.row_start + sg.num_rows <= rows,
-                "paged_prefill: segment ", s, " rows lie outside q");
+                op, ": segment ", s, " rows lie outside q");
     TORCH_CHECK(sg.num_keys >= 1 && sg.num_keys <= tables.size(1) * tpb && sg.first_limit >= 1,
-                "paged_prefill: segment ", s, " needs 1 <= num_keys <= its blocks' tokens and first_limit >= 1");
+                op, ": segment ", s, " needs 1 <= num_keys <= its blocks' tokens and first_limit >= 1");
   }
   return segs;
 }
 
-std::tuple<at::Tensor, at::Tensor> paged_prefill(const at::Tensor& q, const at::Tensor& k_cache,
-                                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                                 const at::Tensor& segments, double scale) {
-  check_inputs(q, k_cache, v_cache, block_tables, segments);
+// The kernel over caches checked by the caller: of q's dtype T, or int8 rows (Int8Rows); q's dtype picks T.
+template <bool Int8Rows>
+std::tuple<at::Tensor, at::Tensor> prefill(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                           const at::Tensor& segments, double scale) {
+  check_indices(op, block_tables, segments);
   const int64_t tpb = k_cache.size(2), group = q.size(1) / k_cache.size(1);
   const int64_t tile_tokens = std::max<int64_t>(1, kColsTarget / group);
   const int64_t ncp = (tile_tokens * group + kColBlock - 1) / kColBlock * kColBlock;
   const Shape sh{q.size(1), k_cache.size(1), q.size(2), tpb, block_tables.size(1), group, tile_tokens, ncp,
                  std::max<int64_t>(1, kTileKeys / tpb)};
-  const std::vector<Segment> segs = read_segments(segments, block_tables, q.size(0), tpb);
+  const std::vector<Segment> segs = read_segments(op, segments, block_tables, q.size(0), tpb);
   const std::vector<Item> items = make_items(segs, sh);
   auto out = at::empty_like(q);
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-  dispatch_float_types(q, "paged_prefill", [&](auto tag) {
+  dispatch_float_types(q, op, [&](auto tag) {
     using T = decltype(tag);
-    const Inputs<T> in{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_tables.data_ptr<int32_t>(),
-                       segs.data(), out.data_ptr<T>(), lse.data_ptr<float>(), static_cast<float>(scale)};
-    prefill_all<T>(in, sh, items);
+    using Cache = std::conditional_t<Int8Rows, int8_t, T>;
+    const Inputs<T, Cache> in{q.data_ptr<T>(), k_cache.data_ptr<Cache>(), v_cache.data_ptr<Cache>(),
+                              block_tables.data_ptr<int32_t>(), segs.data(), out.data_ptr<T>(),
+                              lse.data_ptr<float>(), static_cast<float>(scale)};
+    prefill_all<T, Cache>(in, sh, items);
   });
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_prefill(const at::Tensor& q, const at::Tensor& k_cache,
+                                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                 const at::Tensor& segments, double scale) {
+  check_query_and_caches("paged_prefill", "[T, H, D]", q, k_cache, v_cache);
+  return prefill<false>("paged_prefill", q, k_cache, v_cache, block_tables, segments, scale);
+}
+
+// The same over int8 caches (kv_cache_dtype int8), read in place: a quarter of fp32's bytes per key.
+std::tuple<at::Tensor, at::Tensor> paged_prefill_int8(const at::Tensor& q, const at::Tensor& k_cache,
+                                                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                                      const at::Tensor& segments, double scale) {
+  check_int8_caches("paged_prefill_int8", q, k_cache, v_cache);
+  return prefill<true>("paged_prefill_int8", q, k_cache, v_cache, block_tables, segments, scale);
 }
 
 }  // namespace
@@ -407,6 +465,11 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill(const at::Tensor& q, const at::
 TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor segments, "
         "float scale) -> (Tensor, Tensor)");
+  m.def("paged_prefill_int8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor segments, "
+        "float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(trtprompt, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
+TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
+  m.impl("paged_prefill", &paged_prefill);
+  m.impl("paged_prefill_int8", &paged_prefill_int8);
+}
