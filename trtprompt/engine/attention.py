@@ -141,10 +141,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if isinstance(kv_cache, Int8KvCache):
         k_rows = write_rows(kv_cache[0], meta.slot_blocks, meta.slot_offsets, k)
         v_rows = write_rows(kv_cache[1], meta.slot_blocks, meta.slot_offsets, v)
-        if isinstance(meta, attention_paged.PagedMetadata) and meta.compiled and meta.pure_decode:
-            return meta.decode_int8(q, kv_cache, scale)  # the int8 rows read in place
-        # Every other step and backend reads the step's blocks dequantized (attention_int8.py), and the
-        # new tokens' own K/V as stored.
+        if isinstance(meta, attention_paged.PagedMetadata) and meta.compiled:
+            # Every kernel of the step reads the int8 rows in place, the new tokens' own among them
+            # (written above; the compiled path never reads k and v): no scratch.
+            return meta.attend(q, k, v, kv_cache, scale)
+        # The torch and reference backends read the step's blocks dequantized (attention_int8.py), and
+        # the new tokens' own K/V as stored.
         return meta.attend(q, dequantize_rows(k_rows, k.dtype), dequantize_rows(v_rows, v.dtype),
                            fill_scratch(kv_cache, meta.kv_blocks), scale)
     write_kv(kv_cache, k, v, meta)

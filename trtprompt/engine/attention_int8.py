@@ -10,36 +10,75 @@ Symmetric per-row scale amax / 127: a row's error is at most half a step of its
 own largest value, and one outlier token cannot coarsen its neighbours. float16
 is enough for the scale (its rounding, 2^-11, is far below int8's 1/254).
 
-Reading: a pure decode step on the compiled backend reads the int8 rows in place
-(kernels.paged_decode_int8). Every other step, and the torch and reference
-backends, read floats: paged_attention dequantizes every block the step
-references (AttentionMetadata.kv_blocks) into a float scratch of the pool's
-shape, shared by all layers (they run one after another), and the backend
-attends to that scratch unchanged.
-docs/quantization.md, "KV cache int8", has the measurements.
+Reading: on the compiled backend every step (decodes, prefill chunks, chunked
+context, cascade groups) reads the int8 rows in place (kernels.paged_decode_int8,
+kernels.paged_prefill_int8), so no float copy of the cache exists. The torch and
+reference backends, the simple paths tests compare with, read floats:
+paged_attention dequantizes every block the step references
+(AttentionMetadata.kv_blocks) into a float scratch of the pool's shape, shared by
+all layers (they run one after another), and the backend attends to that scratch
+unchanged. The scratch is allocated on its first use, so an engine on the compiled
+backend never holds it; where it is allocated it is outside the KV budget, and it
+says so in the log (its bytes). docs/quantization.md, "KV cache int8", has the
+measurements.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
 
 import torch
 
 from trtprompt.engine.config import KV_INT8_SCALE_BYTES as SCALE_BYTES
 from trtprompt.knobs import KNOBS
 
+log = logging.getLogger(__name__)
+
 _QMAX = 127.0
 
 
+@dataclass(frozen=True)
+class FloatScratch:
+    """The pool-shaped float (K, V) the torch and reference backends read an int8 cache through,
+    shared by every layer and allocated on first use (the compiled backend never uses it)."""
+
+    shape: tuple[int, int, int, int]  # the float pool's [blocks, kv_heads, tokens_per_block, head_size]
+    dtype: torch.dtype
+    device: torch.device
+
+    @functools.cached_property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Zeros, never garbage: padded block-table entries point at blocks a step did not fill,
+        # which attention masks out, and a masked NaN would still poison softmax.
+        log.info("int8 KV cache: %d bytes of float scratch (one layer's pool as %s) for the non-compiled "
+                 "attention backend, outside the KV budget", self.nbytes, self.dtype)
+        return (torch.zeros(self.shape, dtype=self.dtype, device=self.device),
+                torch.zeros(self.shape, dtype=self.dtype, device=self.device))
+
+    @property
+    def nbytes(self) -> int:
+        """What the scratch takes once allocated: K and V."""
+        return 2 * math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The scratch's bytes if a step has allocated it, else 0."""
+        return self.nbytes if "tensors" in self.__dict__ else 0
+
+
 class Int8KvCache(tuple[torch.Tensor, torch.Tensor]):
-    """One layer's (K, V) int8 rows, with the float scratch attention reads them through.
+    """One layer's (K, V) int8 rows, with the float scratch the non-compiled backends read them through.
 
     A tuple so everything that takes a layer's (K, V) (the tiers' byte copies, unpacking)
-    takes it as it is; `scratch` is the pool-shaped float (K, V) shared by every layer.
+    takes it as it is; `scratch` is shared by every layer.
     """
 
-    scratch: tuple[torch.Tensor, torch.Tensor]
+    scratch: FloatScratch
 
-    def __new__(cls, k: torch.Tensor, v: torch.Tensor,
-                scratch: tuple[torch.Tensor, torch.Tensor]) -> "Int8KvCache":
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor, scratch: FloatScratch) -> "Int8KvCache":
         obj = super().__new__(cls, (k, v))
         obj.scratch = scratch
         return obj
@@ -80,7 +119,7 @@ def write_rows(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
 
 def fill_scratch(kv: Int8KvCache, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The float scratch with `blocks` (the step's) dequantized from kv; its other blocks are stale."""
-    k_scratch, v_scratch = kv.scratch
+    k_scratch, v_scratch = kv.scratch.tensors
     for packed, out in zip(kv, (k_scratch, v_scratch)):
         out.index_copy_(0, blocks, dequantize_rows(packed.index_select(0, blocks), out.dtype))
     return k_scratch, v_scratch
@@ -88,13 +127,10 @@ def fill_scratch(kv: Int8KvCache, blocks: torch.Tensor) -> tuple[torch.Tensor, t
 
 def allocate_int8(num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
                   device: torch.device) -> list[Int8KvCache]:
-    """Per layer int8 (K, V) of shape [..., head_size + 2], over one float scratch of `shape`.
-
-    The scratch starts at zero, never garbage: padded block-table entries point at blocks a
-    step did not fill, which attention masks out, and a masked NaN would still poison softmax.
-    """
+    """Per layer int8 (K, V) of shape [..., head_size + 2], over one float scratch of `shape` (not yet
+    allocated: FloatScratch)."""
     packed = (*shape[:3], shape[3] + SCALE_BYTES)
-    scratch = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    scratch = FloatScratch(shape, dtype, device)
     return [Int8KvCache(torch.zeros(packed, dtype=torch.int8, device=device),
                         torch.zeros(packed, dtype=torch.int8, device=device), scratch)
             for _ in range(num_layers)]

@@ -15,7 +15,9 @@ With the compiled kernels, every prefill chunk instead attends to its context an
 own tokens (already written to the cache) in one pass over its blocks in place, all
 chunks of the step in one call (kernels.paged_prefill: blocked GEMMs, online softmax,
 causal blocks skipped), and a cascade group's rows attend to the shared blocks the
-same way; docs/attention.md has the design and the figures.
+same way; docs/attention.md has the design and the figures. Over an int8 cache
+(kv_cache_dtype int8) the compiled path runs the kernels' int8 twins, which read
+the int8 rows in place: every part of every step, no float copy of the cache.
 
 Design and measurements: docs/design.md, "Attention".
 """
@@ -23,7 +25,7 @@ Design and measurements: docs/design.md, "Attention".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -191,18 +193,14 @@ class PagedMetadata:
         return not self.prefills and not self.groups and self.small is None and self.chunks is None \
             and len(self.decodes) == 1 and self.decodes[0].rows_start == 0
 
-    def decode_int8(self, q: torch.Tensor, kv_cache: KvCache, scale: float) -> torch.Tensor:
-        """A pure decode step (compiled) over an int8 cache, its blocks read in place (no scratch)."""
-        dec = self.decodes[0]
-        return kernels.paged_decode_int8(q.contiguous(), kv_cache[0], kv_cache[1], dec.tables, dec.lens, scale)[0]
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                scale: float) -> torch.Tensor:
+        """Compiled: the step's new K/V are read from the cache (written first), not from k and v."""
         if self.pure_decode:
             return self._decode(q, kv_cache, self.decodes[0], scale)[0]  # a pure decode step
         if self.chunks is not None:  # rows of the chunks written, the others set below
-            out, lse = kernels.paged_prefill(q.contiguous(), kv_cache[0], kv_cache[1], self.chunks.tables,
-                                             self.chunks.segments, scale)
+            out, lse = _prefill_kernel(kv_cache)(q.contiguous(), kv_cache[0], kv_cache[1], self.chunks.tables,
+                                                 self.chunks.segments, scale)
         else:
             out = torch.empty_like(q)
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -219,7 +217,7 @@ class PagedMetadata:
         for group in self.groups:
             qg = q.index_select(0, group.rows)
             if group.table is not None and group.segments is not None:
-                shared = kernels.paged_prefill(qg, kv_cache[0], kv_cache[1], group.table, group.segments, scale)
+                shared = _prefill_kernel(kv_cache)(qg, kv_cache[0], kv_cache[1], group.table, group.segments, scale)
             else:
                 shared = attend_unmasked(qg, gather_blocks(kv_cache[0], group.block_ids),
                                          gather_blocks(kv_cache[1], group.block_ids), scale)
@@ -246,12 +244,26 @@ class PagedMetadata:
         num = dec.rows.shape[0]
         qd = take_rows(q, dec.rows, dec.rows_start)
         if self.compiled:
-            return kernels.paged_decode(qd.contiguous(), kv_cache[0], kv_cache[1], dec.tables, dec.lens, scale)
+            return _decode_kernel(kv_cache)(qd.contiguous(), kv_cache[0], kv_cache[1], dec.tables, dec.lens, scale)
         assert dec.mask is not None  # built for every pure-torch batch (_decode_batch)
         kv_heads, d = kv_cache[0].shape[1], kv_cache[0].shape[3]
         out, lse = flash_with_lse(qd.view(num, kv_heads, -1, d), gather_tables(kv_cache[0], dec.tables),
                                   gather_tables(kv_cache[1], dec.tables), scale, mask=dec.mask.to(q.dtype))
         return out.reshape(num, -1, d), lse.reshape(num, -1)
+
+
+def _int8_rows(kv_cache: KvCache) -> bool:
+    return kv_cache[0].dtype == torch.int8
+
+
+def _prefill_kernel(kv_cache: KvCache) -> Callable[..., Parts]:
+    """kernels.paged_prefill, or its twin reading int8 rows (kv_cache_dtype int8) in place."""
+    return kernels.paged_prefill_int8 if _int8_rows(kv_cache) else kernels.paged_prefill
+
+
+def _decode_kernel(kv_cache: KvCache) -> Callable[..., Parts]:
+    """kernels.paged_decode, or its twin reading int8 rows in place."""
+    return kernels.paged_decode_int8 if _int8_rows(kv_cache) else kernels.paged_decode
 
 
 def _small_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, small: SmallChunks,
