@@ -1,18 +1,21 @@
 """kv_cache_dtype int8: int8 K/V rows with a float16 scale each (trtprompt/engine/attention_int8.py).
 
-Every backend reads the int8 pool through the same dequantized blocks, so they agree as tightly
-as they do on a float pool; int8 against fp32 KV is measured (greedy agreement on the demo engine).
+The compiled backend reads the int8 rows in place in every step (paged_decode_int8,
+paged_prefill_int8), the torch and reference backends through dequantized blocks; the values are the
+same, so they agree as tightly as on a float pool. int8 against fp32 KV is measured (greedy agreement
+on the demo engine).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import EOS, make_engine, model_config, run_to_completion
+from engine_helpers import EOS, count_cascade_groups, make_engine, model_config, run_to_completion
 from tier_helpers import run_one
 
 from trtprompt.checkpoint import read_checkpoint
@@ -32,6 +35,7 @@ from trtprompt.profile import Profile
 
 TPB = 8
 BACKENDS = ["reference", "torch"] + (["compiled"] if kernels.compiled_kernel_status()[0] else [])
+needs_kernels = pytest.mark.skipif("compiled" not in BACKENDS, reason="no compiled kernels on this machine")
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +79,18 @@ def test_backends_agree_on_int8_pool(ckpt: Path, backend: str, monkeypatch: pyte
     monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 1)
     cfg = model_config(ckpt)
     ref = _mixed_step(cfg, allocate_kv_cache(cfg, 16, TPB, torch.float32, torch.device("cpu"), "int8"), "reference")
-    got = _mixed_step(cfg, allocate_kv_cache(cfg, 16, TPB, torch.float32, torch.device("cpu"), "int8"), backend)
+    caches = allocate_kv_cache(cfg, 16, TPB, torch.float32, torch.device("cpu"), "int8")
+    got = _mixed_step(cfg, caches, backend)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+    # The compiled kernels read the int8 rows in place in every part of the step: no float scratch.
+    assert isinstance(caches[0], Int8KvCache)
+    assert (caches[0].scratch.allocated_bytes == 0) == (backend == "compiled")
     fp32 = _mixed_step(cfg, allocate_kv_cache(cfg, 16, TPB, torch.float32, torch.device("cpu")), "reference")
     err = (got - fp32).abs().max().item()
     assert 0 < err < 0.05, f"int8 vs fp32 KV max abs difference {err}"
 
 
-@pytest.mark.skipif("compiled" not in BACKENDS, reason="no compiled kernels on this machine")
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_decode_reads_int8_in_place_as_the_reference_dequantizes(ckpt: Path, dtype: torch.dtype) -> None:
     """A pure decode step: kernels.paged_decode_int8 on the int8 rows against the reference path
@@ -108,11 +116,62 @@ def test_compiled_decode_reads_int8_in_place_as_the_reference_dequantizes(ckpt: 
     torch.testing.assert_close(outs["compiled"].float(), outs["reference"].float(), atol=tol, rtol=tol)
 
 
+PREFILL_CASES = [  # heads, kv_heads, head_size, tokens_per_block, query dtype
+    (2, 2, 64, 8, torch.float32),  # no GQA
+    (9, 3, 64, 16, torch.float32),  # SmolLM2's heads
+    (8, 2, 128, 8, torch.float32),  # GQA 4, the d = 128 build
+    (6, 2, 128, 16, torch.bfloat16),  # GQA 3, bf16 queries over int8 rows
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_size,tpb,dtype", PREFILL_CASES)
+def test_prefill_int8_in_place_equals_the_float_kernel_on_the_dequantized_pool(
+        heads: int, kv_heads: int, head_size: int, tpb: int, dtype: torch.dtype) -> None:
+    """kernels.paged_prefill_int8 on int8 rows against kernels.paged_prefill on the same rows dequantized:
+    a prompt, chunks after their context (lengths not multiples of tokens_per_block, causal), a one-block
+    chunk, and a cascade-like segment (every row sees every key)."""
+    rng = random.Random(heads * 1000 + head_size + tpb)
+    torch.manual_seed(rng.randrange(1 << 30))
+    num_blocks = 300 // tpb + 30
+    packed = [quantize_rows(torch.randn(num_blocks, kv_heads, tpb, head_size) * 2) for _ in "kv"]
+    floats = [dequantize_rows(c, torch.float32) for c in packed]
+    shapes = [(0, 101, True), (45, 37, True), (3 * tpb + 5, 3, True), (5 * tpb, 22, False)]  # (context, new, causal)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    segments, tables, start = [], [], 0
+    for ctx, n, causal in shapes:
+        keys = ctx + n if causal else ctx
+        tables.append([free.pop() for _ in range(-(-(ctx + n) // tpb))])
+        segments.append([start, n, keys, ctx + 1 if causal else keys])
+        start += n
+    width = max(len(t) for t in tables)
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(start, heads, head_size).to(dtype)
+    got, got_lse = kernels.paged_prefill_int8(q, packed[0], packed[1], table_t, torch.tensor(segments),
+                                              head_size ** -0.5)
+    want, want_lse = kernels.paged_prefill(q.float(), floats[0], floats[1], table_t, torch.tensor(segments),
+                                           head_size ** -0.5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want.to(dtype), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernels
+def test_prefill_int8_refuses_rows_without_their_scale() -> None:
+    q = torch.randn(4, 4, 64)
+    rows = torch.zeros(2, 2, 8, 64, dtype=torch.int8)  # head_size bytes: no room for the scale
+    with pytest.raises(RuntimeError, match="paged_prefill_int8: cache rows must be D \\+ 2 bytes"):
+        kernels.paged_prefill_int8(q, rows, rows, torch.zeros(1, 1, dtype=torch.int32),
+                                   torch.tensor([[0, 4, 4, 1]]), 0.125)
+
+
 def _engine(ckpt: Path, kv_dtype: str, backend: str = "auto", tiers: list | None = None,
-            weights: Path | None = None) -> LLMEngine:
+            weights: Path | None = None, max_num_tokens: int = 256) -> LLMEngine:
     """weights: the safetensors file the tier fingerprint digests (its digest cache is written beside
     it, so tests pass a private copy rather than the shared checkpoint's)."""
-    base = make_engine(ckpt, tokens_per_block=TPB, kv_tokens=2048, max_seq_len=512, attention_backend=backend)
+    base = make_engine(ckpt, tokens_per_block=TPB, kv_tokens=2048, max_seq_len=512, attention_backend=backend,
+                       max_num_tokens=max_num_tokens)
     kv = dataclasses.replace(base.config.kv_cache, kv_cache_dtype=kv_dtype)
     cfg = dataclasses.replace(base.config, kv_cache=kv, tiers=TierConfig())
     if tiers is None:
@@ -143,6 +202,30 @@ def test_greedy_tokens_int8_vs_fp32_kv(ckpt: Path) -> None:
     assert int8 != fp32  # the quantization is really there
     ref = run_to_completion(_engine(ckpt, "int8", "reference"), prompts, params)
     assert ref == int8
+
+
+@needs_kernels
+def test_chunked_prompts_over_a_shared_prefix_int8_compiled_equals_reference(
+        ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts chunked 24 tokens a step (a chunk's context read from the int8 pool), four sharing a
+    52-token prefix the pool holds (cascade forced on): the same greedy tokens on the compiled backend,
+    which reads int8 in place (no scratch), as on the reference, which dequantizes."""
+    groups = count_cascade_groups(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(3, 250, (52,), generator=g).tolist()
+    first = {"p0": prefix + torch.randint(3, 250, (9,), generator=g).tolist()}
+    rest = {f"p{i}": prefix + torch.randint(3, 250, (3 + 11 * i,), generator=g).tolist() for i in range(1, 4)}
+    rest["solo"] = torch.randint(3, 250, (61,), generator=g).tolist()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for backend in ("compiled", "reference"):
+        engine = _engine(ckpt, "int8", backend, max_num_tokens=24)
+        outs[backend] = {**run_to_completion(engine, first, params), **run_to_completion(engine, rest, params)}
+        scratch = engine.runner.kv_caches[0].scratch  # type: ignore[attr-defined]
+        assert (scratch.allocated_bytes == 0) == (backend == "compiled")
+        if backend == "compiled":
+            assert max(groups) > 0  # the cached prefix was read once for its sharers
+    assert outs["compiled"] == outs["reference"]
 
 
 def test_pool_holds_more_tokens_in_one_budget(ckpt: Path) -> None:
