@@ -221,8 +221,9 @@ def test_chunked_prompts_over_a_shared_prefix_int8_compiled_equals_reference(
     for backend in ("compiled", "reference"):
         engine = _engine(ckpt, "int8", backend, max_num_tokens=24)
         outs[backend] = {**run_to_completion(engine, first, params), **run_to_completion(engine, rest, params)}
-        scratch = engine.runner.kv_caches[0].scratch  # type: ignore[attr-defined]
-        assert (scratch.allocated_bytes == 0) == (backend == "compiled")
+        cache = engine.runner.kv_caches[0]
+        assert isinstance(cache, Int8KvCache)
+        assert (cache.scratch.allocated_bytes == 0) == (backend == "compiled")
         if backend == "compiled":
             assert max(groups) > 0  # the cached prefix was read once for its sharers
     assert outs["compiled"] == outs["reference"]
