@@ -1,13 +1,20 @@
 #!/usr/bin/env python3
 """kv_cache_dtype int8 against the fp32 KV cache on SmolLM2-135M-Instruct, side by side in one run.
 
-    flock /tmp/bench.lock .venv/bin/python scripts/bench_kv_int8.py [--prompts 32] [--tokens 64] [--reps 2]
+    flock /tmp/bench.lock .venv/bin/python scripts/bench_kv_int8.py [--parts memory,speed,quality]
+        [--prompts 32] [--tokens 64] [--reps 2] [--engines build/bench-int8]
 
-Quality: greedy agreement over the prompts (position match, common prefix, teacher-forced top-1:
-the int8 engine fed fp32's own sequence) and perplexity on bench_int8.py's held-out text.
-Speed: the same greedy batch, reps alternating fp32 / int8, output tok/s each (load average printed).
-Both engines are fp32 weights; only the KV cache differs. Reuses bench_int8.py's pieces.
-Writes build/bench-int8/kv-int8.json and prints Markdown. Not part of `make test`.
+memory: the float scratch an int8 engine holds (the float copy of one layer's pool the torch and
+reference backends read the int8 rows through; before every compiled step read int8 in place, every
+engine allocated it at start), its bytes after a prefill + decode run on the default backend, and
+the pools' bytes.
+speed: output tok/s of 32 x (128 in, 64 out) greedy prompts cut from the held-out text, and the wall
+time of a chunked workload (16 x (512 cached shared + 200 unique) -> 16 out, 256 tokens a step: chunked
+context, mixed prefill + decode steps, cascade over the shared prefix), reps alternating fp32 / int8.
+quality: greedy agreement over the chat prompts (position match, common prefix, teacher-forced
+top-1: the int8 engine fed fp32's own sequence) and perplexity on bench_int8.py's held-out text.
+Both engines are fp32 weights; only the KV cache differs. Reuses bench_int8.py's pieces. Writes
+<engines>/kv-int8.json and prints it. Not part of `make test`.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -25,43 +33,117 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_int8 as b  # noqa: E402
 
+KV_DTYPES = ("auto", "int8")
+PARTS = ("memory", "speed", "quality")
+# The chunked workload: a shared prefix the pool holds (warmed once), unique tails new every rep.
+SHARED, UNIQUE, CHUNKED_REQUESTS, CHUNKED_OUT, CHUNK_TOKENS = 512, 200, 16, 16, 256
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from tokenizers import Tokenizer
 
+def _load(args: argparse.Namespace, kv: str, **overrides: Any) -> Any:
     from trtprompt.engine.engine import LLMEngine
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    build = {"max_seq_len": 2048, "max_num_tokens": 2048, "max_batch_size": 32, "kv_cache_dtype": kv}
+    return LLMEngine.from_engine_dir(b.built(args.checkpoint, args.engines / f"smollm2-kv-{kv}", "none", build),
+                                     **overrides)
+
+
+def memory(args: argparse.Namespace, engine: Any, text: list[int]) -> dict[str, Any]:
+    """The int8 engine's scratch: its size, and what it holds after a prefill + decode run."""
+    caches = engine.runner.kv_caches
+    scratch = caches[0].scratch
+    pool = sum(t.nbytes for layer in caches for t in layer)
+    b.run_greedy(engine, [text[i * 128:(i + 1) * 128] for i in range(8)], 8)  # prefill and decode steps
+    fp32_pool = sum(t.numel() // (t.shape[-1]) * (t.shape[-1] - 2) * 4 for layer in caches for t in layer)
+    return {"attention_backend": engine.attention_backend, "int8_pool_bytes": pool,
+            "fp32_pool_bytes_same_blocks": fp32_pool, "scratch_bytes_if_allocated": scratch.nbytes,
+            "scratch_share_of_int8_pool": scratch.nbytes / pool,
+            "scratch_bytes_allocated_after_run": scratch.allocated_bytes}
+
+
+def _chunked_prompts(text: list[int], rep: int) -> list[list[int]]:
+    """The shared prefix, then tails of the held-out text starting where no other rep's start (37 tokens
+    apart: their first blocks differ, so only the prefix is reused)."""
+    prefix = text[:SHARED]
+    tails = [text[SHARED + ((rep * CHUNKED_REQUESTS + i) * 37) % (len(text) - SHARED - UNIQUE):][:UNIQUE]
+             for i in range(CHUNKED_REQUESTS)]
+    return [prefix + t for t in tails]
+
+
+def _rep(engine: Any, workload: str, text: list[int], rep: int, tokens: int) -> float:
+    """Output tok/s of the offline batch, or wall seconds of the chunked workload."""
+    if workload == "offline":
+        toks, wall = b.run_greedy(engine, [text[i * 128:(i + 1) * 128] for i in range(32)], tokens)
+        return sum(map(len, toks)) / wall
+    t0 = time.perf_counter()
+    b.run_greedy(engine, _chunked_prompts(text, rep), CHUNKED_OUT)
+    return time.perf_counter() - t0
+
+
+def speed(args: argparse.Namespace, engines: dict[str, dict[str, Any]], text: list[int]) -> dict[str, Any]:
+    res: dict[str, Any] = {"offline": "32 x (128 in, 64 out), greedy, prompts cut from the held-out text",
+                           "chunked": f"{CHUNKED_REQUESTS} x ({SHARED} cached shared + {UNIQUE} unique) -> "
+                                      f"{CHUNKED_OUT} out, max_num_tokens {CHUNK_TOKENS}"}
+    for workload, unit in (("offline", "output_tok_s"), ("chunked", "wall_s")):
+        for kv in KV_DTYPES:  # warm-up at full size; the chunked one also caches the shared prefix
+            _rep(engines[workload][kv], workload, text, -1, args.tokens)
+        runs: dict[str, list[float]] = {kv: [] for kv in KV_DTYPES}
+        for i in range(args.reps):
+            for kv in (KV_DTYPES if i % 2 == 0 else KV_DTYPES[::-1]):
+                runs[kv].append(_rep(engines[workload][kv], workload, text, i, args.tokens))
+                print(f"{workload} rep {i} kv {kv}: {runs[kv][-1]:.2f} {unit} (load {os.getloadavg()[0]:.2f})",
+                      flush=True)
+        med = {kv: statistics.median(v) for kv, v in runs.items()}
+        res[f"{workload}_{unit}"] = runs
+        res[f"{workload}_int8_over_fp32"] = med["int8"] / med["auto"]
+    return res
+
+
+def quality(args: argparse.Namespace, engines: dict[str, Any], tok: Any, text: list[int]) -> dict[str, Any]:
+    prompts = [tok.encode(b.CHAT.format(topic=t), add_special_tokens=False).ids for t in b.TOPICS[:args.prompts]]
+    ref, _ = b.run_greedy(engines["auto"], prompts, args.tokens)
+    got, _ = b.run_greedy(engines["int8"], prompts, args.tokens)
+    forced = b._teacher_forced(engines["int8"], prompts, ref)
+    ppl = {kv: b.perplexity(e, text) for kv, e in engines.items()}
+    return {"held_out": f"{b.HELD_OUT} (first {len(text)} tokens)",
+            "agreement": {**b._agreement(ref, got), "teacher_forced_top1": forced},
+            "ppl": ppl, "ppl_increase": ppl["int8"] / ppl["auto"] - 1}
+
+
+def _args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, default=ROOT / "build/smollm2")
+    ap.add_argument("--engines", type=Path, default=b.OUT, help="where the two engines are (built if absent)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args(argv)
+    args.parts = args.parts.split(",")
+    if not set(args.parts) <= set(PARTS):
+        ap.error(f"--parts takes {', '.join(PARTS)}, got {','.join(args.parts)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from tokenizers import Tokenizer
+
+    args = _args(argv)
     tok = Tokenizer.from_file(str(args.checkpoint / "tokenizer.json"))
-    overrides = {"max_seq_len": 2048, "max_num_tokens": 2048, "max_batch_size": 32}
-    engines = {kv: LLMEngine.from_engine_dir(b.built(args.checkpoint, b.OUT / f"smollm2-kv-{kv}", "none",
-                                                     {**overrides, "kv_cache_dtype": kv}))
-               for kv in ("auto", "int8")}
-    prompts = [tok.encode(b.CHAT.format(topic=t), add_special_tokens=False).ids for t in b.TOPICS[:args.prompts]]
     text = tok.encode(b.HELD_OUT.read_text(encoding="utf-8"), add_special_tokens=False).ids[:b.PPL_TOKENS]
-    res: dict[str, Any] = {"cpu": b.cpu_line(), "held_out": f"{b.HELD_OUT} (first {len(text)} tokens)",
+    engines = {kv: _load(args, kv) for kv in KV_DTYPES}
+    res: dict[str, Any] = {"cpu": b.cpu_line(), "utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "load_at_start": os.getloadavg(),
                            "pool_blocks": {kv: e.kv.pool.num_blocks for kv, e in engines.items()}}
-    ref, _ = b.run_greedy(engines["auto"], prompts, args.tokens)
-    got, _ = b.run_greedy(engines["int8"], prompts, args.tokens)
-    forced = b._teacher_forced(engines["int8"], prompts, ref)
-    res["agreement"] = {**b._agreement(ref, got), "teacher_forced_top1": forced}
-    res["ppl"] = {kv: b.perplexity(e, text) for kv, e in engines.items()}
-    res["ppl_increase"] = res["ppl"]["int8"] / res["ppl"]["auto"] - 1
-    speed: dict[str, list[float]] = {kv: [] for kv in engines}
-    for i in range(args.reps):
-        for kv in (("auto", "int8") if i % 2 == 0 else ("int8", "auto")):
-            toks, wall = b.run_greedy(engines[kv], prompts, args.tokens)
-            speed[kv].append(sum(map(len, toks)) / wall)
-            print(f"rep {i} kv {kv}: {speed[kv][-1]:.1f} output tok/s (load {os.getloadavg()[0]:.2f})", flush=True)
-    res["output_tok_s"] = speed
-    res["ratio_int8_over_fp32"] = statistics.median(speed["int8"]) / statistics.median(speed["auto"])
-    b.OUT.mkdir(parents=True, exist_ok=True)
-    (b.OUT / "kv-int8.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
+    if "memory" in args.parts:
+        res["memory"] = memory(args, engines["int8"], text)
+    if "speed" in args.parts:
+        chunked = {kv: _load(args, kv, max_num_tokens=CHUNK_TOKENS) for kv in KV_DTYPES}
+        res["speed"] = speed(args, {"offline": engines, "chunked": chunked}, text)
+    if "quality" in args.parts:
+        res["quality"] = quality(args, engines, tok, text)
+    res["load_at_end"] = os.getloadavg()
+    args.engines.mkdir(parents=True, exist_ok=True)
+    (args.engines / "kv-int8.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
     print(json.dumps(res, indent=1))
 
 
