@@ -49,6 +49,10 @@ class FloatScratch:
     dtype: torch.dtype
     device: torch.device
 
+    def __post_init__(self) -> None:
+        if len(self.shape) != 4 or min(self.shape) < 1:
+            raise ValueError(f"FloatScratch.shape must be four sizes >= 1, got {self.shape}")
+
     @functools.cached_property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         # Zeros, never garbage: padded block-table entries point at blocks a step did not fill,
