@@ -14,7 +14,7 @@ context, mixed prefill + decode steps, cascade over the shared prefix), reps alt
 quality: greedy agreement over the chat prompts (position match, common prefix, teacher-forced
 top-1: the int8 engine fed fp32's own sequence) and perplexity on bench_int8.py's held-out text.
 Both engines are fp32 weights; only the KV cache differs. Reuses bench_int8.py's pieces. Writes
-<engines>/kv-int8.json and prints it. Not part of `make test`.
+<engines>/kv-int8.json (or --json) and prints it. Not part of `make test`.
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, default=ROOT / "build/smollm2")
     ap.add_argument("--engines", type=Path, default=b.OUT, help="where the two engines are (built if absent)")
+    ap.add_argument("--json", type=Path, default=None, help="where the results go (default <engines>/kv-int8.json)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
@@ -142,8 +143,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "quality" in args.parts:
         res["quality"] = quality(args, engines, tok, text)
     res["load_at_end"] = os.getloadavg()
-    args.engines.mkdir(parents=True, exist_ok=True)
-    (args.engines / "kv-int8.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
+    out = args.json or args.engines / "kv-int8.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1), encoding="utf-8")
     print(json.dumps(res, indent=1))
 
 
