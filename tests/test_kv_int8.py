@@ -129,8 +129,8 @@ PREFILL_CASES = [  # heads, kv_heads, head_size, tokens_per_block, query dtype
 def test_prefill_int8_in_place_equals_the_float_kernel_on_the_dequantized_pool(
         heads: int, kv_heads: int, head_size: int, tpb: int, dtype: torch.dtype) -> None:
     """kernels.paged_prefill_int8 on int8 rows against kernels.paged_prefill on the same rows dequantized:
-    a prompt, chunks after their context (lengths not multiples of tokens_per_block, causal), a one-block
-    chunk, and a cascade-like segment (every row sees every key)."""
+    a prompt, chunks after their context (lengths not multiples of tokens_per_block, causal; one of three
+    tokens), and a cascade-like segment (every row sees every key), in one call."""
     rng = random.Random(heads * 1000 + head_size + tpb)
     torch.manual_seed(rng.randrange(1 << 30))
     num_blocks = 300 // tpb + 30
