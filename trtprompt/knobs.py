@@ -167,9 +167,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
        trtllm="quantization.quant_algo"),
     # SmoothQuant's migration strength (targets/smoothquant.py, docs/quantization.md "SmoothQuant"): 0 puts all of
     # an outlier channel's range on the activations, 1 all of it on the weights.
-    _k("smoothquant_alpha", "build", float, 0.5, "int8_w8a8 only: SmoothQuant strength alpha, factors "
-       "max|X|^alpha / max|W|^(1-alpha) per input channel from a calibration pass over shipped text.",
-       low=0.0, high=1.0),
+    _k("smoothquant_alpha", "build", float, None, "int8_w8a8 only: SmoothQuant strength alpha, factors "
+       "max|X|^alpha / max|W|^(1-alpha) per input channel from a calibration pass over shipped text (unset: "
+       "searched per layer and linear).", low=0.0, high=1.0, nullable=True),
     _k("kv_cache_dtype", "build", str, "auto", "KV cache storage (int8: ~1.9x the tokens of bf16, ~3.9x of "
        "fp32 in one budget; torch target).", choices=KV_CACHE_DTYPES),
     # runtime policy: tensorrt_llm config.pbtxt parameters

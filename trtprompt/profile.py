@@ -41,7 +41,7 @@ class Profile(knobs.RuntimePolicy):
     multiple_profiles: bool = knobs.default("multiple_profiles")
     dtype: str | None = knobs.default("dtype")
     quantization: str = knobs.default("quantization")
-    smoothquant_alpha: float = knobs.default("smoothquant_alpha")
+    smoothquant_alpha: float | None = knobs.default("smoothquant_alpha")
     kv_cache_dtype: str = knobs.default("kv_cache_dtype")
     overflow: str = knobs.default("overflow")
     keep_turns: int | None = knobs.default("keep_turns")

@@ -75,7 +75,9 @@ class W8A8Bits:
 
 # Engines built before the split was recorded hold 8-bit weights and ran 7-bit activations.
 LEGACY_BITS = W8A8Bits(weight_bits=8, activation_bits=7)
-BUILD_BITS = LEGACY_BITS  # what `trtprompt build --quantization int8_w8a8` writes (docs/quantization.md)
+# What `trtprompt build --quantization int8_w8a8` writes: with SmoothQuant, 8-bit activations cost less than
+# 8-bit weights (docs/quantization.md, "Quality").
+BUILD_BITS = W8A8Bits(weight_bits=7, activation_bits=8)
 WEIGHT_QMAX = LEGACY_BITS.weight_qmax  # int8_wo's weights: always 8 bits
 
 

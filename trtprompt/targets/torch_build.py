@@ -69,10 +69,10 @@ def convert_weights(ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str, quantiz
                     progress: bool = True,
                     smoothquant_alpha: float | None = None) -> tuple[dict[str, torch.Tensor], SmoothQuantRecord | None]:
     """Every expected tensor, shape-checked and cast (unknown tensors are an error, not dropped), and how
-    int8_w8a8's weights were smoothed (None: not smoothed; smoothquant_alpha applies to int8_w8a8 only)."""
+    int8_w8a8's weights were smoothed (smoothquant_alpha None: searched per linear; other quantizations: None)."""
     tensors = _read_tensors(ckpt, pc, progress)
     record = None
-    if quantization == "int8_w8a8" and smoothquant_alpha is not None:
+    if quantization == "int8_w8a8":
         tensors, record = smooth(tensors, pc, smoothquant_alpha, _tokenizer_json(ckpt), progress, BUILD_BITS)
     qmax, target = _weight_qmax(quantization), TORCH_DTYPES[dtype]
     out: dict[str, torch.Tensor] = {}
