@@ -45,9 +45,9 @@ SEQ_LEN = 512  # tokens per calibration sequence (fewer where the model's positi
 TOKENS_PER_BLOCK = 32
 MIN_VALUE = 1e-5  # floor of maxima and factors: a dead channel must not divide by zero
 KINDS: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
-# Leading tokens of each calibration sequence left out of the maxima. A model's first position carries
-# activations tens of times above every other token's (attention sinks); smoothing all tokens for it
-# would coarsen every weight. docs/quantization.md, "SmoothQuant", has what each choice measured.
+# Leading tokens of each calibration sequence left out of the maxima. A model's first position can carry
+# activations far above every other token's (attention sinks), and smoothing every token for them coarsens
+# the weights; 0 (every token counts) is what was measured (docs/quantization.md, "Quality"), 1 was not.
 SKIP_FIRST = 0
 # alpha None: each linear of each layer takes the alpha of this grid whose W8A8 output is closest to the float
 # output on calibration rows (every SAMPLE_STRIDE-th token), at the build's bit split.
