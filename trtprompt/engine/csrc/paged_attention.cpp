@@ -6,10 +6,17 @@
 // over (sequence, kv head); the query heads of one kv head (a GQA group) share every
 // K/V row read. Softmax runs online per block in float32, and the log-sum-exp is
 // returned so callers can merge partial results (cascade attention over a shared
-// prefix). Design and measurements: docs/design.md, "Attention".
+// prefix). Design and measurements: docs/attention.md, "Decode".
 //
-// Vectors (vec.h) are GCC/Clang vector extensions; scores of four rows are computed
-// together so their FMA chains overlap.
+// Per block, for each group of up to three query heads (four with AVX-512's 32 registers):
+//   scores: each K row is loaded once for all the group's heads; a head's per-row vector
+//           accumulators are reduced four rows at a time (transpose-and-add), not one by one;
+//   softmax: vectorised max, exp and sum per head; the rescale of the output rides on
+//           its load in the next step;
+//   values: each V row is loaded once for all the group's heads, their accumulators kept
+//           in registers over the block.
+// bfloat16 and int8 rows are widened in registers as they are read (int8 row scales fold
+// into the scores and the weights); float16 rows are converted per block.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -36,17 +43,87 @@ using namespace trtprompt_checks;
 using namespace trtprompt_dtypes;
 using namespace trtprompt_vec;
 
-// out[r] = q . rows[r] for four consecutive rows of length d (a multiple of kLanes).
-inline void dot4(const float* q, const float* rows, int64_t d, float* out) {
-  vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  for (int64_t i = 0; i < d; i += kLanes) {
-    const vf qv = load(q + i);
-    a0 += qv * load(rows + i);
-    a1 += qv * load(rows + d + i);
-    a2 += qv * load(rows + 2 * d + i);
-    a3 += qv * load(rows + 3 * d + i);
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Query heads sharing one pass over a K or V row: their accumulators (heads x 4 vectors)
+// plus the heads' broadcast operands fill AVX2's 16 vector registers at three; AVX-512 has 32.
+constexpr int kMaxGroup = kLanes == 16 ? 4 : 3;
+
+typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
+
+// {sum of a, sum of b, sum of c, sum of d}: pairwise adds of the four vectors' lanes, so four
+// rows' dot products cost about one reduction instead of four.
+inline vf4 hsum4(vf a, vf b, vf c, vf d) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
+#if TRTPROMPT_LANES == 16
+  auto fold = [](vf v) -> vf8 {
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  };
+  const vf8 a8 = fold(a), b8 = fold(b), c8 = fold(c), d8 = fold(d);
+#else
+  const vf8 a8 = a, b8 = b, c8 = c, d8 = d;
+#endif
+  // Within each 128-bit half: [a0+a1, a2+a3, b0+b1, b2+b3], then [sum a, sum b, sum c, sum d].
+  const vf8 ab = __builtin_shufflevector(a8, b8, 0, 2, 8, 10, 4, 6, 12, 14) +
+                 __builtin_shufflevector(a8, b8, 1, 3, 9, 11, 5, 7, 13, 15);
+  const vf8 cd = __builtin_shufflevector(c8, d8, 0, 2, 8, 10, 4, 6, 12, 14) +
+                 __builtin_shufflevector(c8, d8, 1, 3, 9, 11, 5, 7, 13, 15);
+  const vf8 all = __builtin_shufflevector(ab, cd, 0, 2, 8, 10, 4, 6, 12, 14) +
+                  __builtin_shufflevector(ab, cd, 1, 3, 9, 11, 5, 7, 13, 15);
+  return __builtin_shufflevector(all, all, 0, 1, 2, 3) + __builtin_shufflevector(all, all, 4, 5, 6, 7);
+#else
+  return vf4{hsum(a), hsum(b), hsum(c), hsum(d)};
+#endif
+}
+
+// x in every lane (x - 0 is x for every float, so this folds to a broadcast; 0 + x would not, for -0).
+inline vf splat(float x) { return x - vf{}; }
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, static_cast<float>(v[i]));
+  return m;
+}
+
+// kLanes consecutive cache elements as floats, widened in registers.
+inline vf load_row(const float* p) { return load(p); }
+inline vf load_row(const c10::BFloat16* p) {  // a bfloat16 is the upper half of a float
+  typedef uint16_t vu16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t vu32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  vu16 h;
+  std::memcpy(&h, p, sizeof h);
+  const vu32 w = __builtin_convertvector(h, vu32) << 16;
+  vf f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+}
+inline vf load_row(const int8_t* p) {  // the row's scale is applied to its score or weight
+  typedef int8_t vi8 __attribute__((vector_size(kLanes)));
+  vi8 b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vf);
+}
+
+// The type rows are read as: float16 has no widening here without F16C (the generic variant), so
+// its rows are converted per block into float; the others are read in place.
+template <typename C>
+struct ReadAs {
+  using type = C;
+};
+template <>
+struct ReadAs<c10::Half> {
+  using type = float;
+};
+
+template <typename C>
+inline const typename ReadAs<C>::type* block_rows(const C* rows, float* buf, int64_t n, int64_t d) {
+  if constexpr (std::is_same_v<C, c10::Half>) {
+    for (int64_t i = 0; i < n * d; ++i) buf[i] = static_cast<float>(rows[i]);
+    return buf;
+  } else {
+    return rows;
   }
-  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
 }
 
 // Blocks sit at scattered places, and hardware prefetchers do not follow a jump to
@@ -57,115 +134,171 @@ inline void prefetch_run(const T* p, int64_t n) {
   for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i, 0, 1);
 }
 
-// acc[0, NV vectors) += sum over rows t < n of p[t] * rows[t]: the accumulators stay in
-// registers for the whole block, one load and one store per block instead of per row.
-template <int NV>
-inline void weighted_rows(const float* p, const float* rows, int64_t n, int64_t d, float* acc) {
-  vf a[NV];
-  for (int k = 0; k < NV; ++k) a[k] = load(acc + k * kLanes);
-  for (int64_t t = 0; t < n; ++t) {
-    const float w = p[t];
-    const float* r = rows + t * d;
-    for (int k = 0; k < NV; ++k) a[k] += w * load(r + k * kLanes);
+// s[j * sp + i] = q[j] . k[i] for HB heads (q rows of d) and R rows of k (stride rs), R a multiple of 4.
+// Each K vector is loaded once for the HB heads; HB x R accumulators (12 at most on AVX2).
+template <int HB, int R, typename K>
+inline void scores_micro(const float* q, int64_t d, const K* k, int64_t rs, float* s, int64_t sp) {
+  vf acc[HB][R] = {};
+  for (int64_t c = 0; c < d; c += kLanes) {
+    vf qv[HB];
+    for (int j = 0; j < HB; ++j) qv[j] = load(q + j * d + c);
+    for (int i = 0; i < R; ++i) {
+      const vf kv = load_row(k + i * rs + c);
+      for (int j = 0; j < HB; ++j) acc[j][i] += qv[j] * kv;
+    }
   }
-  for (int k = 0; k < NV; ++k) store(acc + k * kLanes, a[k]);
+  for (int j = 0; j < HB; ++j)
+    for (int i = 0; i < R; i += 4) {
+      const vf4 r = hsum4(acc[j][i], acc[j][i + 1], acc[j][i + 2], acc[j][i + 3]);
+      std::memcpy(s + j * sp + i, &r, sizeof r);
+    }
 }
 
-// acc[0, d) += sum over rows t < n of p[t] * rows[t], in chunks of at most four vectors
-// (more would not stay in the 16 vector registers of AVX2; AVX-512 has 32).
-inline void accumulate_rows(const float* p, const float* rows, int64_t n, int64_t d, float* acc) {
+// Scores of rows [0, n4) (a multiple of 4: rows past the sequence lie inside the block; unused).
+template <int HB, typename K>
+inline void scores_rows(const float* q, int64_t d, const K* k, int64_t rs, int64_t n4, float* s, int64_t sp) {
+  constexpr int kRows = HB == 1 ? 8 : 4;  // one head: eight rows for enough FMA chains
+  int64_t t = 0;
+  for (; t + kRows <= n4; t += kRows) scores_micro<HB, kRows>(q, d, k + t * rs, rs, s + t, sp);
+  if constexpr (kRows == 8) {
+    if (t < n4) scores_micro<HB, 4>(q, d, k + t * rs, rs, s + t, sp);
+  }
+}
+
+// acc[j] = corr[j] * acc[j] + sum over rows t < n of p[j * sp + t] * v[t] for HB heads, over NV vectors
+// of the row: HB x NV accumulators stay in registers for the block; each V vector is loaded once.
+template <int HB, int NV, typename V>
+inline void values_micro(const float* p, int64_t sp, const V* v, int64_t rs, int64_t n, const float* corr,
+                         float* acc, int64_t d) {
+  vf a[HB][NV];
+  for (int j = 0; j < HB; ++j)
+    for (int k = 0; k < NV; ++k) a[j][k] = load(acc + j * d + k * kLanes) * corr[j];
+  for (int64_t t = 0; t < n; ++t) {
+    vf w[HB];
+    for (int j = 0; j < HB; ++j) w[j] = splat(p[j * sp + t]);
+    const V* r = v + t * rs;
+    for (int k = 0; k < NV; ++k) {
+      const vf x = load_row(r + k * kLanes);
+      for (int j = 0; j < HB; ++j) a[j][k] += w[j] * x;
+    }
+  }
+  for (int j = 0; j < HB; ++j)
+    for (int k = 0; k < NV; ++k) store(acc + j * d + k * kLanes, a[j][k]);
+}
+
+// The whole row in chunks of kMax vectors (HB x kMax accumulators), the rest in fours, twos, ones.
+template <int HB, typename V>
+inline void values_rows(const float* p, int64_t sp, const V* v, int64_t rs, int64_t n, const float* corr,
+                        float* acc, int64_t d) {
+  constexpr int kMax = HB == 1 ? 8 : 4;
+  const int64_t nv = d / kLanes;
   int64_t c = 0;
-  for (; c + 4 * kLanes <= d; c += 4 * kLanes) weighted_rows<4>(p, rows + c, n, d, acc + c);
-  switch ((d - c) / kLanes) {
-    case 3:
-      return weighted_rows<3>(p, rows + c, n, d, acc + c);
-    case 2:
-      return weighted_rows<2>(p, rows + c, n, d, acc + c);
+  for (; c + kMax <= nv; c += kMax) values_micro<HB, kMax>(p, sp, v + c * kLanes, rs, n, corr, acc + c * kLanes, d);
+  if (kMax == 8 && c + 4 <= nv) values_micro<HB, 4>(p, sp, v + c * kLanes, rs, n, corr, acc + c * kLanes, d), c += 4;
+  if (c + 2 <= nv) values_micro<HB, 2>(p, sp, v + c * kLanes, rs, n, corr, acc + c * kLanes, d), c += 2;
+  if (c < nv) values_micro<HB, 1>(p, sp, v + c * kLanes, rs, n, corr, acc + c * kLanes, d);
+}
+
+// The compile-time group size of a run-time one.
+template <typename Fn>
+inline void with_group(int64_t hb, Fn&& fn) {
+  switch (hb) {
     case 1:
-      return weighted_rows<1>(p, rows + c, n, d, acc + c);
+      return fn(std::integral_constant<int, 1>{});
+    case 2:
+      return fn(std::integral_constant<int, 2>{});
+    case 3:
+      return fn(std::integral_constant<int, 3>{});
     default:
-      return;
+      if constexpr (kMaxGroup >= 4) return fn(std::integral_constant<int, 4>{});
   }
-}
-
-// One (block, kv head) run of rows as float: float caches are read in place,
-// others converted into buf.
-template <typename T>
-inline const float* rows_as_float(const T* rows, float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(rows[i]);
-  return buf;
-}
-template <>
-inline const float* rows_as_float<float>(const float* rows, float*, int64_t) {
-  return rows;
-}
-
-// n rows of head_size d as float. int8 rows (kv_cache_dtype int8, engine/attention_int8.py) hold
-// d values, then the row's float16 scale in their last two bytes: dequantized into buf.
-inline const float* rows_as(const int8_t* rows, float* buf, int64_t n, int64_t d) {
-  for (int64_t t = 0; t < n; ++t) {
-    const int8_t* r = rows + t * (d + 2);
-    c10::Half s;
-    std::memcpy(&s, r + d, sizeof(s));
-    const float sc = static_cast<float>(s);
-    for (int64_t i = 0; i < d; ++i) buf[t * d + i] = sc * static_cast<float>(r[i]);
-  }
-  return buf;
-}
-template <typename T>
-inline const float* rows_as(const T* rows, float* buf, int64_t n, int64_t d) {
-  return rows_as_float(rows, buf, n * d);
 }
 
 struct Shape {
   int64_t heads, kv_heads, head_size, tokens_per_block, max_blocks;
 };
 
-// Running softmax state of the g query heads of one kv head.
+// Running softmax state of the g query heads of one kv head, and a block's scratch.
 struct Online {
-  std::vector<float> q, acc, scores, kbuf, vbuf, m, l;
+  int64_t sp;  // scores per head: tokens_per_block rounded up to whole vectors
+  std::vector<float> q, acc, scores, m, l, corr, kscale, vscale, kbuf, vbuf;
+  std::vector<std::pair<int64_t, int64_t>> groups;  // (first head, heads) sharing a pass over a row
   Online(int64_t g, const Shape& sh)
-      : q(g * sh.head_size), acc(g * sh.head_size), scores(g * sh.tokens_per_block),
-        kbuf(sh.tokens_per_block * sh.head_size), vbuf(sh.tokens_per_block * sh.head_size), m(g), l(g) {}
+      : sp((sh.tokens_per_block + kLanes - 1) / kLanes * kLanes), q(g * sh.head_size), acc(g * sh.head_size),
+        scores(g * sp), m(g), l(g), corr(g), kscale(sp), vscale(sp), kbuf(sh.tokens_per_block * sh.head_size),
+        vbuf(sh.tokens_per_block * sh.head_size) {
+    const int64_t ng = (g + kMaxGroup - 1) / kMaxGroup;  // balanced: g = 4 is 2 + 2, not 3 + 1
+    for (int64_t i = 0, j0 = 0; i < ng; ++i) {
+      const int64_t hb = g / ng + (i < g % ng ? 1 : 0);
+      groups.emplace_back(j0, hb);
+      j0 += hb;
+    }
+  }
 
   void reset() {
     std::fill(acc.begin(), acc.end(), 0.f);
-    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+    std::fill(m.begin(), m.end(), kNegInf);
     std::fill(l.begin(), l.end(), 0.f);
   }
 
-  // Scores of rows [0, n) of one block turned into probabilities under the new running max.
-  void softmax_block(int64_t g, int64_t n, int64_t tpb, int64_t d) {
-    for (int64_t j = 0; j < g; ++j) {
-      float* s = scores.data() + j * tpb;
-      const float nm = std::max(m[j], *std::max_element(s, s + n));
-      const float corr = std::exp(m[j] - nm);  // 0 on the first block (m = -inf)
-      l[j] *= corr;
-      for (int64_t i = 0; i < d; ++i) acc[j * d + i] *= corr;
-      int64_t t = 0;
-      for (; t + kLanes <= n; t += kLanes) {
-        const vf e = exp_nonpositive(load(s + t) - nm);
-        store(s + t, e);
-        l[j] += hsum(e);
-      }
-      for (; t < n; ++t) {
-        s[t] = std::exp(s[t] - nm);
-        l[j] += s[t];
-      }
-      m[j] = nm;
+  // Head j's scores of rows [0, n) (times the rows' K scales for int8) turned into weights under the
+  // new running max (times the rows' V scales for int8); corr[j] rescales its output accumulator.
+  void softmax_head(int64_t j, int64_t n, bool scaled) {
+    float* s = scores.data() + j * sp;
+    const int64_t np = (n + kLanes - 1) / kLanes * kLanes;
+    if (scaled)
+      for (int64_t t = 0; t < np; t += kLanes) store(s + t, load(s + t) * load(kscale.data() + t));
+    for (int64_t t = n; t < np; ++t) s[t] = kNegInf;  // rows past the sequence
+    vf mx = splat(kNegInf);
+    for (int64_t t = 0; t < np; t += kLanes) mx = vmax(mx, load(s + t));
+    const float nm = std::max(m[j], hmax(mx));
+    corr[j] = std::exp(m[j] - nm);  // 0 on the first block (m = -inf)
+    vf sum = {};
+    for (int64_t t = 0; t < np; t += kLanes) {
+      const vf e = exp_nonpositive(load(s + t) - nm);  // e^-87 for -inf: nothing next to the max term's 1
+      sum += e;
+      store(s + t, scaled ? e * load(vscale.data() + t) : e);
     }
+    l[j] = l[j] * corr[j] + hsum(sum);
+    m[j] = nm;
   }
+
+  static vf vmax(vf a, vf b) { return a > b ? a : b; }
 };
 
+// The int8 rows' float16 scales (their last two bytes) of rows [0, n).
+inline void row_scales(const int8_t* rows, int64_t n, int64_t d, float* out) {
+  for (int64_t t = 0; t < n; ++t) {
+    c10::Half s;
+    std::memcpy(&s, rows + t * (d + 2) + d, sizeof(s));
+    out[t] = static_cast<float>(s);
+  }
+}
+
+// One block of n rows (K rows scored up to n4) for every head of the kv head.
+template <typename R>
+inline void attend_block(const R* k, const R* v, int64_t rs, int64_t n, int64_t n4, int64_t d, Online& st) {
+  constexpr bool kScaled = std::is_same_v<R, int8_t>;
+  for (const auto& [j0, hb] : st.groups)
+    with_group(hb, [&](auto h) {
+      scores_rows<decltype(h)::value>(st.q.data() + j0 * d, d, k, rs, n4, st.scores.data() + j0 * st.sp, st.sp);
+    });
+  for (int64_t j = 0; j < static_cast<int64_t>(st.m.size()); ++j) st.softmax_head(j, n, kScaled);
+  for (const auto& [j0, hb] : st.groups)
+    with_group(hb, [&](auto h) {
+      values_rows<decltype(h)::value>(st.scores.data() + j0 * st.sp, st.sp, v, rs, n, st.corr.data() + j0,
+                                      st.acc.data() + j0 * d, d);
+    });
+}
+
 // C: the cache's element type, T's for float caches, int8_t for int8 rows of d + 2 bytes.
-template <typename T, typename C = T>
-void decode_one(const T* q, const C* k_cache, const C* v_cache, const int32_t* table, int64_t len,
-                const Shape& sh, float scale, int64_t kh, T* out, float* lse, Online& st) {
-  const int64_t g = sh.heads / sh.kv_heads, d = sh.head_size, tpb = sh.tokens_per_block;
+// st.q holds the item's g query rows, scaled; st.acc, st.m, st.l its result.
+template <typename C>
+void decode_item(const C* k_cache, const C* v_cache, const int32_t* table, int64_t len, const Shape& sh,
+                 int64_t kh, Online& st) {
+  const int64_t d = sh.head_size, tpb = sh.tokens_per_block;
   const int64_t rs = std::is_same_v<C, int8_t> ? d + 2 : d;  // elements per cached row
   st.reset();
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t i = 0; i < d; ++i) st.q[j * d + i] = static_cast<float>(q[(kh * g + j) * d + i]) * scale;
   for (int64_t b = 0; b * tpb < len; ++b) {
     const int64_t n = std::min(tpb, len - b * tpb);
     const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + kh) * tpb * rs;
@@ -175,18 +308,13 @@ void decode_one(const T* q, const C* k_cache, const C* v_cache, const int32_t* t
       prefetch_run(v_cache + next, tpb * rs);
     }
     const int64_t n4 = (n + 3) / 4 * 4;  // rows past n lie inside the block; their scores are unused
-    const float* k = rows_as(k_cache + base, st.kbuf.data(), n4, d);
-    for (int64_t j = 0; j < g; ++j)
-      for (int64_t t = 0; t < n; t += 4) dot4(st.q.data() + j * d, k + t * d, d, st.scores.data() + j * tpb + t);
-    st.softmax_block(g, n, tpb, d);
-    const float* v = rows_as(v_cache + base, st.vbuf.data(), n, d);
-    for (int64_t j = 0; j < g; ++j) accumulate_rows(st.scores.data() + j * tpb, v, n, d, st.acc.data() + j * d);
-  }
-  for (int64_t j = 0; j < g; ++j) {
-    const int64_t h = kh * g + j;
-    const float inv = st.l[j] > 0.f ? 1.f / st.l[j] : 0.f;
-    for (int64_t i = 0; i < d; ++i) out[h * d + i] = static_cast<T>(st.acc[j * d + i] * inv);
-    lse[h] = st.l[j] > 0.f ? st.m[j] + std::log(st.l[j]) : -std::numeric_limits<float>::infinity();
+    if constexpr (std::is_same_v<C, int8_t>) {
+      row_scales(k_cache + base, n4, d, st.kscale.data());
+      row_scales(v_cache + base, n, d, st.vscale.data());
+    }
+    const auto* k = block_rows(k_cache + base, st.kbuf.data(), n4, d);
+    const auto* v = block_rows(v_cache + base, st.vbuf.data(), n, d);
+    attend_block(k, v, rs, n, n4, d, st);
   }
 }
 
@@ -194,7 +322,7 @@ template <typename T, typename C = T>
 void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
                 const at::Tensor& lens, double scale, at::Tensor& out, at::Tensor& lse) {
   const Shape sh{q.size(1), kc.size(1), q.size(2), kc.size(2), tables.size(1)};
-  const int64_t g = sh.heads / sh.kv_heads, stride = sh.heads * sh.head_size;
+  const int64_t g = sh.heads / sh.kv_heads, d = sh.head_size, stride = sh.heads * d;
   const T* qp = q.data_ptr<T>();
   const C* kp = kc.data_ptr<C>();
   const C* vp = vc.data_ptr<C>();
@@ -202,16 +330,23 @@ void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   float* lsep = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
   at::parallel_for(0, q.size(0) * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
     Online st(g, sh);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t s = w / sh.kv_heads, kh = w % sh.kv_heads;
-      decode_one<T, C>(qp + s * stride, kp, vp, tp + s * sh.max_blocks, lp[s], sh, static_cast<float>(scale), kh,
-                    op + s * stride, lsep + s * sh.heads, st);
+      const T* qs = qp + s * stride + kh * g * d;
+      for (int64_t i = 0; i < g * d; ++i) st.q[i] = static_cast<float>(qs[i]) * sc;
+      decode_item<C>(kp, vp, tp + s * sh.max_blocks, lp[s], sh, kh, st);
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t h = kh * g + j;
+        const float inv = st.l[j] > 0.f ? 1.f / st.l[j] : 0.f;
+        for (int64_t i = 0; i < d; ++i) op[s * stride + h * d + i] = static_cast<T>(st.acc[j * d + i] * inv);
+        lsep[s * sh.heads + h] = st.l[j] > 0.f ? st.m[j] + std::log(st.l[j]) : kNegInf;
+      }
     }
   });
 }
-
 void check_inputs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
                   const at::Tensor& lens) {
   check_query_and_caches("paged_decode", "[S, H, D]", q, kc, vc);
