@@ -22,6 +22,7 @@ from trtprompt.engine.attention import (
     paged_attention,
     resolve_attention_backend,
 )
+from trtprompt.engine.attention_int8 import dequantize_rows, quantize_rows
 from trtprompt.engine.cascade import SharedPrefix, find_shared_prefixes
 
 COMPILED, WHY = kernels.compiled_kernel_status()
@@ -131,6 +132,58 @@ def test_kernel_log_sum_exp_is_exact(dtype) -> None:
             assert lse[s, h].item() == pytest.approx(torch.logsumexp(scores, 0).item(), abs=1e-4)
             want = torch.softmax(scores, 0) @ vals[h // 2]
             assert (out[s, h].float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+# Group sizes 1-8 (query heads per kv head), head sizes 64 and 128, blocks of 8-32 tokens (12: not a multiple of 8).
+DECODE_SHAPES = [(1, 4, 64, 16), (2, 4, 64, 32), (3, 3, 64, 32), (4, 2, 128, 16), (8, 1, 64, 8), (3, 2, 128, 12)]
+
+
+def _paged_decode_case(g: int, kv_heads: int, d: int, tpb: int, cache: str):
+    """(q, k_cache, v_cache, tables, lens, keys, values): lengths 0 to 3 blocks + 7, differing per sequence, on
+    scattered blocks; every cache slot past a sequence's length holds NaN (int8: bytes of 127, a NaN scale),
+    which must never reach a result. keys/values: each sequence's rows [kv_heads, len, d] as the kernel reads them."""
+    lens = torch.tensor([1, 5, tpb - 1, tpb, tpb + 1, 0, 3 * tpb + 7, 97], dtype=torch.int32)
+    width = -(-int(lens.max()) // tpb)
+    blocks = len(lens) * width + 3
+    tables = torch.randperm(blocks, dtype=torch.int32)[:len(lens) * width].view(len(lens), width).contiguous()
+    rows = torch.randn(2, blocks, kv_heads, tpb, d) * torch.tensor([2.0, 1.0]).view(2, 1, 1, 1, 1)
+    if cache == "int8":
+        stored = quantize_rows(rows)
+        seen = dequantize_rows(stored, torch.float32)
+        stored = stored.clone()
+    else:
+        stored = rows.to(getattr(torch, cache))
+        seen = stored.float()
+    for s, n in enumerate(lens.tolist()):  # poison the slots no sequence has filled
+        for b in range(width):
+            stored[:, tables[s, b], :, max(0, min(tpb, n - b * tpb)):] = 127 if cache == "int8" else float("nan")
+    keys, values = [], []
+    for s, n in enumerate(lens.tolist()):
+        got = seen[:, tables[s].long()].transpose(1, 2).reshape(2, kv_heads, -1, d)[:, :, :n]
+        keys.append(got[0]), values.append(got[1])
+    q = torch.randn(len(lens), g * kv_heads, d).to(torch.float32 if cache == "int8" else getattr(torch, cache))
+    return q, stored[0].contiguous(), stored[1].contiguous(), tables, lens, keys, values
+
+
+@needs_kernel
+@pytest.mark.parametrize("g,kv_heads,d,tpb", DECODE_SHAPES)
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "float16", "int8"])
+def test_decode_kernel_per_group_size_equals_reference_with_log_sum_exp(g, kv_heads, d, tpb, cache) -> None:
+    """paged_decode (paged_decode_int8 on int8 rows) against softmax(q K^T) V per head in torch."""
+    torch.manual_seed(g * 100 + d + tpb)
+    q, kc, vc, tables, lens, keys, values = _paged_decode_case(g, kv_heads, d, tpb, cache)
+    op = kernels.paged_decode_int8 if cache == "int8" else kernels.paged_decode
+    out, lse = op(q, kc, vc, tables, lens, d ** -0.5)
+    tol = 2e-2 if cache in ("bfloat16", "float16") else 1e-5
+    for s, n in enumerate(lens.tolist()):
+        for h in range(g * kv_heads):
+            if n == 0:  # nothing to attend to: zeros, and a log-sum-exp that merges as weight 0
+                assert lse[s, h].item() == float("-inf") and not out[s, h].float().abs().max().item()
+                continue
+            scores = keys[s][h // g] @ q[s, h].float() * d ** -0.5
+            assert lse[s, h].item() == pytest.approx(torch.logsumexp(scores, 0).item(), abs=1e-4)
+            want = torch.softmax(scores, 0) @ values[s][h // g]
+            assert (out[s, h].float() - want).abs().max().item() < tol, (s, h)
 
 
 def test_shared_prefixes_found_from_block_tables_alone() -> None:
