@@ -138,11 +138,10 @@ def test_kernel_log_sum_exp_is_exact(dtype) -> None:
 DECODE_SHAPES = [(1, 4, 64, 16), (2, 4, 64, 32), (3, 3, 64, 32), (4, 2, 128, 16), (8, 1, 64, 8), (3, 2, 128, 12)]
 
 
-def _paged_decode_case(g: int, kv_heads: int, d: int, tpb: int, cache: str):
-    """(q, k_cache, v_cache, tables, lens, keys, values): lengths 0 to 3 blocks + 7, differing per sequence, on
-    scattered blocks; every cache slot past a sequence's length holds NaN (int8: bytes of 127, a NaN scale),
-    which must never reach a result. keys/values: each sequence's rows [kv_heads, len, d] as the kernel reads them."""
-    lens = torch.tensor([1, 5, tpb - 1, tpb, tpb + 1, 0, 3 * tpb + 7, 97], dtype=torch.int32)
+def _paged_decode_case(g: int, kv_heads: int, d: int, tpb: int, cache: str, lens: torch.Tensor):
+    """(q, k_cache, v_cache, tables, lens, keys, values) on scattered blocks; every cache slot past a sequence's
+    length holds NaN (int8: bytes of 127, a NaN scale), which must never reach a result. keys/values: each
+    sequence's rows [kv_heads, len, d] as the kernel reads them."""
     width = -(-int(lens.max()) // tpb)
     blocks = len(lens) * width + 3
     tables = torch.randperm(blocks, dtype=torch.int32)[:len(lens) * width].view(len(lens), width).contiguous()
@@ -165,13 +164,8 @@ def _paged_decode_case(g: int, kv_heads: int, d: int, tpb: int, cache: str):
     return q, stored[0].contiguous(), stored[1].contiguous(), tables, lens, keys, values
 
 
-@needs_kernel
-@pytest.mark.parametrize("g,kv_heads,d,tpb", DECODE_SHAPES)
-@pytest.mark.parametrize("cache", ["float32", "bfloat16", "float16", "int8"])
-def test_decode_kernel_per_group_size_equals_reference_with_log_sum_exp(g, kv_heads, d, tpb, cache) -> None:
-    """paged_decode (paged_decode_int8 on int8 rows) against softmax(q K^T) V per head in torch."""
-    torch.manual_seed(g * 100 + d + tpb)
-    q, kc, vc, tables, lens, keys, values = _paged_decode_case(g, kv_heads, d, tpb, cache)
+def _check_decode(g: int, kv_heads: int, d: int, tpb: int, cache: str, lens: torch.Tensor) -> None:
+    q, kc, vc, tables, lens, keys, values = _paged_decode_case(g, kv_heads, d, tpb, cache, lens)
     op = kernels.paged_decode_int8 if cache == "int8" else kernels.paged_decode
     out, lse = op(q, kc, vc, tables, lens, d ** -0.5)
     tol = 2e-2 if cache in ("bfloat16", "float16") else 1e-5
@@ -184,6 +178,28 @@ def test_decode_kernel_per_group_size_equals_reference_with_log_sum_exp(g, kv_he
             assert lse[s, h].item() == pytest.approx(torch.logsumexp(scores, 0).item(), abs=1e-4)
             want = torch.softmax(scores, 0) @ values[s][h // g]
             assert (out[s, h].float() - want).abs().max().item() < tol, (s, h)
+
+
+@needs_kernel
+@pytest.mark.parametrize("g,kv_heads,d,tpb", DECODE_SHAPES)
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "float16", "int8"])
+def test_decode_kernel_per_group_size_equals_reference_with_log_sum_exp(g, kv_heads, d, tpb, cache) -> None:
+    """paged_decode (paged_decode_int8 on int8 rows) against softmax(q K^T) V per head in torch; lengths 0 to 3
+    blocks + 7, differing per sequence."""
+    torch.manual_seed(g * 100 + d + tpb)
+    lens = torch.tensor([1, 5, tpb - 1, tpb, tpb + 1, 0, 3 * tpb + 7, 97], dtype=torch.int32)
+    _check_decode(g, kv_heads, d, tpb, cache, lens)
+
+
+@needs_kernel
+@pytest.mark.parametrize("g,kv_heads", [(3, 1), (2, 2)])
+@pytest.mark.parametrize("cache", ["float32", "int8"])
+def test_decode_kernel_parts_of_few_long_sequences_merge_by_log_sum_exp(g, kv_heads, cache) -> None:
+    """Under 8 (sequence, kv head) items the kernel cuts sequences of 16 blocks or more into parts, one item
+    each (csrc/paged_attention.cpp, parts_per_sequence): here 3 or 2 parts, a short and an empty sequence
+    among them leaving parts empty."""
+    torch.manual_seed(g)
+    _check_decode(g, kv_heads, 64, 16, cache, torch.tensor([1000, 5, 0], dtype=torch.int32))
 
 
 def test_shared_prefixes_found_from_block_tables_alone() -> None:

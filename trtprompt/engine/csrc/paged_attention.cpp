@@ -292,17 +292,18 @@ inline void attend_block(const R* k, const R* v, int64_t rs, int64_t n, int64_t 
 }
 
 // C: the cache's element type, T's for float caches, int8_t for int8 rows of d + 2 bytes.
-// st.q holds the item's g query rows, scaled; st.acc, st.m, st.l its result.
+// st.q holds the item's g query rows, scaled; st.acc, st.m, st.l its result over blocks [b0, b1)
+// of the first len tokens.
 template <typename C>
-void decode_item(const C* k_cache, const C* v_cache, const int32_t* table, int64_t len, const Shape& sh,
-                 int64_t kh, Online& st) {
+void decode_item(const C* k_cache, const C* v_cache, const int32_t* table, int64_t len, int64_t b0, int64_t b1,
+                 const Shape& sh, int64_t kh, Online& st) {
   const int64_t d = sh.head_size, tpb = sh.tokens_per_block;
   const int64_t rs = std::is_same_v<C, int8_t> ? d + 2 : d;  // elements per cached row
   st.reset();
-  for (int64_t b = 0; b * tpb < len; ++b) {
+  for (int64_t b = b0; b < b1 && b * tpb < len; ++b) {
     const int64_t n = std::min(tpb, len - b * tpb);
     const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + kh) * tpb * rs;
-    if ((b + 1) * tpb < len) {
+    if (b + 1 < b1 && (b + 1) * tpb < len) {
       const int64_t next = (static_cast<int64_t>(table[b + 1]) * sh.kv_heads + kh) * tpb * rs;
       prefetch_run(k_cache + next, tpb * rs);
       prefetch_run(v_cache + next, tpb * rs);
@@ -318,11 +319,44 @@ void decode_item(const C* k_cache, const C* v_cache, const int32_t* table, int64
   }
 }
 
+// With fewer (sequence, kv head) items than this, a thread of two would idle for part of the call:
+// each sequence is then cut into parts of whole blocks, one item each, merged by log-sum-exp.
+constexpr int64_t kMinItems = 8;
+// Blocks a part covers at least, so its fixed costs (loading q, the merge) stay small.
+constexpr int64_t kMinPartBlocks = 8;
+
+// Parts per sequence: 1 unless there are few items and long sequences; never a thread count, so a
+// result does not depend on the machine.
+inline int64_t parts_per_sequence(int64_t items, int64_t max_len, int64_t tpb) {
+  if (items >= kMinItems) return 1;
+  const int64_t blocks = (max_len + tpb - 1) / tpb;
+  return std::max<int64_t>(1, std::min((kMinItems + items - 1) / items, blocks / kMinPartBlocks));
+}
+
+// out and lse of the g heads of one item from its parts' (acc, m, l); acc unnormalised.
+template <typename T>
+void write_heads(int64_t g, int64_t d, int64_t parts, const float* acc, const float* m, const float* l, T* out,
+                 float* lse) {
+  for (int64_t j = 0; j < g; ++j) {
+    float mx = kNegInf, sum = 0.f;
+    for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, m[p * g + j]);
+    for (int64_t p = 0; p < parts; ++p) sum += l[p * g + j] > 0.f ? std::exp(m[p * g + j] - mx) * l[p * g + j] : 0.f;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int64_t i = 0; i < d; ++i) {
+      float o = 0.f;
+      for (int64_t p = 0; p < parts; ++p)
+        if (l[p * g + j] > 0.f) o += std::exp(m[p * g + j] - mx) * acc[(p * g + j) * d + i];
+      out[j * d + i] = static_cast<T>(o * inv);
+    }
+    lse[j] = sum > 0.f ? mx + std::log(sum) : kNegInf;
+  }
+}
+
 template <typename T, typename C = T>
 void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
                 const at::Tensor& lens, double scale, at::Tensor& out, at::Tensor& lse) {
   const Shape sh{q.size(1), kc.size(1), q.size(2), kc.size(2), tables.size(1)};
-  const int64_t g = sh.heads / sh.kv_heads, d = sh.head_size, stride = sh.heads * d;
+  const int64_t g = sh.heads / sh.kv_heads, d = sh.head_size, stride = sh.heads * d, seqs = q.size(0);
   const T* qp = q.data_ptr<T>();
   const C* kp = kc.data_ptr<C>();
   const C* vp = vc.data_ptr<C>();
@@ -331,22 +365,41 @@ void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   T* op = out.data_ptr<T>();
   float* lsep = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, q.size(0) * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t max_len = seqs ? *std::max_element(lp, lp + seqs) : 0;
+  const int64_t parts = parts_per_sequence(seqs * sh.kv_heads, max_len, sh.tokens_per_block);
+  // Parts' results, (acc [g, d], m [g], l [g]) each, merged once every part is done.
+  std::vector<float> part_acc(parts > 1 ? seqs * sh.kv_heads * parts * g * d : 0);
+  std::vector<float> part_ml(parts > 1 ? 2 * seqs * sh.kv_heads * parts * g : 0);
+  at::parallel_for(0, seqs * sh.kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
     Online st(g, sh);
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t s = w / sh.kv_heads, kh = w % sh.kv_heads;
+      const int64_t item = w / parts, p = w % parts, s = item / sh.kv_heads, kh = item % sh.kv_heads;
+      const int64_t blocks = (lp[s] + sh.tokens_per_block - 1) / sh.tokens_per_block;
+      const int64_t per = (blocks + parts - 1) / parts;  // blocks per part
       const T* qs = qp + s * stride + kh * g * d;
       for (int64_t i = 0; i < g * d; ++i) st.q[i] = static_cast<float>(qs[i]) * sc;
-      decode_item<C>(kp, vp, tp + s * sh.max_blocks, lp[s], sh, kh, st);
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t h = kh * g + j;
-        const float inv = st.l[j] > 0.f ? 1.f / st.l[j] : 0.f;
-        for (int64_t i = 0; i < d; ++i) op[s * stride + h * d + i] = static_cast<T>(st.acc[j * d + i] * inv);
-        lsep[s * sh.heads + h] = st.l[j] > 0.f ? st.m[j] + std::log(st.l[j]) : kNegInf;
+      decode_item<C>(kp, vp, tp + s * sh.max_blocks, lp[s], p * per, (p + 1) * per, sh, kh, st);
+      if (parts == 1) {
+        write_heads(g, d, 1, st.acc.data(), st.m.data(), st.l.data(), op + s * stride + kh * g * d,
+                    lsep + s * sh.heads + kh * g);
+        continue;
       }
+      std::copy(st.acc.begin(), st.acc.end(), part_acc.begin() + w * g * d);
+      std::copy(st.m.begin(), st.m.end(), part_ml.begin() + (2 * item * parts + p) * g);
+      std::copy(st.l.begin(), st.l.end(), part_ml.begin() + (2 * item + 1) * parts * g + p * g);
+    }
+  });
+  if (parts == 1) return;
+  at::parallel_for(0, seqs * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / sh.kv_heads, kh = item % sh.kv_heads;
+      write_heads(g, d, parts, part_acc.data() + item * parts * g * d, part_ml.data() + 2 * item * parts * g,
+                  part_ml.data() + (2 * item + 1) * parts * g, op + s * stride + kh * g * d,
+                  lsep + s * sh.heads + kh * g);
     }
   });
 }
+
 void check_inputs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
                   const at::Tensor& lens) {
   check_query_and_caches("paged_decode", "[S, H, D]", q, kc, vc);
