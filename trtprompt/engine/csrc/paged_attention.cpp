@@ -127,11 +127,13 @@ inline const typename ReadAs<C>::type* block_rows(const C* rows, float* buf, int
 }
 
 // Blocks sit at scattered places, and hardware prefetchers do not follow a jump to
-// the next one: ask for it while the current block is being read.
+// the next one: ask for it while the current block is being read. One request per 256 bytes
+// (a row of 64 floats) and the prefetchers fetch the lines between: a request per 64-byte line
+// cost more issue slots than it saved (measured: docs/attention.md, "Decode").
 template <typename T>
 inline void prefetch_run(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i, 0, 1);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 256) __builtin_prefetch(c + i, 0, 1);
 }
 
 // s[j * sp + i] = q[j] . k[i] for HB heads (q rows of d) and R rows of k (stride rs), R a multiple of 4.
@@ -325,28 +327,32 @@ constexpr int64_t kMinItems = 8;
 // Blocks a part covers at least, so its fixed costs (loading q, the merge) stay small.
 constexpr int64_t kMinPartBlocks = 8;
 
-// Parts per sequence: 1 unless there are few items and long sequences; never a thread count, so a
-// result does not depend on the machine.
+// Parts per sequence (at most kMinItems): 1 unless there are few items and long sequences; never a
+// thread count, so a result does not depend on the machine.
 inline int64_t parts_per_sequence(int64_t items, int64_t max_len, int64_t tpb) {
-  if (items >= kMinItems) return 1;
+  if (items >= kMinItems || items == 0) return 1;
   const int64_t blocks = (max_len + tpb - 1) / tpb;
   return std::max<int64_t>(1, std::min((kMinItems + items - 1) / items, blocks / kMinPartBlocks));
 }
 
-// out and lse of the g heads of one item from its parts' (acc, m, l); acc unnormalised.
+// out and lse of the g heads of one item from its parts' (acc, m, l); acc unnormalised. An empty part
+// (l = 0) weighs nothing.
 template <typename T>
 void write_heads(int64_t g, int64_t d, int64_t parts, const float* acc, const float* m, const float* l, T* out,
                  float* lse) {
   for (int64_t j = 0; j < g; ++j) {
-    float mx = kNegInf, sum = 0.f;
+    float mx = kNegInf, sum = 0.f, weight[kMinItems];
     for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, m[p * g + j]);
-    for (int64_t p = 0; p < parts; ++p) sum += l[p * g + j] > 0.f ? std::exp(m[p * g + j] - mx) * l[p * g + j] : 0.f;
+    for (int64_t p = 0; p < parts; ++p) {
+      weight[p] = l[p * g + j] > 0.f ? std::exp(m[p * g + j] - mx) : 0.f;
+      sum += weight[p] * l[p * g + j];
+    }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int64_t p = 0; p < parts; ++p) weight[p] *= inv;
     for (int64_t i = 0; i < d; ++i) {
       float o = 0.f;
-      for (int64_t p = 0; p < parts; ++p)
-        if (l[p * g + j] > 0.f) o += std::exp(m[p * g + j] - mx) * acc[(p * g + j) * d + i];
-      out[j * d + i] = static_cast<T>(o * inv);
+      for (int64_t p = 0; p < parts; ++p) o += weight[p] * acc[(p * g + j) * d + i];
+      out[j * d + i] = static_cast<T>(o);
     }
     lse[j] = sum > 0.f ? mx + std::log(sum) : kNegInf;
   }
