@@ -15,8 +15,8 @@
 //           its load in the next step;
 //   values: each V row is loaded once for all the group's heads, their accumulators kept
 //           in registers over the block.
-// bfloat16 and int8 rows are widened in registers as they are read (int8 row scales fold
-// into the scores and the weights); float16 rows are converted per block.
+// bfloat16 rows are widened in registers as they are read; float16 and int8 rows (with their
+// row scales) are converted per block into float.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -98,27 +98,27 @@ inline vf load_row(const c10::BFloat16* p) {  // a bfloat16 is the upper half of
   std::memcpy(&f, &w, sizeof f);
   return f;
 }
-inline vf load_row(const int8_t* p) {  // the row's scale is applied to its score or weight
-  typedef int8_t vi8 __attribute__((vector_size(kLanes)));
-  vi8 b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, vf);
-}
-
-// The type rows are read as: float16 has no widening here without F16C (the generic variant), so
-// its rows are converted per block into float; the others are read in place.
+// The type rows are read as: float and bfloat16 in place, widened in registers. float16 (no widening
+// without F16C, as in the generic variant) is converted per block into float, and so are int8 rows
+// (d values, then their float16 scale): GCC turns a vector int8 -> float conversion into scalar code,
+// 2.5x slower than this auto-vectorised loop (measured: docs/attention.md, "Decode").
 template <typename C>
-struct ReadAs {
-  using type = C;
-};
-template <>
-struct ReadAs<c10::Half> {
-  using type = float;
-};
+constexpr bool kInPlace = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>;
+template <typename C>
+using ReadAs = std::conditional_t<kInPlace<C>, C, float>;
 
 template <typename C>
-inline const typename ReadAs<C>::type* block_rows(const C* rows, float* buf, int64_t n, int64_t d) {
-  if constexpr (std::is_same_v<C, c10::Half>) {
+inline const ReadAs<C>* block_rows(const C* rows, float* buf, int64_t n, int64_t d) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    for (int64_t t = 0; t < n; ++t) {
+      const int8_t* r = rows + t * (d + 2);
+      c10::Half scale;
+      std::memcpy(&scale, r + d, sizeof(scale));
+      const float sc = static_cast<float>(scale);
+      for (int64_t i = 0; i < d; ++i) buf[t * d + i] = sc * static_cast<float>(r[i]);
+    }
+    return buf;
+  } else if constexpr (!kInPlace<C>) {
     for (int64_t i = 0; i < n * d; ++i) buf[i] = static_cast<float>(rows[i]);
     return buf;
   } else {
@@ -223,11 +223,11 @@ struct Shape {
 // Running softmax state of the g query heads of one kv head, and a block's scratch.
 struct Online {
   int64_t sp;  // scores per head: tokens_per_block rounded up to whole vectors
-  std::vector<float> q, acc, scores, m, l, corr, kscale, vscale, kbuf, vbuf;
+  std::vector<float> q, acc, scores, m, l, corr, kbuf, vbuf;
   std::vector<std::pair<int64_t, int64_t>> groups;  // (first head, heads) sharing a pass over a row
   Online(int64_t g, const Shape& sh)
       : sp((sh.tokens_per_block + kLanes - 1) / kLanes * kLanes), q(g * sh.head_size), acc(g * sh.head_size),
-        scores(g * sp), m(g), l(g), corr(g), kscale(sp), vscale(sp), kbuf(sh.tokens_per_block * sh.head_size),
+        scores(g * sp), m(g), l(g), corr(g), kbuf(sh.tokens_per_block * sh.head_size),
         vbuf(sh.tokens_per_block * sh.head_size) {
     const int64_t ng = (g + kMaxGroup - 1) / kMaxGroup;  // balanced: g = 4 is 2 + 2, not 3 + 1
     for (int64_t i = 0, j0 = 0; i < ng; ++i) {
@@ -243,13 +243,11 @@ struct Online {
     std::fill(l.begin(), l.end(), 0.f);
   }
 
-  // Head j's scores of rows [0, n) (times the rows' K scales for int8) turned into weights under the
-  // new running max (times the rows' V scales for int8); corr[j] rescales its output accumulator.
-  void softmax_head(int64_t j, int64_t n, bool scaled) {
+  // Head j's scores of rows [0, n) turned into weights under the new running max; corr[j] rescales
+  // its output accumulator.
+  void softmax_head(int64_t j, int64_t n) {
     float* s = scores.data() + j * sp;
     const int64_t np = (n + kLanes - 1) / kLanes * kLanes;
-    if (scaled)
-      for (int64_t t = 0; t < np; t += kLanes) store(s + t, load(s + t) * load(kscale.data() + t));
     for (int64_t t = n; t < np; ++t) s[t] = kNegInf;  // rows past the sequence
     vf mx = splat(kNegInf);
     for (int64_t t = 0; t < np; t += kLanes) mx = vmax(mx, load(s + t));
@@ -259,7 +257,7 @@ struct Online {
     for (int64_t t = 0; t < np; t += kLanes) {
       const vf e = exp_nonpositive(load(s + t) - nm);  // e^-87 for -inf: nothing next to the max term's 1
       sum += e;
-      store(s + t, scaled ? e * load(vscale.data() + t) : e);
+      store(s + t, e);
     }
     l[j] = l[j] * corr[j] + hsum(sum);
     m[j] = nm;
@@ -268,24 +266,14 @@ struct Online {
   static vf vmax(vf a, vf b) { return a > b ? a : b; }
 };
 
-// The int8 rows' float16 scales (their last two bytes) of rows [0, n).
-inline void row_scales(const int8_t* rows, int64_t n, int64_t d, float* out) {
-  for (int64_t t = 0; t < n; ++t) {
-    c10::Half s;
-    std::memcpy(&s, rows + t * (d + 2) + d, sizeof(s));
-    out[t] = static_cast<float>(s);
-  }
-}
-
 // One block of n rows (K rows scored up to n4) for every head of the kv head.
 template <typename R>
 inline void attend_block(const R* k, const R* v, int64_t rs, int64_t n, int64_t n4, int64_t d, Online& st) {
-  constexpr bool kScaled = std::is_same_v<R, int8_t>;
   for (const auto& [j0, hb] : st.groups)
     with_group(hb, [&](auto h) {
       scores_rows<decltype(h)::value>(st.q.data() + j0 * d, d, k, rs, n4, st.scores.data() + j0 * st.sp, st.sp);
     });
-  for (int64_t j = 0; j < static_cast<int64_t>(st.m.size()); ++j) st.softmax_head(j, n, kScaled);
+  for (int64_t j = 0; j < static_cast<int64_t>(st.m.size()); ++j) st.softmax_head(j, n);
   for (const auto& [j0, hb] : st.groups)
     with_group(hb, [&](auto h) {
       values_rows<decltype(h)::value>(st.scores.data() + j0 * st.sp, st.sp, v, rs, n, st.corr.data() + j0,
@@ -311,13 +299,9 @@ void decode_item(const C* k_cache, const C* v_cache, const int32_t* table, int64
       prefetch_run(v_cache + next, tpb * rs);
     }
     const int64_t n4 = (n + 3) / 4 * 4;  // rows past n lie inside the block; their scores are unused
-    if constexpr (std::is_same_v<C, int8_t>) {
-      row_scales(k_cache + base, n4, d, st.kscale.data());
-      row_scales(v_cache + base, n, d, st.vscale.data());
-    }
     const auto* k = block_rows(k_cache + base, st.kbuf.data(), n4, d);
     const auto* v = block_rows(v_cache + base, st.vbuf.data(), n, d);
-    attend_block(k, v, rs, n, n4, d, st);
+    attend_block(k, v, kInPlace<C> ? rs : d, n, n4, d, st);  // converted rows lie d apart
   }
 }
 
