@@ -145,3 +145,21 @@ def count_cascade_groups(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(attention_paged, "build", counting_build)
     return groups
+
+
+def prefill_segments(shapes: list[tuple[int, int, bool]], num_blocks: int, tpb: int,
+                     rng) -> tuple[list[list[int]], list[list[int]], torch.Tensor, int]:
+    """The kernels' prefill layout for (context, new tokens, causal) per sequence, on blocks drawn at
+    random from num_blocks: (segments [row, new, keys, first visible key of row 0], block tables,
+    the tables as one padded int32 tensor, total new rows)."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    segments, tables, start = [], [], 0
+    for ctx, n, causal in shapes:
+        keys = ctx + n if causal else ctx
+        tables.append([free.pop() for _ in range(-(-(ctx + n) // tpb))])
+        segments.append([start, n, keys, ctx + 1 if causal else keys])
+        start += n
+    width = max(len(t) for t in tables)
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return segments, tables, table_t, start

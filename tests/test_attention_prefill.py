@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 
-from tests.engine_helpers import VOCAB, count_cascade_groups, hf_greedy, make_engine, make_hf_model, run_to_completion
+from tests.engine_helpers import (VOCAB, count_cascade_groups, hf_greedy, make_engine, make_hf_model,
+                                  prefill_segments, run_to_completion)
 from trtprompt.engine import cascade, kernels
 from trtprompt.engine.attention import SeqSlice, build_attention_metadata, paged_attention
 from trtprompt.engine.request import SamplingParams
@@ -53,19 +54,9 @@ def test_prefill_kernel_fast_paths_equal_reference(heads, kv_heads, head_size, t
     vc = torch.randn(num_blocks, kv_heads, tpb, head_size).to(dtype)
     # (context, new tokens, causal): a prompt, a chunk after context, a short chunk, a cascade-like group
     shapes = [(0, 230, True), (150, 97, True), (37, 5, True), (3 * tpb, 70, False)]
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    segments, tables, start = [], [], 0
-    for ctx, n, causal in shapes:
-        keys = ctx + n if causal else ctx
-        tables.append([free.pop() for _ in range(-(-(ctx + n) // tpb))])
-        segments.append([start, n, keys, ctx + 1 if causal else keys])
-        start += n
-    width = max(len(t) for t in tables)
+    segments, tables, table_t, start = prefill_segments(shapes, num_blocks, tpb, rng)
     q = torch.randn(start, heads, head_size).to(dtype)
-    out, lse = kernels.paged_prefill(q, kc, vc, torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                                             dtype=torch.int32),
-                                     torch.tensor(segments), head_size ** -0.5)
+    out, lse = kernels.paged_prefill(q, kc, vc, table_t, torch.tensor(segments), head_size ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for (row, n, keys, first), table in zip(segments, tables):
         ks = kc[table].transpose(0, 1).reshape(kv_heads, -1, head_size)[:, :keys]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import EOS, count_cascade_groups, make_engine, model_config, run_to_completion
+from engine_helpers import EOS, count_cascade_groups, make_engine, model_config, prefill_segments, run_to_completion
 from tier_helpers import run_one
 
 from trtprompt.checkpoint import read_checkpoint
@@ -137,16 +137,7 @@ def test_prefill_int8_in_place_equals_the_float_kernel_on_the_dequantized_pool(
     packed = [quantize_rows(torch.randn(num_blocks, kv_heads, tpb, head_size) * 2) for _ in "kv"]
     floats = [dequantize_rows(c, torch.float32) for c in packed]
     shapes = [(0, 101, True), (45, 37, True), (3 * tpb + 5, 3, True), (5 * tpb, 22, False)]  # (context, new, causal)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    segments, tables, start = [], [], 0
-    for ctx, n, causal in shapes:
-        keys = ctx + n if causal else ctx
-        tables.append([free.pop() for _ in range(-(-(ctx + n) // tpb))])
-        segments.append([start, n, keys, ctx + 1 if causal else keys])
-        start += n
-    width = max(len(t) for t in tables)
-    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    segments, _, table_t, start = prefill_segments(shapes, num_blocks, tpb, rng)
     q = torch.randn(start, heads, head_size).to(dtype)
     got, got_lse = kernels.paged_prefill_int8(q, packed[0], packed[1], table_t, torch.tensor(segments),
                                               head_size ** -0.5)
