@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -53,10 +54,10 @@ SKIP_FIRST = 0
 # output on calibration rows (every SAMPLE_STRIDE-th token), at the build's bit split.
 ALPHA_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(2, 10))
 SAMPLE_STRIDE = 8
-WEIGHTS: dict[str, tuple[str, ...]] = {  # each kind's weights, the input channels they share
+WEIGHTS: Mapping[str, tuple[str, ...]] = MappingProxyType({  # each kind's weights, the input channels they share
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",),
-}
+})
 
 
 @dataclass(frozen=True)
