@@ -81,6 +81,15 @@ BUILD_BITS = W8A8Bits(weight_bits=7, activation_bits=8)
 WEIGHT_QMAX = LEGACY_BITS.weight_qmax  # int8_wo's weights: always 8 bits
 
 
+def quantize_int8(weight: torch.Tensor, qmax: int = WEIGHT_QMAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] as symmetric per-row int8 in [-qmax, qmax] (the build's, and SmoothQuant's
+    alpha search's): w ~= q * scale[:, None], |error| <= scale / 2 per row."""
+    w = weight.to(torch.float32)
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / float(qmax)
+    q = torch.round(w / scale[:, None]).clamp(-qmax, qmax).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
 def bits_of(quantization: Mapping[str, Any] | None) -> W8A8Bits:
     """The split config.json's pretrained_config.quantization records (absent: LEGACY_BITS)."""
     q = quantization or {}

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from trtprompt.engine.attention import SeqSlice, allocate_kv_cache, build_attention_metadata
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.model import DecoderLayer, DecoderModel
-from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, reference_w8a8
+from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, quantize_int8, reference_w8a8
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 CALIBRATION_FILES: tuple[str, ...] = ("corpus_en.txt", "corpus_notes.txt", "corpus_code.txt",
@@ -202,8 +202,6 @@ def layer_factors(t: Mapping[str, torch.Tensor], prefix: str, cfg: ModelConfig,
 
 def w8a8_error(x: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor, bits: W8A8Bits) -> float:
     """Squared error of the W8A8 linear smoothed by cols against the float one, on rows x."""
-    from trtprompt.targets.torch_build import quantize_int8  # torch_build imports this module
-
     q, scale = quantize_int8(weight * cols, bits.weight_qmax)
     return float((reference_w8a8(x / cols, q, scale, None, bits) - x @ weight.t()).pow(2).sum())
 

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from trtprompt.checkpoint import Checkpoint, expected_weight_shapes, is_layer_linear, iter_tensors
-from trtprompt.engine.quant_w8a8 import BUILD_BITS, WEIGHT_QMAX
+from trtprompt.engine.quant_w8a8 import BUILD_BITS, WEIGHT_QMAX, quantize_int8
 from trtprompt.errors import CheckpointError
 from trtprompt.plan import INT8_WEIGHT_QUANTIZATIONS
 from trtprompt.targets.smoothquant import SmoothQuantRecord, smooth
@@ -27,14 +27,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
 }
 WEIGHTS_FILE = "rank0.safetensors"
-
-
-def quantize_int8(weight: torch.Tensor, qmax: int = WEIGHT_QMAX) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 in [-qmax, qmax]: w ~= q * scale[:, None], |error| <= scale / 2 per row."""
-    w = weight.to(torch.float32)
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / float(qmax)
-    q = torch.round(w / scale[:, None]).clamp(-qmax, qmax).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
 
 
 def _ignorable(name: str, pc: Mapping[str, Any]) -> bool:
