@@ -110,14 +110,7 @@ using ReadAs = std::conditional_t<kInPlace<C>, C, float>;
 template <typename C>
 inline const ReadAs<C>* block_rows(const C* rows, float* buf, int64_t n, int64_t d) {
   if constexpr (std::is_same_v<C, int8_t>) {
-    for (int64_t t = 0; t < n; ++t) {
-      const int8_t* r = rows + t * (d + 2);
-      c10::Half scale;
-      std::memcpy(&scale, r + d, sizeof(scale));
-      const float sc = static_cast<float>(scale);
-      for (int64_t i = 0; i < d; ++i) buf[t * d + i] = sc * static_cast<float>(r[i]);
-    }
-    return buf;
+    return dequantize_int8_rows(rows, buf, n, d);
   } else if constexpr (!kInPlace<C>) {
     for (int64_t i = 0; i < n * d; ++i) buf[i] = static_cast<float>(rows[i]);
     return buf;
@@ -288,7 +281,7 @@ template <typename C>
 void decode_item(const C* k_cache, const C* v_cache, const int32_t* table, int64_t len, int64_t b0, int64_t b1,
                  const Shape& sh, int64_t kh, Online& st) {
   const int64_t d = sh.head_size, tpb = sh.tokens_per_block;
-  const int64_t rs = std::is_same_v<C, int8_t> ? d + 2 : d;  // elements per cached row
+  const int64_t rs = std::is_same_v<C, int8_t> ? d + kInt8ScaleBytes : d;  // elements per cached row
   st.reset();
   for (int64_t b = b0; b < b1 && b * tpb < len; ++b) {
     const int64_t n = std::min(tpb, len - b * tpb);

@@ -204,7 +204,6 @@ inline const float* rows_as_float<float>(const float* rows, float*, int64_t) {
 }
 
 // Elements per cached row of head size d: int8 rows carry their float16 scale after the values.
-constexpr int64_t kInt8ScaleBytes = 2;
 template <typename C>
 inline int64_t row_elems(int64_t d) {
   return std::is_same_v<C, int8_t> ? d + kInt8ScaleBytes : d;
@@ -212,15 +211,7 @@ inline int64_t row_elems(int64_t d) {
 
 // n cached rows of head size d as float (d values each): int8 rows times their scale, into buf.
 inline const float* rows_as(const int8_t* rows, float* buf, int64_t n, int64_t d) {
-  for (int64_t t = 0; t < n; ++t) {
-    const int8_t* r = rows + t * (d + kInt8ScaleBytes);
-    c10::Half s;
-    std::memcpy(&s, r + d, sizeof(s));
-    const float sc = static_cast<float>(s);
-    float* dst = buf + t * d;
-    for (int64_t i = 0; i < d; ++i) dst[i] = sc * static_cast<float>(r[i]);
-  }
-  return buf;
+  return dequantize_int8_rows(rows, buf, n, d);
 }
 template <typename C>
 inline const float* rows_as(const C* rows, float* buf, int64_t n, int64_t d) {
