@@ -68,8 +68,8 @@ def convert_weights(ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str, quantiz
         tensors, record = smooth(tensors, pc, smoothquant_alpha, _tokenizer_json(ckpt), progress, BUILD_BITS)
     qmax, target = _weight_qmax(quantization), TORCH_DTYPES[dtype]
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        out.update(_convert_one(name, tensor, target, qmax))
+    for name in list(tensors):  # popped as converted: the read copy of each tensor goes as its output comes
+        out.update(_convert_one(name, tensors.pop(name), target, qmax))
     return out, record
 
 
