@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterator, Sequence
 import pytest
 
 from trtprompt.client import LLMClient, StreamResult, text_inputs, token_inputs
-from trtprompt.serve.wire import protocol as P
-from trtprompt.serve.ports import free_ports
 from trtprompt.serve.launch.process_group import descendants
+from trtprompt.serve.ports import free_ports
+from trtprompt.serve.wire import protocol as P
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 120.0
@@ -181,9 +181,11 @@ def oracle(tiny_engine_dir: Path) -> Oracle:
     return Oracle(tiny_engine_dir)
 
 
-def wait_for(predicate: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:
-    """Poll predicate until it is true; fail naming `what` past the deadline (tests poll, never sleep)."""
+def wait_for(predicate: Callable[[], object], what: str | Callable[[], str], timeout_s: float = 60.0) -> None:
+    """Poll predicate until it is true; fail naming `what` past the deadline (tests poll, never sleep).
+
+    `what` may be a callable so that the message shows what the last poll saw, not what was known before it."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f}s"
+        assert time.monotonic() < deadline, f"{what() if callable(what) else what} within {timeout_s:.0f}s"
         time.sleep(0.05)

@@ -98,16 +98,18 @@ def test_idle_values_follow_the_engine(served: Served) -> None:
 
 
 def test_queue_depth_running_and_kv_usage_under_load(served: Served) -> None:
-    """More requests than max_batch_size (16): a router sees 16 scheduled, the rest waiting, KV in use."""
+    """More requests than max_batch_size (16): a router sees 16 scheduled, the rest waiting, KV in use.
+
+    The 16 that fill the batch are long and all running before the extra ones are sent, so the window in
+    which some wait lasts most of their 600 steps however fast the machine (CI once finished a wave of
+    300-token requests before a scrape saw it)."""
     extra = 3
     results: list[Any] = []
 
     def send(i: int) -> None:
-        results.append(served.text(f"Router load {i}: count on", 300, temperature=0.0, min_tokens=300))
+        results.append(served.text(f"Router load {i}: count on", 600, temperature=0.0, min_tokens=600))
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(16 + extra)]
-    for t in threads:
-        t.start()
     seen: dict[str, float] = {}
 
     def loaded() -> bool:
@@ -117,11 +119,17 @@ def test_queue_depth_running_and_kv_usage_under_load(served: Served) -> None:
         return seen["waiting"] >= 1 and seen["scheduled"] == 16
 
     try:
-        wait_for(loaded, f"16 scheduled and some waiting (last seen {seen})")
+        for t in threads[:16]:
+            t.start()
+        wait_for(lambda: served.engine_stats()["active_requests"] == 16, "the first 16 requests running")
+        for t in threads[16:]:
+            t.start()
+        wait_for(loaded, lambda: f"16 scheduled and some waiting (last seen {seen})")
         kv = _kv_consistent(served)
         assert kv["used"] >= 16 and 0 < kv["fraction"] < 1  # each running request holds at least one block
         assert seen["waiting"] <= extra
     finally:
         for t in threads:
-            t.join(120)
+            if t.is_alive():
+                t.join(180)
     assert len(results) == 16 + extra and all(r.error is None for r in results)
