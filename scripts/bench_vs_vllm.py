@@ -101,6 +101,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sides", default="vllm,trtprompt", help="comma list of " + ", ".join(SIDES))
     ap.add_argument("--reps", type=positive, default=3, help="timed reps per workload (medians reported)")
     ap.add_argument("--threads", type=positive, default=2, help="cores each side uses (vLLM binds 0..N-1)")
+    ap.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
+                    help="trtprompt's compute_dtype (serve knob; unset: a bf16 engine computes in float32 on a CPU "
+                         "without bf16 instructions, engine/compute_dtype.py)")
     ap.add_argument("--throughput-requests", type=positive, default=32)
     ap.add_argument("--throughput-input", type=positive, default=128)
     ap.add_argument("--throughput-output", type=positive, default=64)
@@ -275,7 +278,8 @@ def run_offline(args: argparse.Namespace, side: str, prompts: Path) -> dict[str,
                "--dtype", PRECISION["vllm"][args.dtype]]
         env = vllm_env(args)
     else:
-        cmd = [sys.executable, *cmd, "--engine", args.engine, "--threads", args.threads]
+        cmd = [sys.executable, *cmd, "--engine", args.engine, "--threads", args.threads,
+               *(["--compute-dtype", args.compute_dtype] if args.compute_dtype else [])]
         env = trtprompt_env(args)
     log(f"offline workloads on {side}")
     run_checked(cmd, env=env, cwd=ROOT)
@@ -352,7 +356,8 @@ def vllm_server_cmd(args: argparse.Namespace, port: int) -> list[Any]:
 def trtprompt_server_cmd(args: argparse.Namespace, openai_port: int) -> list[Any]:
     return [Path(sys.executable).parent / "trtprompt", "serve", args.engine, "--host", "127.0.0.1",
             "--openai-port", openai_port, "--http-port", free_port(), "--grpc-port", free_port(),
-            "--metrics-port", free_port(), "--run-dir", args.out_dir / "trtprompt-serve"]
+            "--metrics-port", free_port(), "--run-dir", args.out_dir / "trtprompt-serve",
+            *(["--compute-dtype", args.compute_dtype] if args.compute_dtype else [])]
 
 
 def served_model(port: int) -> str:
@@ -547,7 +552,14 @@ def commands(args: argparse.Namespace) -> dict[str, str]:
 
 
 def precision(args: argparse.Namespace) -> dict[str, str]:
-    return {side: PRECISION[side][args.dtype] for side in args.sides}
+    """Each side's precision; trtprompt's with the dtype it computes in (engine/compute_dtype.py)."""
+    out = {side: PRECISION[side][args.dtype] for side in args.sides}
+    if "trtprompt" in out:
+        from trtprompt.engine.compute_dtype import resolve_compute_dtype
+
+        stored = "bfloat16" if args.dtype == "bf16" else "float32"
+        out["trtprompt"] += f", computed in {resolve_compute_dtype(stored, args.compute_dtype, 'cpu').dtype}"
+    return out
 
 
 # ---- main --------------------------------------------------------------------------------

@@ -77,12 +77,13 @@ def vllm_runner(checkpoint: str, dtype: str, max_num_tokens: int, max_batch: int
     return run, llm.reset_prefix_cache
 
 
-def trtprompt_runner(engine_dir: str) -> tuple[RunFn, Callable[[], None]]:
-    """trtprompt's LLMEngine in process, block reuse on, greedy, exactly max_tokens tokens."""
+def trtprompt_runner(engine_dir: str, compute_dtype: str | None) -> tuple[RunFn, Callable[[], None]]:
+    """trtprompt's LLMEngine in process, block reuse on, greedy, exactly max_tokens tokens.
+    compute_dtype: the serve knob (None: the engine's rule, engine/compute_dtype.py)."""
     from trtprompt.engine.engine import LLMEngine
     from trtprompt.engine.request import SamplingParams
 
-    engine = LLMEngine.from_engine_dir(engine_dir, enable_kv_cache_reuse=True)
+    engine = LLMEngine.from_engine_dir(engine_dir, enable_kv_cache_reuse=True, compute_dtype=compute_dtype)
     counter = iter(range(1 << 62))
 
     def run(prompts: Prompts, max_tokens: int) -> dict[str, Any]:
@@ -147,7 +148,7 @@ def offline(args: argparse.Namespace) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-        run, reset = trtprompt_runner(args.engine)
+        run, reset = trtprompt_runner(args.engine, args.compute_dtype)
     init_s = time.perf_counter() - t0
     print(f"{args.side}: initialised in {init_s:.1f} s", flush=True)
     result = {"side": args.side, "init_s": init_s, **run_workloads(run, reset, spec, os.getpid())}
@@ -183,6 +184,8 @@ def parse_offline(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="vllm side")
     ap.add_argument("--engine", help="engine directory (trtprompt side)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (trtprompt side)")
+    ap.add_argument("--compute-dtype", choices=("float32", "bfloat16"), help="trtprompt side (unset: the engine's "
+                    "rule: a bf16 engine computes in float32 on a CPU without bf16 instructions)")
     args = ap.parse_args(argv)
     vllm = args.side == "vllm"
     if vllm != (args.checkpoint is not None) or (not vllm) != (args.engine is not None):

@@ -44,14 +44,16 @@ def fp32_logits(tiny_engine_dir):
     return prefill_logits(LLMEngine.from_engine_dir(tiny_engine_dir))
 
 
-@pytest.mark.parametrize("overrides,cache_dtype", [
-    ({"dtype": "bfloat16"}, torch.bfloat16),
-    ({"quantization": "int8_wo"}, torch.float32),
+# compute_dtype bfloat16: bf16 arithmetic on any CPU (unset, one without bf16 instructions widens to float32,
+# tests/test_bf16_cpu.py).
+@pytest.mark.parametrize("overrides,load,cache_dtype", [
+    ({"dtype": "bfloat16"}, {"compute_dtype": "bfloat16"}, torch.bfloat16),
+    ({"quantization": "int8_wo"}, {}, torch.float32),
 ])
 def test_reduced_precision_engines_run_and_stay_close(tiny_checkpoint_factory, tmp_path, fp32_logits,
-                                                      overrides, cache_dtype):
+                                                      overrides, load, cache_dtype):
     path = build(tiny_checkpoint_factory("llama"), tmp_path / "eng", **overrides)
-    engine = LLMEngine.from_engine_dir(path)
+    engine = LLMEngine.from_engine_dir(path, **load)
     assert engine.runner.kv_caches[0][0].dtype == cache_dtype
     logits = prefill_logits(engine)
     # The tiny random model's top logits sit within ~0.02 of each other, so

@@ -46,7 +46,7 @@ def _patch_build(engine: Path, **plugin: object) -> None:
 
 def test_fused_repository_parameters_and_interface(tiny_engine_dir: Path, tmp_path: Path) -> None:
     out = _serve(str(tiny_engine_dir), "--repo-only", str(tmp_path / "repo"), "--max-queue-size", "8",
-                 "--disable-kv-cache-reuse", "--engine-threads", "3")
+                 "--disable-kv-cache-reuse", "--engine-threads", "3", "--compute-dtype", "float32")
     assert out.returncode == 0, out.stderr
     configs = _configs(tmp_path / "repo")
     assert set(configs) == {"ensemble", "tensorrt_llm"}
@@ -63,7 +63,7 @@ def test_fused_repository_parameters_and_interface(tiny_engine_dir: Path, tmp_pa
         "max_tokens_in_paged_kv_cache": "32768", "max_queue_size": "8", "max_beam_width": "1",
         "exclude_input_in_output": "false", "cancellation_check_period_ms": "100",
         "stats_check_period_ms": "100", "engine_threads": "3", "kv_cache_eviction_policy": "s3fifo",
-        "engine_socket": str(tmp_path / "repo" / "engine.sock"),
+        "compute_dtype": "float32", "engine_socket": str(tmp_path / "repo" / "engine.sock"),
         "triton_max_batch_size": "16",
     }
     ens = configs["ensemble"]
@@ -144,6 +144,12 @@ def test_refuses_flags_the_engine_was_not_built_for(engine_copy: Path, tmp_path:
 def test_engine_threads_must_be_positive(tiny_engine_dir: Path, tmp_path: Path) -> None:
     out = _serve(str(tiny_engine_dir), "--repo-only", str(tmp_path / "repo"), "--engine-threads", "0")
     assert out.returncode != 0 and "engine_threads must be an integer in [1, 4096] (or unset), got 0" in out.stderr
+
+
+def test_compute_dtype_is_float32_or_the_engines_own(tiny_engine_dir: Path, tmp_path: Path) -> None:
+    out = _serve(str(tiny_engine_dir), "--repo-only", str(tmp_path / "repo"), "--compute-dtype", "bfloat16")
+    assert out.returncode != 0
+    assert "compute_dtype must be float32 or the engine's own dtype (float32), got 'bfloat16'" in out.stderr
 
 
 def test_refuses_a_directory_that_is_not_an_engine(tmp_path: Path) -> None:

@@ -187,6 +187,13 @@ def test_engine_threads_is_refused_on_the_trtllm_target(
     assert "engine_threads sets the torch target's engine process threads" in result.output
 
 
+def test_compute_dtype_is_refused_on_the_trtllm_target(
+        tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path) -> None:
+    engine = make_engine_dir("good", tmp_path / "engine", tiny_checkpoint_factory("llama"))
+    result = _repo_only(engine, tmp_path / "repo", "--compute-dtype", "float32")
+    assert result.exit_code != 0 and "compute_dtype sets the torch engine's arithmetic" in result.output
+
+
 def test_require_cache_salt_cannot_be_served_on_the_trtllm_target(
         tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path) -> None:
     engine = make_engine_dir("good", tmp_path / "engine", tiny_checkpoint_factory("llama"))

@@ -103,7 +103,8 @@ def _echo_plan(table: str, dtype: str, target: str) -> None:
 
         problem = isa.bf16_problem(isa.cpu_flags())
         if problem is not None:
-            click.echo(f"warning: --dtype bfloat16: {problem} (the engine says it again when it loads)", err=True)
+            click.echo(f"warning: --dtype bfloat16: {problem}; on such a CPU the engine computes in float32 "
+                       "(its weights widened at load; serve --compute-dtype bfloat16 keeps bf16)", err=True)
 
 
 def _print_trtllm_commands(req: Any) -> None:

@@ -16,7 +16,8 @@ from trtprompt.knobs import KNOBS, Knob, in_section
 RUNTIME_POLICY: tuple[str, ...] = tuple(k for k in in_section("runtime") if KNOBS[k].engine)
 BUILD_OPTIONS: tuple[str, ...] = (*in_section("build"), *RUNTIME_POLICY, "overflow")
 SERVE_OPTIONS: tuple[str, ...] = (*RUNTIME_POLICY, "max_batch_size", "max_num_tokens", "exclude_input_in_output",
-                                  "cancellation_check_period_ms", "stats_check_period_ms", "engine_threads", "layout",
+                                  "cancellation_check_period_ms", "stats_check_period_ms", "engine_threads", "compute_dtype",
+                                  "layout",
                                   "disk_cache_path", "disk_cache_size", "kv_remote_url", "kv_remote_password_file",
                                   "kv_tier_write_policy", "replicas",
                                   "kv_cache_eviction_policy",

@@ -235,6 +235,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     # engine shares with tritonserver and the front end, their work stalls its barrier-synchronized threads).
     _k("engine_threads", "serve", int, None, "Intra-op threads of the torch engine process (unset: one per "
        "core); fewer leave cores to tritonserver and the front end.", low=1, high=4096, nullable=True, serve=True),
+    # The torch engine's arithmetic (engine/compute_dtype.py, docs/quantization.md "bf16 on a CPU without bf16
+    # instructions"): unset widens a bf16 engine to float32 on a CPU that would emulate bf16.
+    _k("compute_dtype", "serve", str, None, "What the torch engine computes in: float32 or the engine's own "
+       "dtype (unset: its own, except that a bfloat16 engine on a CPU without avx512_bf16 or amx_bf16 computes "
+       "in float32, several times faster there, at twice the memory).", choices=("float32", "bfloat16", "float16"),
+       nullable=True, engine=True, serve=True),
     # serve --replicas (docs/replicas.md): N complete servers on disjoint cores behind sglang-router.
     _k("replicas", "serve", int, 1, "Engine processes, each with its own KV pool, cores and tritonserver, behind "
        "the one OpenAI port, routed by sglang-router's cache-aware policy (torch target).", low=1, high=1024,

@@ -104,7 +104,7 @@ def bf16_problem(flags: frozenset[str]) -> str | None:
     if any(f in flags for f in BF16_FLAGS):
         return None
     return (f"this CPU has none of {', '.join(BF16_FLAGS)}: bfloat16 matmuls run emulated, several times "
-            "slower than float32 (8x on an AVX2 EPYC); build with --dtype float32 for this machine")
+            "slower than float32 (8x on an AVX2 EPYC)")
 
 
 def requested_variant() -> str | None:

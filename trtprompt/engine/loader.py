@@ -7,12 +7,14 @@ built with paged context FMHA.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from trtprompt import knobs, rules
+from trtprompt.engine.compute_dtype import resolve_compute_dtype
 from trtprompt.engine.config import (
     DEFAULT_ATTENTION_BACKEND,
     EngineConfig,
@@ -22,6 +24,8 @@ from trtprompt.engine.config import (
 )
 from trtprompt.engine.engine_dir import EngineDir, read_engine_dir
 from trtprompt.errors import EngineDirError
+
+log = logging.getLogger(__name__)
 
 # Runtime policy the engine takes from the engine directory, then from overrides (the knob registry's).
 RUNTIME_KEYS = tuple(k for k in knobs.ENGINE_KEYS if knobs.KNOBS[k].section == "runtime")
@@ -73,6 +77,10 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
     # Without paged context FMHA on a paged KV cache the engine can neither chunk nor reuse.
     paged_ctx = not rules.paged_context_missing(build)
     device = overrides.get("device") or "cpu"
+    compute = resolve_compute_dtype(files.pretrained_config.get("dtype", "float32"), overrides.get("compute_dtype"),
+                                    device)
+    if compute.fallback is not None:
+        log.warning("dtype bfloat16: %s", compute.fallback)
     budget = overrides.get("memory_budget_bytes")
     if budget is None and runtime.get("max_tokens_in_paged_kv_cache") is None:
         budget = available_memory_bytes(device)
@@ -96,7 +104,7 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
     return EngineConfig(
         model=ModelConfig.from_pretrained_config(files.pretrained_config),
         kv_cache=kv, scheduler=sched,
-        dtype=files.pretrained_config.get("dtype", "float32"), device=device,
+        dtype=compute.dtype, device=device,
         linear_backend=overrides.get("linear_backend") or "onednn",
         attention_backend=overrides.get("attention_backend") or DEFAULT_ATTENTION_BACKEND,
     )

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from trtprompt import knobs, rules
 from trtprompt.client import API_KEY_ENV
+from trtprompt.engine.compute_dtype import check_compute_dtype
 from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.engine.kv_events import KV_EVENT_KNOBS, kv_events_config, offset_endpoint
 from trtprompt.engine.tiers.redis_store import RedisTarget, remote_password
@@ -41,6 +42,7 @@ class ServeOptions(knobs.BackendParams):
     max_batch_size: int | None = knobs.runtime_default("max_batch_size")
     max_num_tokens: int | None = knobs.runtime_default("max_num_tokens")
     engine_threads: int | None = knobs.runtime_default("engine_threads")
+    compute_dtype: str | None = knobs.runtime_default("compute_dtype")  # the torch engine's (engine/compute_dtype.py)
     replicas: int = knobs.runtime_default("replicas")  # serve --replicas (serve/launch/replicas.py)
     # The torch engine's tiers below its KV pool (docs/prefix-pool.md).
     disk_cache_path: str | None = knobs.runtime_default("disk_cache_path")
@@ -112,6 +114,11 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
     if engine.target != "torch" and opts.engine_threads is not None:
         raise ValueError("engine_threads sets the torch target's engine process threads; this engine is for "
                          f"the {engine.target} target, which has no such process: leave it unset")
+    if opts.compute_dtype is not None:
+        if engine.target != "torch":
+            raise ValueError("compute_dtype sets the torch engine's arithmetic; this engine is for the "
+                             f"{engine.target} target: leave it unset")
+        check_compute_dtype(str(engine.pretrained_config.get("dtype", "float32")), opts.compute_dtype)
     if engine.target != "torch" and opts.kv_remote_url is not None:
         raise ValueError("kv_remote_url sets the torch engine's remote KV tier; this engine is for the "
                          f"{engine.target} target: leave it unset")

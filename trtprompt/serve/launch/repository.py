@@ -249,6 +249,7 @@ def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
         "cancellation_check_period_ms": o.cancellation_check_period_ms,
         "stats_check_period_ms": o.stats_check_period_ms,
         "engine_threads": o.engine_threads,  # read by the engine process (serve/engine_process/server.py)
+        "compute_dtype": o.compute_dtype,  # the engine process's (engine_overrides)
         **tier_parameters(o),
         **kv_event_parameters(o),
         "kv_cache_eviction_policy": o.kv_cache_eviction_policy,  # the engine process's pool (engine_overrides)
