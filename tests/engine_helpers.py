@@ -19,7 +19,8 @@ ARCHS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 24}),
+    # head_dim != hidden / heads, and a multiple of every kernel variant's lanes (16 on AVX-512)
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
 }
 VOCAB = 256
 EOS = 2
