@@ -12,8 +12,8 @@ import transformers
 from trtprompt.engine.config import DEFAULT_ATTENTION_BACKEND, EngineConfig, KvCacheConfig, ModelConfig, SchedulerConfig
 from trtprompt.engine.engine import LLMEngine
 from trtprompt.engine.kv_cache import KVCacheManager
-from trtprompt.engine.request import Request, RetentionConfig, SamplingParams
 from trtprompt.engine.model import load_model_from_safetensors
+from trtprompt.engine.request import Request, RetentionConfig, SamplingParams
 
 ARCHS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),

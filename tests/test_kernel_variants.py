@@ -1,10 +1,11 @@
 """Kernel variants per instruction set (engine/isa.py): chosen from the CPU's flags, each one the
 machine supports equal to the reference.
 
-The parity tests of the compiled kernels (tests/test_layer_ops.py, tests/test_attention_paths.py) run in
-the default variant with the rest of the suite; here they run again in a child process for every other
-variant this CPU supports (one process loads one variant: they define the same ops). `make install`
-builds them all (`python -m trtprompt.engine.kernels --all`), so the children only load them.
+The parity tests of the compiled kernels (tests/test_layer_ops.py, tests/test_attention_paths.py and the
+int8 KV kernels' in tests/test_kv_int8.py) run in the default variant with the rest of the suite; here
+they run again in a child process for every other variant this CPU supports (one process loads one
+variant: they define the same ops). `make install` builds them all (`python -m trtprompt.engine.kernels
+--all`), so the children only load them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from trtprompt.engine import isa, kernels
 
 AVX2_FLAGS = frozenset("fpu sse2 avx avx2 fma f16c".split())
 AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile"}
-PARITY = "fast_paths_equal_reference or log_sum_exp or rms_norm or silu or rotary"
+PARITY = "fast_paths_equal_reference or log_sum_exp or rms_norm or silu or rotary or int8_in_place"
 
 
 def test_flags_are_read_from_cpuinfo_on_x86_and_arm(tmp_path: Path) -> None:
@@ -81,6 +82,6 @@ def test_every_other_supported_variant_equals_the_reference(variant: str) -> Non
                                     f"{isa.BY_NAME[variant].lanes}-float vectors)", status.stderr[-2000:]
     tests = Path(__file__).parent
     out = _child(variant, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", PARITY,
-                 str(tests / "test_layer_ops.py"), str(tests / "test_attention_paths.py"))
+                 *(str(tests / f) for f in ("test_layer_ops.py", "test_attention_paths.py", "test_kv_int8.py")))
     assert out.returncode == 0, out.stdout[-3000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-500:]
