@@ -8,6 +8,11 @@ requests in flight), their message tagged with their code (error_codes.py).
 
 from __future__ import annotations
 
+# Imported here, while the model loads, for the stub's sake: Triton 2.51's Python stub imports asyncio
+# on the first execute() (to tell a coroutine from None), in its main thread, and a per-request thread
+# sending a response during that import crashed the stub with SIGSEGV ("Stub process ... is not
+# healthy" for every later request; docs/design.md, "Triton facts"). Loaded now, that import finds it.
+import asyncio  # noqa: F401
 import faulthandler
 import functools
 import json
