@@ -13,20 +13,30 @@ from trtprompt.error_codes import BadRequestError, ErrorCode, FieldError, Reques
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.edge import PromptEdge
 from trtprompt.serve.wire import protocol as P
-from trtprompt.serve.wire.requests import (Outputs, TextRequest, TokenRequest, prepare, sampling_from_wire,
-                                           sampling_to_wire)
+from trtprompt.serve.wire.requests import (
+    Outputs,
+    TextRequest,
+    TokenRequest,
+    prepare,
+    sampling_from_wire,
+    sampling_to_wire,
+)
 from trtprompt.tokenizer import Tokenizer
 
 
 def test_the_submit_frame_carries_sampling_params_unchanged() -> None:
     sampling = SamplingParams(max_tokens=9, temperature=0.5, top_k=4, top_p=0.9, seed=2**63, min_tokens=3,
-                              stop_token_ids=((5, 6), (7,)))
+                              stop_token_ids=((5, 6), (7,)), n=3, logprobs=2, prompt_logprobs=0,
+                              logit_bias=((4, -1.5), (9, 2.0)), bad_words=((3, 4), (8,)), allowed_token_ids=(1, 2),
+                              include_stop_in_output=True)
     req = TokenRequest((1, 2, 3), sampling, stream=True, outputs=Outputs(return_perf_metrics=True), cache_salt="s")
     frame = json.loads(P.encode_frame(req.to_wire("42"))[4:])  # through the real encoding
     assert (frame["op"], frame["id"], frame["prompt_token_ids"], frame["cache_salt"], frame["perf"]) == \
         ("submit", "42", [1, 2, 3], "s", True)
     assert sampling_from_wire(frame["params"]) == sampling
-    assert sampling_to_wire(sampling)["stop_token_ids"] == [[5, 6], [7]]
+    assert frame["params"]["stop_token_ids"] == [[5, 6], [7]]
+    assert frame["params"]["logit_bias"] == [[4, -1.5], [9, 2.0]]
+    assert sampling_to_wire(SamplingParams(max_tokens=3)) == {"max_tokens": 3}  # defaults stay off the frame
 
 
 def test_a_frame_is_checked_again_where_it_arrives() -> None:

@@ -21,9 +21,17 @@ from trtprompt.engine.kv_events import KvEventPublisher, kv_events_config
 from trtprompt.engine.loader import engine_config, read_engine_files
 from trtprompt.engine.model import DecoderModel, load_model_from_safetensors
 from trtprompt.engine.quant_w8a8 import bits_of
-from trtprompt.engine.request import FinishReason, Request, RequestOutput, RetentionConfig, SamplingParams
-from trtprompt.engine.runner import ModelRunner
-from trtprompt.engine.sampler import SampleFailure, sample
+from trtprompt.engine.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    RetentionConfig,
+    SamplingParams,
+    TokenLogprob,
+)
+from trtprompt.engine.runner import ModelRunner, PromptRows, StepLogits
+from trtprompt.engine.sampler import SampleFailure, attach_logprobs, logprob_entries, raw_logprobs, sample
 from trtprompt.engine.scheduler import Scheduler, SchedulerOutput
 from trtprompt.engine.stopping import check_stop, visible_output_len
 from trtprompt.engine.tiers.config import TIER_KNOBS, TierConfig
@@ -106,8 +114,12 @@ class LLMEngine:
         self.kv_events = self._open_kv_events(config)
         self.end_ids = frozenset(end_ids)
         self.limits = RequestLimits(config.scheduler.max_input_len, config.scheduler.max_seq_len,
-                                    config.model.vocab_size, num_blocks, tpb)
-        self.requests: dict[str, Request] = {}
+                                    config.model.vocab_size, num_blocks, tpb, config.scheduler.max_batch_size)
+        self.requests: dict[str, Request] = {}  # by engine id: a request's sequences each have one
+        self.groups: dict[str, list[Request]] = {}  # by request id: its sequences, index order
+        # Sequences 1.. of a request with n > 1, held until sequence 0 has computed the prompt (by its
+        # engine id); then queued first and admitted on its blocks (scheduler._admit_fork).
+        self._forks: dict[str, list[Request]] = {}
         self.iteration_counter = 0
         self._pending: list[RequestOutput] = []
         self._last_step = SchedulerOutput()
@@ -184,26 +196,44 @@ class LLMEngine:
             raise QueueFullError(limit)
         params = checked.params
         end_ids = params.end_ids(self.end_ids)
-        req = Request(request_id, list(checked.prompt_token_ids), params, checked.max_output_tokens, end_ids,
-                      cache_salt, arrival_time_ns or time.time_ns(), checked.warning, retention)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
+        arrival = arrival_time_ns or time.time_ns()
+        group = [Request(request_id if i == 0 else f"{request_id}#{i}", list(checked.prompt_token_ids), params,
+                         checked.max_output_tokens, end_ids, cache_salt, arrival, checked.warning, retention,
+                         request_id, i) for i in range(params.n)]
+        for req in group:
+            self.requests[req.request_id] = req
+        self.groups[request_id] = group
+        if len(group) > 1:
+            self._forks[request_id] = group[1:]
+            for fork in group[1:]:
+                fork.held_fork = True
+        self.scheduler.add(group[0])
 
     def _refuse_duplicate(self, request_id: str) -> None:
-        if request_id in self.requests:
+        if request_id in self.groups:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
 
     def abort(self, request_id: str) -> bool:
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
+        group = self.groups.get(request_id)
+        if group is None:
             return False
-        self._finish(req, FinishReason.ABORTED)
-        self._pending.append(self._output(req))
+        for req in group:
+            if not req.is_finished:
+                self._finish(req, FinishReason.ABORTED)
+                self._pending.append(self._output(req))
         return True
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or a final output (e.g. of an abort) awaits step()."""
         return bool(self.requests) or bool(self._pending)
+
+    def _release_forks(self, req: Request) -> None:
+        """req (sequence 0) has computed its prompt: its held sequences queue first, forked from it."""
+        forks = self._forks.pop(req.request_id, None)
+        if forks:
+            for fork in forks:
+                fork.fork_of, fork.held_fork = req, False
+            self.scheduler.add_first(forks)
 
     def close(self) -> None:
         """Stop the tiers' threads (queued writes get a few seconds to finish)."""
@@ -245,10 +275,29 @@ class LLMEngine:
                 outputs.extend(self._fail_step(sched, f"engine error: the model step failed: "
                                                       f"{type(exc).__name__}: {exc}"))
                 return outputs
+            self._record_prompt_logprobs(logits)
             samplers = [s.request for s in sched.scheduled if s.samples]
-            tokens = sample(logits, samplers) if samplers else []
-        outputs.extend(self._update(sched, tokens))
+            tokens, logprobs = self._sample(logits, samplers)
+        outputs.extend(self._update(sched, tokens, logprobs))
         return outputs
+
+    @staticmethod
+    def _sample(logits: StepLogits, reqs: list[Request]) -> tuple[list[int | SampleFailure],
+                                                                 list[TokenLogprob | None]]:
+        """Each request's token, and its log probabilities where asked for (taken from the logits
+        before sample() processes them in place)."""
+        if not reqs:
+            return [], []
+        raw = raw_logprobs(logits.sampled, reqs)
+        tokens = sample(logits.sampled, reqs)
+        return tokens, attach_logprobs(raw, reqs, tokens)
+
+    @staticmethod
+    def _record_prompt_logprobs(logits: StepLogits) -> None:
+        for rows, values in logits.prompt:
+            req = rows.request
+            scored = req.all_token_ids[rows.first_position + 1:rows.first_position + 1 + rows.count]
+            req.prompt_logprobs.extend(prompt_logprobs(rows, values, scored))
 
     def _fail_step(self, sched: SchedulerOutput, message: str) -> list[RequestOutput]:
         """Finish every request of a step whose forward raised; requests outside it go on.
@@ -258,14 +307,21 @@ class LLMEngine:
         outputs = []
         for s in sched.scheduled:
             if not s.request.is_finished:
-                self._finish(s.request, FinishReason.ERROR)
-                outputs.append(self._output(s.request, error=message))
+                outputs.append(self._fail(s.request, message))
         return outputs
 
-    def _update(self, sched: SchedulerOutput, tokens: list[int | SampleFailure]) -> list[RequestOutput]:
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        """Finish req's whole request (every sequence) with an error: its one final output."""
+        for member in self.groups.get(req.group_id, [req]):
+            if not member.is_finished:
+                self._finish(member, FinishReason.ERROR)
+        return self._output(req, error=message)
+
+    def _update(self, sched: SchedulerOutput, tokens: list[int | SampleFailure],
+                logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:
         outputs = []
         now = time.time_ns()
-        it = iter(tokens)
+        it = iter(zip(tokens, logprobs))
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens = s.context_len + s.num_new_tokens
@@ -274,40 +330,65 @@ class LLMEngine:
             self.kv.cache_computed(req)
             if not s.samples:
                 continue
-            token = next(it)
+            token, logprob = next(it)
             if isinstance(token, SampleFailure):
                 log.warning("request %s failed sampling: %s", req.request_id, token.reason)
-                self._finish(req, FinishReason.ERROR)
-                outputs.append(self._output(req, error=f"engine error: sampling failed for this request "
-                                                       f"(the rest of its batch went on): {token.reason}"))
+                outputs.append(self._fail(req, f"engine error: sampling failed for this request "
+                                               f"(the rest of its batch went on): {token.reason}"))
                 continue
+            self._release_forks(req)
             if req.stats.first_token_time_ns is None:
                 req.stats.first_token_time_ns = now
             req.stats.last_token_time_ns = now
-            reason = check_stop(req, token)
+            # max_tokens 0 (prompt scoring): the prompt is computed, nothing is generated.
+            reason = FinishReason.LENGTH if req.max_output_tokens == 0 else check_stop(req, token, logprob)
             if reason is not None:
                 self._finish(req, reason)
             out = self._output(req)
-            if out.new_token_ids or out.finished:
+            if out.new_token_ids or out.sequence_finished or out.prompt_logprobs is not None:
                 outputs.append(out)
         return outputs
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
-        self.scheduler.finish(req)
+        if req.held_fork:
+            req.status = RequestStatus.FINISHED  # the scheduler never had it
+        else:
+            self.scheduler.finish(req)
         del self.requests[req.request_id]
+        group = self.groups.get(req.group_id)
+        if group is not None and all(member.is_finished for member in group):
+            del self.groups[req.group_id]
+            self._forks.pop(group[0].request_id, None)
 
     def _output(self, req: Request, error: str | None = None) -> RequestOutput:
         visible = visible_output_len(req)
-        new = req.output_token_ids[req.num_emitted:visible]
+        start = req.num_emitted
+        new = req.output_token_ids[start:visible]
         req.num_emitted = max(req.num_emitted, visible)
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=new, finished=req.is_finished,
+            request_id=req.group_id, new_token_ids=new, finished=req.group_id not in self.groups,
             num_input_tokens=req.num_prompt_tokens, num_output_tokens=req.num_emitted,
             finish_reason=req.finish_reason, error=error, warning=req.warning, stats=req.stats,
             error_code=None if error is None else ErrorCode.INTERNAL,  # a step or sampling fault
-            stopped_by_end_id=req.finish_reason is FinishReason.STOP and req.stop_trim == 0,
+            stopped_by_end_id=req.finish_reason is FinishReason.STOP and not req.stopped_by_word,
+            sequence_index=req.sequence_index, sequence_finished=req.is_finished,
+            **self._logprob_fields(req, start, req.num_emitted),
         )
+
+    @staticmethod
+    def _logprob_fields(req: Request, start: int, end: int) -> dict[str, Any]:
+        """The output's logprobs (for its new tokens), cum_logprob, and the prompt's once computed."""
+        fields: dict[str, Any] = {}
+        if req.params.logprobs is not None:
+            fields["logprobs"] = req.token_logprobs[start:end]
+            req.cum_emitted += sum(lp.logprob for lp in fields["logprobs"])
+            fields["cum_logprob"] = req.cum_emitted
+        done = len(req.prompt_logprobs) == req.num_prompt_tokens - 1
+        if req.params.prompt_logprobs is not None and req.sequence_index == 0 and done and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True
+            fields["prompt_logprobs"] = [None, *req.prompt_logprobs]
+        return fields
 
     def stats(self) -> EngineStats:
         kv, sched = self.kv, self.scheduler
@@ -341,6 +422,13 @@ class LLMEngine:
         snaps = tuple(tiers.snapshot())
         return {"pool_hit_blocks": self.kv.reused_blocks - sum(t.hit_blocks for t in snaps),
                 "loading_requests": len(self.scheduler.loading), "kv_tiers": snaps}
+
+
+def prompt_logprobs(rows: PromptRows, logits: torch.Tensor, scored: list[int]) -> list[TokenLogprob]:
+    """TokenLogprob of each scored prompt token from the logits rows before it (one log_softmax)."""
+    values = torch.log_softmax(logits.float(), dim=-1)
+    k = rows.request.params.prompt_logprobs or 0
+    return logprob_entries(values, scored, [k] * len(scored))
 
 
 def kv_fragmentation(kv: KVCacheManager, requests: Iterable[Request], reserving: bool) -> float:

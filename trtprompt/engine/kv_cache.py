@@ -73,7 +73,7 @@ class KVCacheManager:
 
         The last token is always recomputed: its logits are needed to sample.
         """
-        if not self.enable_block_reuse:
+        if not self.enable_block_reuse or not req.reuses_prefix:
             return []
         limit = req.num_tokens - 1
         self._update_hashes(req, limit)
@@ -84,6 +84,27 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def fork_source(self, req: Request) -> tuple[list[Block], Block] | None:
+        """The blocks a forked sequence takes from req.fork_of: the full blocks before its last prompt
+        token, shared, and the block holding that token, to be copied (None: the parent no longer
+        holds its computed prompt, and req is admitted as any request is)."""
+        parent = req.fork_of
+        table = self.block_tables.get(parent.request_id) if parent is not None else None
+        if parent is None or table is None or parent.num_computed_tokens < req.num_prompt_tokens:
+            return None
+        shared = (req.num_prompt_tokens - 1) // self.tokens_per_block
+        return table[:shared], table[shared]
+
+    def fork(self, req: Request, shared: list[Block]) -> int:
+        """Give req the shared blocks and one new block for its last prompt token (the copy of its
+        parent's), leaving that token to compute: its logits are needed to sample. Returns the new
+        block's id. The caller checked that the blocks fit (allocate would say so)."""
+        if not self.allocate(req, req.num_tokens - len(shared) * self.tokens_per_block, shared):
+            raise RuntimeError(f"fork of request {req.request_id}: no free block for its copy")
+        req.num_computed_tokens = req.num_tokens - 1
+        self._note_computed(req)
+        return self.block_tables[req.request_id][len(shared)].block_id
 
     def free_blocks_needed(self, hits: list[Block], num_new_blocks: int) -> int:
         """Free-queue blocks consumed: new blocks plus hits revived from the free queue."""
@@ -151,7 +172,7 @@ class KVCacheManager:
 
         Checked after find_prefix, so req.block_hashes covers its reusable blocks.
         """
-        if not self.enable_block_reuse:
+        if not self.enable_block_reuse or not req.reuses_prefix:
             return False
         limit = (req.num_tokens - 1) // self.tokens_per_block
         return num_hits < limit and req.block_hashes[num_hits] in self._in_flight

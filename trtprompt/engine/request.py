@@ -45,6 +45,14 @@ FLOAT_BOUNDS: dict[str, Bound] = {
 }
 
 
+# The most top log probabilities one token may ask for (OpenAI's top_logprobs bound; vLLM's max_logprobs
+# default). Each costs a (token id, log probability) pair per token on the wire.
+MAX_LOGPROBS = 20
+# The most sequences one request may ask for (OpenAI's n and best_of, Triton's num_return_sequences); the
+# engine also refuses more than its max_batch_size (validation.py), since they run side by side.
+MAX_SEQUENCES = 128
+
+
 def check_bound(field_name: str, value: float) -> None:
     """Raise FieldError naming field_name if value is outside its bound."""
     bound = FLOAT_BOUNDS[field_name]
@@ -81,10 +89,31 @@ class SamplingParams:
     # Token ids that end the request as the end token does, not kept in the output (vLLM's and
     # SGLang's stop_token_ids; what transformers does with extra eos_token_id entries).
     extra_end_ids: tuple[int, ...] = ()
+    # Sequences generated from the one prompt, prefilled once (engine.py, "forks"); each samples
+    # with its own generator, seeded seed + index.
+    n: int = 1
+    # Log probabilities of each output token (None: none; 0: the chosen token's; k: also the k most
+    # likely), and of each prompt token after the first. Taken from the model's logits before any
+    # processing (temperature, penalties, bias, masks): vLLM's default "raw" mode (docs/logprobs.md).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # (token id, bias) added to that token's logit before choosing (OpenAI logit_bias, TensorRT-LLM's
+    # embedding bias); sorted by id, one entry per id.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Token sequences never generated: the last token of each is banned where the output so far ends
+    # with the rest of it (a one-token word is always banned).
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    # Only these token ids may be chosen (vLLM's allowed_token_ids); None: any.
+    allowed_token_ids: tuple[int, ...] | None = None
+    # A matched stop word stays in the output (vLLM's include_stop_str_in_output).
+    include_stop_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise FieldError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        scoring_only = self.max_tokens == 0 and self.prompt_logprobs is not None
+        if not isinstance(self.max_tokens, int) or (self.max_tokens <= 0 and not scoring_only):
+            raise FieldError("max_tokens", f"must be a positive integer (0 only with prompt_logprobs), "
+                                           f"got {self.max_tokens!r}")
+        self._check_vocabulary_controls()
         for name in ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             check_bound(name, getattr(self, name))
         if self.top_p is not None:
@@ -100,6 +129,32 @@ class SamplingParams:
             raise FieldError("stop_token_ids", "must not contain an empty sequence")
         if any(t < 0 for t in self.extra_end_ids):
             raise FieldError("extra_end_ids", f"must be token ids >= 0, got {list(self.extra_end_ids)}")
+
+    def _check_vocabulary_controls(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_SEQUENCES:
+            raise FieldError("n", f"must be an integer in [1, {MAX_SEQUENCES}], got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise FieldError(name, f"must be an integer in [0, {MAX_LOGPROBS}] or unset, got {k!r}")
+        ids = [t for t, _ in self.logit_bias]
+        if any(t < 0 for t in ids) or len(set(ids)) != len(ids):
+            raise FieldError("logit_bias", "must map distinct token ids >= 0 to biases")
+        if any(not math.isfinite(b) for _, b in self.logit_bias):
+            raise FieldError("logit_bias", "biases must be finite numbers")
+        if any(len(w) == 0 or min(w) < 0 for w in self.bad_words):
+            raise FieldError("bad_words", "must be non-empty token sequences of ids >= 0")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise FieldError("allowed_token_ids", "must be a non-empty list of token ids >= 0")
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id this request names outside its prompt (the engine checks them against its vocabulary)."""
+        named = [t for t, _ in self.logit_bias] + [t for w in self.bad_words for t in w]
+        return named + list(self.allowed_token_ids or ()) + list(self.extra_end_ids)
+
+    @property
+    def has_vocabulary_controls(self) -> bool:
+        return bool(self.logit_bias or self.bad_words) or self.allowed_token_ids is not None
 
     def end_ids(self, model_end_ids: frozenset[int]) -> frozenset[int]:
         """The ids that end this request: its end_id or the model's end tokens (none with
@@ -227,9 +282,23 @@ class RequestStats:
     num_preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log probability: the token there, its value and the `top` most likely
+    (token id, log probability) pairs, most likely first (as many as the request asked for)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
-    """One update for a request: the tokens new since the last update."""
+    """One update for a request: the tokens new since the last update.
+
+    With n > 1 a request's sequences report apart (sequence_index); `finished` is set once, on
+    the output that finishes the last of them, `sequence_finished` on each sequence's own last.
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -244,6 +313,14 @@ class RequestOutput:
     stats: RequestStats = field(default_factory=RequestStats)
     # STOP by the end token rather than a stop word (monitoring counts them apart).
     stopped_by_end_id: bool = False
+    sequence_index: int = 0
+    sequence_finished: bool = False
+    # With params.logprobs set: one per new token, and the sum over the whole output so far.
+    logprobs: list[TokenLogprob] | None = None
+    cum_logprob: float | None = None
+    # With params.prompt_logprobs set, on the first output of each sequence: one per prompt token,
+    # None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Request:
@@ -252,8 +329,11 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_output_tokens: int, end_ids: frozenset[int], cache_salt: str | None,
                  arrival_time_ns: int, warning: str | None = None,
-                 retention: RetentionConfig | None = None) -> None:
-        self.request_id = request_id
+                 retention: RetentionConfig | None = None, group_id: str | None = None,
+                 sequence_index: int = 0) -> None:
+        self.request_id = request_id  # unique in the engine; a sequence of n > 1 has its own
+        self.group_id = request_id if group_id is None else group_id  # the id its outputs carry
+        self.sequence_index = sequence_index
         self.prompt_token_ids = prompt_token_ids
         self.all_token_ids = list(prompt_token_ids)
         self.params = params
@@ -273,6 +353,20 @@ class Request:
         self.tier_checked = False  # its prefix was looked up below the pool once (engine/tiers/)
         self.generator: torch.Generator | None = None  # the sampler's, seeded on first use
         self.stats = RequestStats(arrival_time_ns=arrival_time_ns)
+        # A sequence forked from another's prompt (engine.py): admitted on that request's blocks.
+        self.fork_of: Request | None = None
+        self.held_fork = False  # a sequence 1.. waiting for sequence 0's prompt, not yet scheduled
+        self.token_logprobs: list[TokenLogprob] = []  # params.logprobs: one per output token
+        self.cum_emitted = 0.0  # the sum of the emitted tokens' log probabilities
+        self.stopped_by_word = False  # finished by a stop word (kept in the output or not)
+        # params.prompt_logprobs: the log probabilities of prompt tokens 1, 2, ... computed so far
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs_sent = False
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """False when every prompt position must be computed (its prompt logprobs need their logits)."""
+        return self.params.prompt_logprobs is None
 
     @property
     def num_tokens(self) -> int:
@@ -290,6 +384,8 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         self.all_token_ids.append(token_id)
         self.num_output += 1
+        if logprob is not None:
+            self.token_logprobs.append(logprob)

@@ -12,9 +12,20 @@ from trtprompt.engine.host_memory import keep_freed_memory
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.layer_ops import layer_ops
 from trtprompt.engine.model import DecoderModel
+from trtprompt.engine.request import Request
 from trtprompt.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Logits rows of one request's prompt positions this step, for its prompt log probabilities:
+    the row at position p scores prompt token p + 1."""
+
+    request: Request
+    first_position: int
+    count: int
 
 
 @dataclass(frozen=True)
@@ -24,7 +35,28 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # packed rows whose logits are sampled, in scheduling order
+    # Packed rows whose logits are wanted: the sampled rows in scheduling order, then each
+    # PromptRows' rows in turn.
+    logits_rows: torch.Tensor
+    prompt_rows: tuple[PromptRows, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """float32 logits of one step: [sampling requests, vocab] in scheduling order, and each
+    PromptRows' [count, vocab]."""
+
+    sampled: torch.Tensor
+    prompt: tuple[tuple[PromptRows, torch.Tensor], ...] = ()
+
+
+def prompt_positions(req: Request, start: int, end: int) -> range:
+    """Positions in [start, end) whose logits score a prompt token req still lacks the log probability of
+    (sequence 0 of a request with prompt_logprobs; the rest share its prompt)."""
+    if req.params.prompt_logprobs is None or req.sequence_index != 0:
+        return range(0)
+    first = max(start, len(req.prompt_logprobs))
+    return range(first, min(end, req.num_prompt_tokens - 1))
 
 
 class ModelRunner:
@@ -50,23 +82,46 @@ class ModelRunner:
         positions: list[int] = []
         slices: list[SeqSlice] = []
         logits_rows: list[int] = []
+        prompt_rows: list[PromptRows] = []
+        extra_rows: list[int] = []
         for s in out.scheduled:
             start, end = s.context_len, s.context_len + s.num_new_tokens
+            first_row = len(ids)
             ids.extend(s.request.all_token_ids[start:end])
             positions.extend(range(start, end))
             slices.append(SeqSlice(start, s.num_new_tokens, kv.block_ids(s.request.request_id)))
             if s.samples:
                 logits_rows.append(len(ids) - 1)
+            wanted = prompt_positions(s.request, start, end)
+            if wanted:
+                prompt_rows.append(PromptRows(s.request, wanted.start, len(wanted)))
+                extra_rows.extend(first_row + p - start for p in wanted)
         dev = self.device
         return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev),
                           self.metadata(slices),
-                          torch.tensor(logits_rows, dtype=torch.long, device=dev))
+                          torch.tensor(logits_rows + extra_rows, dtype=torch.long, device=dev),
+                          tuple(prompt_rows))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source id, destination id) in every layer, K and V."""
+        src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
+        for layer in self.kv_caches:
+            for cache in layer[:2]:
+                cache[dst] = cache[src]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
-        """Logits [num sampling requests, vocab] in float32, in scheduling order."""
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepLogits:
+        """The step's logits (StepLogits) in float32."""
+        if out.block_copies:
+            self.copy_blocks(out.block_copies)
         step = self.prepare(out, kv)
         logits: torch.Tensor = self.model(step.input_ids, step.positions, step.meta, self.kv_caches,
                                           step.logits_rows, self.ops)  # nn.Module calls are typed Any
-        return logits
+        num_sampled = len(step.logits_rows) - sum(r.count for r in step.prompt_rows)
+        prompt, at = [], num_sampled
+        for rows in step.prompt_rows:
+            prompt.append((rows, logits[at:at + rows.count]))
+            at += rows.count
+        return StepLogits(logits[:num_sampled], tuple(prompt))

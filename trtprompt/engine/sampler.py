@@ -1,5 +1,6 @@
-"""Turn last-token logits into next tokens: penalties, min_tokens, greedy or seeded sampling
-(temperature, top-k, top-p, min-p).
+"""Turn last-token logits into next tokens: penalties, min_tokens, vocabulary controls (logit bias,
+bad words, allowed ids), greedy or seeded sampling (temperature, top-k, top-p, min-p), and the log
+probabilities a request asked for.
 
 Each request is sampled inside its own guard: a request whose row cannot be
 sampled (its logits are NaN or all -inf, or sampling raises) gets a
@@ -14,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from trtprompt.engine.request import Request, SamplingParams
+from trtprompt.engine.request import Request, SamplingParams, TokenLogprob
 
 
 def apply_penalties(row: torch.Tensor, req: Request) -> None:
@@ -42,6 +43,34 @@ def mask_end_tokens(row: torch.Tensor, req: Request) -> None:
         row[list(req.end_ids)] = float("-inf")
 
 
+def apply_vocabulary_controls(row: torch.Tensor, req: Request) -> None:
+    """In-place on one logits row: logit_bias added, then bad words and ids outside allowed_token_ids
+    set to -inf (a bias never revives a banned token)."""
+    p = req.params
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=row.device)
+    if p.bad_words:
+        banned = banned_tokens(req.output_token_ids, p.bad_words)
+        if banned:
+            row[banned] = float("-inf")
+    if p.allowed_token_ids is not None:
+        keep = row[list(p.allowed_token_ids)].clone()
+        row.fill_(float("-inf"))
+        row[list(p.allowed_token_ids)] = keep
+
+
+def banned_tokens(output: list[int], bad_words: tuple[tuple[int, ...], ...]) -> list[int]:
+    """Last tokens of the bad words whose other tokens end the output now (vLLM's rule: the output
+    only, not the prompt)."""
+    banned = []
+    for word in bad_words:
+        head = len(word) - 1
+        if head == 0 or (len(output) >= head and tuple(output[-head:]) == word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
 def sampling_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a sampled token is drawn from (unnormalized): temperature, then top-k,
     top-p and min-p, in transformers' order of its warpers (the oracle of tests/test_openai_extensions.py)."""
@@ -66,7 +95,8 @@ def sample_row(row: torch.Tensor, req: Request) -> int:
     p = req.params
     if req.generator is None:
         gen = torch.Generator(device=row.device)
-        gen.manual_seed(p.seed if p.seed is not None else 0)
+        # Sequence i of a request with n > 1 draws from seed + i: its own stream, reproducible.
+        gen.manual_seed(((p.seed if p.seed is not None else 0) + req.sequence_index) % 2**64)
         req.generator = gen
     return int(torch.multinomial(sampling_probs(row, p), 1, generator=req.generator).item())
 
@@ -103,6 +133,57 @@ def _prepare_row(row: torch.Tensor, req: Request) -> None:
         apply_penalties(row, req)
     if req.params.min_tokens:
         mask_end_tokens(row, req)
+    if req.params.has_vocabulary_controls:
+        apply_vocabulary_controls(row, req)
+
+
+@dataclass(frozen=True)
+class RawLogprobs:
+    """log_softmax of the rows whose requests asked for log probabilities, taken before any processing."""
+
+    rows: list[int]  # index into the step's requests
+    values: torch.Tensor  # [len(rows), vocab]
+
+
+def raw_logprobs(logits: torch.Tensor, reqs: Sequence[Request]) -> RawLogprobs | None:
+    """One log_softmax over every row that wants log probabilities (None when no row does)."""
+    rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    if not rows:
+        return None
+    picked = logits if len(rows) == len(reqs) else logits[rows]
+    return RawLogprobs(rows, torch.log_softmax(picked.float(), dim=-1))
+
+
+def logprob_entries(values: torch.Tensor, chosen: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
+    """TokenLogprob per row of values [R, vocab] (log probabilities) for its chosen token, with its
+    ks[r] most likely: one gather and one topk for all rows, one transfer to Python."""
+    index = torch.tensor(chosen, dtype=torch.long, device=values.device).unsqueeze(1)
+    picked = values.gather(1, index).squeeze(1).tolist()
+    k_max = max(ks, default=0)
+    tops: list[list[float]] = []
+    ids: list[list[int]] = []
+    if k_max:
+        top = torch.topk(values, k_max, dim=-1)
+        tops, ids = top.values.tolist(), top.indices.tolist()
+    return [TokenLogprob(t, picked[r], tuple(zip(ids[r][:k], tops[r][:k])) if k else ())
+            for r, (t, k) in enumerate(zip(chosen, ks))]
+
+
+def attach_logprobs(raw: RawLogprobs | None, reqs: Sequence[Request],
+                    tokens: Sequence[int | SampleFailure]) -> list[TokenLogprob | None]:
+    """Each request's TokenLogprob for the token it got this step (None: not asked for, or no token)."""
+    out: list[TokenLogprob | None] = [None] * len(reqs)
+    if raw is None:
+        return out
+    kept = [(j, i) for j, i in enumerate(raw.rows) if not isinstance(tokens[i], SampleFailure)]
+    if not kept:
+        return out
+    values = raw.values[[j for j, _ in kept]] if len(kept) != len(raw.rows) else raw.values
+    chosen = [int(tokens[i]) for _, i in kept]  # type: ignore[arg-type]  # failures are filtered out above
+    entries = logprob_entries(values, chosen, [reqs[i].params.logprobs or 0 for _, i in kept])
+    for (_, i), entry in zip(kept, entries):
+        out[i] = entry
+    return out
 
 
 def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int | SampleFailure]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from trtprompt.engine.block_pool import Block
 from trtprompt.engine.config import SchedulerConfig
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.request import Request, RequestStatus
@@ -38,6 +39,9 @@ class SchedulerOutput:
     num_context_requests: int = 0
     num_generation_requests: int = 0
     total_context_tokens: int = 0
+    # KV blocks to copy (source id, destination id) before the step runs: forked sequences' last
+    # prompt block (copy on write of the block their parent goes on writing).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class _Step:
@@ -101,6 +105,13 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
         self.num_waiting += 1
+
+    def add_first(self, reqs: list[Request]) -> None:
+        """Queue reqs ahead of everything waiting, in their order (forked sequences: they arrived
+        with a request already running)."""
+        for req in reversed(reqs):
+            self.waiting.appendleft(req)
+        self.num_waiting += len(reqs)
 
     def is_generation(self, req: Request) -> bool:
         return req.num_output > 0 and req.num_tokens - req.num_computed_tokens == 1
@@ -219,6 +230,10 @@ class Scheduler:
                 self.waiting.appendleft(req)
 
     def _admit(self, req: Request, step: _Step) -> bool:
+        source = self.kv.fork_source(req) if req.fork_of is not None else None
+        req.fork_of = None  # once: after a preemption it recomputes as any request does
+        if source is not None:
+            return self._admit_fork(req, source[0], source[1].block_id, step)
         hits = self.kv.find_prefix(req)
         if self.kv.next_block_in_flight(req, len(hits)):
             # A running request is computing this prefix now: wait a step and reuse it
@@ -229,26 +244,44 @@ class Scheduler:
         num_new = self._chunk(req, remaining, step.budget)
         if num_new == 0:
             return False
-        if self.guaranteed:
-            # guaranteed_no_evict: admit only if prompt + max output fit in the
-            # free blocks not already promised to running requests, so nothing
-            # admitted is ever preempted.
-            total = self.kv.blocks_for(req.num_prompt_tokens + req.max_output_tokens)
-            needed = self.kv.free_blocks_needed(hits, total - len(hits))
-            if needed > self.kv.num_free_blocks - self.outstanding_reservations:
-                return False
-            req.reserved_blocks = total
+        if not self._reserve(req, hits):
+            return False
         if not self.kv.allocate(req, num_new, hits):
             return False
         self.kv.record_lookup(req, len(hits))
         self.kv.mark_in_flight(req, len(hits))
+        self._run(req, num_new, step)
+        return True
+
+    def _reserve(self, req: Request, held: list[Block]) -> bool:
+        """guaranteed_no_evict: admit only if prompt + max output fit in the free blocks not already
+        promised to running requests, so nothing admitted is ever preempted (held: blocks req takes
+        that others hold or cache)."""
+        if not self.guaranteed:
+            return True
+        total = self.kv.blocks_for(req.num_prompt_tokens + req.max_output_tokens)
+        needed = self.kv.free_blocks_needed(held, total - len(held))
+        if needed > self.kv.num_free_blocks - self.outstanding_reservations:
+            return False
+        req.reserved_blocks = total
+        return True
+
+    def _admit_fork(self, req: Request, shared: list[Block], source_block: int, step: _Step) -> bool:
+        """A sequence forked from a running request: its prompt's blocks shared, the last one copied,
+        one token computed (the last prompt token's, for its logits)."""
+        if not self._reserve(req, shared) or self.kv.free_blocks_needed(shared, 1) > self.kv.num_free_blocks:
+            return False
+        step.out.block_copies.append((source_block, self.kv.fork(req, shared)))
+        self._run(req, 1, step)
+        return True
+
+    def _run(self, req: Request, num_new: int, step: _Step) -> None:
         if req.status is RequestStatus.PREEMPTED:
             self.num_paused -= 1
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self._running_reserved_blocks += req.reserved_blocks
         step.add(req, num_new, is_context=True)
-        return True
 
     def finish(self, req: Request) -> None:
         """Release a finished request's blocks; a waiting one leaves `waiting` at the next pass."""

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-from trtprompt.engine.request import FinishReason, Request
+from trtprompt.engine.request import FinishReason, Request, TokenLogprob
 
 
-def check_stop(req: Request, token: int) -> FinishReason | None:
-    """Record the sampled token and say whether the request is done.
+def check_stop(req: Request, token: int, logprob: TokenLogprob | None = None) -> FinishReason | None:
+    """Record the sampled token (and its log probability) and say whether the request is done.
 
-    The end token itself is not part of the output (TensorRT-LLM's rule).
+    The end token itself is not part of the output (TensorRT-LLM's rule); a stop word is trimmed
+    unless the request keeps it (include_stop_in_output).
     """
     if token in req.end_ids and req.num_output >= req.params.min_tokens:
         return FinishReason.STOP
-    req.append_token(token)
+    req.append_token(token, logprob)
     out = req.all_token_ids
     for stop in req.params.stop_token_ids:
         n = len(stop)
         if req.num_output >= n and tuple(out[-n:]) == stop:
-            req.stop_trim = n
+            req.stopped_by_word = True
+            req.stop_trim = 0 if req.params.include_stop_in_output else n
             return FinishReason.STOP
     if req.num_output >= req.max_output_tokens:
         return FinishReason.LENGTH

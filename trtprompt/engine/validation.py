@@ -7,6 +7,7 @@ from typing import Sequence
 
 from trtprompt.engine.errors import EngineRequestError, InputTooLongError
 from trtprompt.engine.request import SamplingParams
+from trtprompt.error_codes import FieldError
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class RequestLimits:
     vocab_size: int
     num_blocks: int
     tokens_per_block: int
+    max_batch_size: int | None = None  # a request's n sequences run side by side: at most this many
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ def validate_request(prompt: Sequence[int], params: SamplingParams, limits: Requ
         raise EngineRequestError(f"input token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
     if params.end_id is not None and not 0 <= params.end_id < limits.vocab_size:
         raise EngineRequestError(f"end_id {params.end_id} is outside the vocabulary [0, {limits.vocab_size})")
+    _check_sequences(params, limits)
     max_out, warning = params.max_tokens, None
     if n + max_out > limits.max_seq_len:
         max_out = limits.max_seq_len - n
@@ -65,3 +68,16 @@ def validate_request(prompt: Sequence[int], params: SamplingParams, limits: Requ
             f"prompt length ({n}) + output ({max_out}) needs {n + max_out} KV-cache tokens, "
             f"more than the whole cache holds ({capacity} tokens in {limits.num_blocks} blocks)")
     return ValidatedRequest(tokens, params, max_out, warning)
+
+
+def _check_sequences(params: SamplingParams, limits: RequestLimits) -> None:
+    """n within max_batch_size, and every token id the parameters name inside the vocabulary."""
+    if limits.max_batch_size is not None and params.n > limits.max_batch_size:
+        raise FieldError("n", f"({params.n}) exceeds the engine's max_batch_size ({limits.max_batch_size}): "
+                              "a request's sequences run side by side")
+    if params.n > 1 and params.max_tokens == 0:
+        raise FieldError("n", "must be 1 when max_tokens is 0 (prompt scoring generates no sequence)")
+    bad = next((t for t in params.token_ids_named() if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise EngineRequestError(f"token id {bad} in the sampling parameters is outside the vocabulary "
+                                 f"[0, {limits.vocab_size})")

@@ -41,6 +41,7 @@ from trtprompt.serve.engine_process.counters import (
 )
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.model_config import read_parameters
+from trtprompt.serve.wire.outputs import sequence_fields
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
 from trtprompt.serve.wire.refusals import error_reason
 from trtprompt.serve.wire.requests import retention_from_wire, sampling_from_wire
@@ -67,7 +68,8 @@ def output_entry(out: RequestOutput, request_id: str, perf: bool) -> dict[str, A
     entry: dict[str, Any] = {"id": request_id, "new_token_ids": out.new_token_ids, "finished": out.finished,
                              "num_input_tokens": out.num_input_tokens,
                              "num_output_tokens": out.num_output_tokens}
-    if out.finished:
+    entry.update(sequence_fields(out))
+    if out.sequence_finished or out.finished:
         entry["finish_reason"] = out.finish_reason.value if out.finish_reason else None
         entry["warning"] = out.warning
     if out.finished or perf:

@@ -121,16 +121,21 @@ def coalesce(steps: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     stats and finish fields supersede the earlier ones; an error entry
     replaces the request's tokens (the request ends with the error anyway).
     """
-    merged: dict[str, dict[str, Any]] = {}
+    merged: dict[tuple[str, int], dict[str, Any]] = {}
     for step in steps:
         for entry in step["outputs"]:
-            prev = merged.get(entry["id"])
+            key = (entry["id"], int(entry.get("seq", 0)))  # a request's sequences (n > 1) merge apart
+            prev = merged.get(key)
             if prev is None or entry.get("error") is not None:
-                merged[entry["id"]] = entry
+                merged[key] = entry
             elif prev.get("error") is None:
                 prev["new_token_ids"].extend(entry["new_token_ids"])
-                prev.update((k, v) for k, v in entry.items() if k != "new_token_ids")
-    return list(merged.values())
+                if "logprobs" in entry:
+                    prev.setdefault("logprobs", []).extend(entry["logprobs"])
+                prev.update((k, v) for k, v in entry.items()
+                            if k not in ("new_token_ids", "logprobs") and not (k == "prompt_logprobs" and v is None))
+    # A request's finishing entry comes after its other sequences' (its handler is dropped there).
+    return sorted(merged.values(), key=lambda e: bool(e.get("finished")))
 
 
 def _call(handler: Handler, entry: dict[str, Any]) -> None:

@@ -117,10 +117,17 @@ def retention_from_wire(raw: Any) -> RetentionConfig | None:
         k: raw[k] for k in ("decode_priority", "decode_duration_ms") if k in raw})
 
 
+# SamplingParams fields the submit frame carries as lists (JSON has no tuples), by their element form:
+# "ids" a list of token ids, "seqs" a list of token-id lists, "pairs" a list of [token id, float].
+_LIST_FIELDS = {"extra_end_ids": "ids", "allowed_token_ids": "ids", "stop_token_ids": "seqs", "bad_words": "seqs",
+                "logit_bias": "pairs"}
+
+
 def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
-    values = dataclasses.asdict(params)
-    values["stop_token_ids"] = [list(s) for s in params.stop_token_ids]
-    return values
+    """Only the fields that differ from their defaults: a plain request's frame stays small."""
+    defaults = SamplingParams()
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(SamplingParams)
+            if getattr(params, f.name) != getattr(defaults, f.name)}
 
 
 def sampling_from_wire(raw: Mapping[str, Any]) -> SamplingParams:
@@ -131,9 +138,23 @@ def sampling_from_wire(raw: Mapping[str, Any]) -> SamplingParams:
     if unknown:
         raise BadRequestError(f"submit params have unknown field(s): {', '.join(unknown)}", "params")
     values = dict(raw)
-    values["stop_token_ids"] = tuple(tuple(int(t) for t in s) for s in values.get("stop_token_ids") or ())
-    values["extra_end_ids"] = tuple(int(t) for t in values.get("extra_end_ids") or ())
+    for name, form in _LIST_FIELDS.items():
+        if values.get(name) is not None:
+            values[name] = _tuple_of(values[name], form, name)
     return SamplingParams(**values)
+
+
+def _tuple_of(raw: Any, form: str, name: str) -> tuple[Any, ...]:
+    if not isinstance(raw, list):
+        raise BadRequestError(f"submit params.{name} must be a list", name)
+    try:
+        if form == "ids":
+            return tuple(int(t) for t in raw)
+        if form == "seqs":
+            return tuple(tuple(int(t) for t in s) for s in raw)
+        return tuple((int(t), float(b)) for t, b in raw)
+    except (TypeError, ValueError):
+        raise BadRequestError(f"submit params.{name} is not of the form its field takes", name) from None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,78 @@
+"""The step frame's per-sequence fields: a request's sequences (n > 1) and log probabilities.
+
+An output entry (docs/design.md, "Request path and engine process protocol") carries these only
+where they apply, so a plain request's entries are what they always were:
+
+| key | when | value |
+| --- | --- | --- |
+| `seq` | a sequence other than the first | its index (absent: 0) |
+| `seq_finished` | a sequence ends before its request's last | true (absent: the entry's `finished`) |
+| `logprobs` | the request asked for them | one `[logprob, [[id, logprob], ...]]` per new token, top first |
+| `cum_logprob` | likewise | the sum over the sequence's output so far |
+| `prompt_logprobs` | asked for; once | per prompt token: null for the first, then `[id, logprob, top]` |
+
+Stdlib only on the reading side: the Triton stubs decode entries too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
+
+if TYPE_CHECKING:  # the writing side runs in the engine process only
+    from trtprompt.engine.request import RequestOutput, TokenLogprob
+
+Top = tuple[tuple[int, float], ...]
+
+
+class Logprob(NamedTuple):
+    """One position's log probability as an edge reads it from an entry."""
+
+    token_id: int
+    logprob: float
+    top: Top
+
+
+def sequence_fields(out: "RequestOutput") -> dict[str, Any]:
+    """The entry keys above that apply to out."""
+    fields: dict[str, Any] = {}
+    if out.sequence_index:
+        fields["seq"] = out.sequence_index
+    if out.sequence_finished and not out.finished:
+        fields["seq_finished"] = True
+    if out.logprobs is not None:
+        fields["logprobs"] = [[lp.logprob, [list(t) for t in lp.top]] for lp in out.logprobs]
+        fields["cum_logprob"] = out.cum_logprob
+    if out.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = [None if lp is None else _prompt_entry(lp) for lp in out.prompt_logprobs]
+    return fields
+
+
+def _prompt_entry(lp: "TokenLogprob") -> list[Any]:
+    return [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+
+
+def seq_of(entry: Mapping[str, Any]) -> int:
+    return int(entry.get("seq", 0))
+
+
+def seq_finished(entry: Mapping[str, Any]) -> bool:
+    """True on the last entry of its sequence (an error entry ends every sequence)."""
+    return bool(entry.get("seq_finished") or entry.get("finished"))
+
+
+def token_logprobs(entry: Mapping[str, Any]) -> list[Logprob] | None:
+    """The entry's new tokens with their log probabilities (None when the request asked for none)."""
+    raw = entry.get("logprobs")
+    if raw is None:
+        return None
+    return [Logprob(int(t), float(lp), tuple((int(i), float(v)) for i, v in top))
+            for t, (lp, top) in zip(entry["new_token_ids"], raw)]
+
+
+def prompt_logprobs(entry: Mapping[str, Any]) -> list[Logprob | None] | None:
+    """The prompt's log probabilities (None: not in this entry), None for the first token."""
+    raw = entry.get("prompt_logprobs")
+    if raw is None:
+        return None
+    return [None if p is None else Logprob(int(p[0]), float(p[1]), tuple((int(i), float(v)) for i, v in p[2]))
+            for p in raw]
