@@ -13,6 +13,8 @@ import torch
 
 from trtprompt.engine import isa
 from trtprompt.engine.attention import allocate_kv_cache, log_attention_backend, resolve_attention_backend
+from trtprompt.engine.beam_search import Hypothesis
+from trtprompt.engine.beams import BeamSearches, finish_reason, output_tokens
 from trtprompt.engine.config import EngineConfig
 from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.engine.errors import DuplicateRequestError, QueueFullError
@@ -111,6 +113,7 @@ class LLMEngine:
         elif stores:
             log.warning("KV tiers are off: they hold reusable blocks, and KV block reuse is disabled")
         self.scheduler = Scheduler(config.scheduler, self.kv, use_tiers=self.kv.tiers is not None)
+        self.beams = BeamSearches(self.kv, self.scheduler, self.runner.copy_blocks)
         self.kv_events = self._open_kv_events(config)
         self.end_ids = frozenset(end_ids)
         self.limits = RequestLimits(config.scheduler.max_input_len, config.scheduler.max_seq_len,
@@ -199,14 +202,16 @@ class LLMEngine:
         arrival = arrival_time_ns or time.time_ns()
         group = [Request(request_id if i == 0 else f"{request_id}#{i}", list(checked.prompt_token_ids), params,
                          checked.max_output_tokens, end_ids, cache_salt, arrival, checked.warning, retention,
-                         request_id, i) for i in range(params.n)]
+                         request_id, i) for i in range(max(params.n, params.beam_width))]
         for req in group:
             self.requests[req.request_id] = req
         self.groups[request_id] = group
-        if len(group) > 1:
+        for fork in group[1:]:
+            fork.held_fork = True
+        if params.beam_width > 1:
+            self.beams.start(group)  # the first beam step forks the others (engine/beams.py)
+        elif len(group) > 1:
             self._forks[request_id] = group[1:]
-            for fork in group[1:]:
-                fork.held_fork = True
         self.scheduler.add(group[0])
 
     def _refuse_duplicate(self, request_id: str) -> None:
@@ -277,8 +282,42 @@ class LLMEngine:
                 return outputs
             self._record_prompt_logprobs(logits)
             samplers = [s.request for s in sched.scheduled if s.samples]
-            tokens, logprobs = self._sample(logits, samplers)
-        outputs.extend(self._update(sched, tokens, logprobs))
+            plain = [j for j, r in enumerate(samplers) if not self.beams.owns(r)]
+            rows = logits.sampled if len(plain) == len(samplers) else logits.sampled[plain]
+            tokens, logprobs = self._sample(StepLogits(rows), [samplers[j] for j in plain])
+            outputs.extend(self._update(sched, tokens, logprobs))
+            for j, req in enumerate(samplers):
+                if self.beams.owns(req) and not req.is_finished:
+                    outputs.extend(self._beam_step(req, logits.sampled[j]))
+        return outputs
+
+    def _beam_step(self, req: Request, row: torch.Tensor) -> list[RequestOutput]:
+        """Hand a beam's row to its search; the request's outputs once the search is done."""
+        try:
+            best = self.beams.collect(req, row)
+        except RuntimeError as exc:  # no KV block for a beam's copy (max_utilization): this request only
+            log.warning("beam search of request %s failed: %s", req.group_id, exc)
+            return [self._fail(req, f"engine error: beam search failed: {exc}")]
+        return [] if best is None else self._finish_beams(req.group_id, best)
+
+    def _finish_beams(self, group_id: str, best: list[Hypothesis]) -> list[RequestOutput]:
+        """The request's best hypotheses as its sequences, best first; every beam's KV released."""
+        first = self.groups[group_id][0]
+        now = time.time_ns()
+        first.stats.first_token_time_ns = first.stats.first_token_time_ns or now
+        first.stats.last_token_time_ns = now
+        for member in self.groups[group_id]:
+            if not member.is_finished:
+                self._finish(member, FinishReason.STOP)
+        outputs = []
+        for rank, hyp in enumerate(best):
+            tokens = output_tokens(hyp)
+            outputs.append(RequestOutput(
+                request_id=group_id, new_token_ids=tokens, finished=rank == len(best) - 1,
+                num_input_tokens=first.num_prompt_tokens, num_output_tokens=len(tokens),
+                finish_reason=finish_reason(hyp), warning=first.warning, stats=first.stats,
+                stopped_by_end_id=hyp.ended_by_end_id, sequence_index=rank, sequence_finished=True,
+                cum_logprob=hyp.sum_logprob))
         return outputs
 
     @staticmethod
@@ -328,7 +367,7 @@ class LLMEngine:
             if s.is_context:
                 req.stats.prefill_tokens_computed += s.num_new_tokens
             self.kv.cache_computed(req)
-            if not s.samples:
+            if not s.samples or self.beams.owns(req):
                 continue
             token, logprob = next(it)
             if isinstance(token, SampleFailure):
@@ -360,6 +399,7 @@ class LLMEngine:
         if group is not None and all(member.is_finished for member in group):
             del self.groups[req.group_id]
             self._forks.pop(group[0].request_id, None)
+            self.beams.forget(req.group_id)
 
     def _output(self, req: Request, error: str | None = None) -> RequestOutput:
         visible = visible_output_len(req)

@@ -106,6 +106,24 @@ class KVCacheManager:
         self._note_computed(req)
         return self.block_tables[req.request_id][len(shared)].block_id
 
+    def reseat(self, req: Request, parent: Request) -> tuple[int, int] | None:
+        """req (holding no blocks, or its own to drop) takes over parent's computed KV: full blocks
+        shared, a partial last block copied into a new one. Returns that copy (source id, new id),
+        None when parent's computed tokens end on a block boundary. Raises RuntimeError when no block
+        is free for the copy."""
+        self.free(req)
+        req.num_computed_tokens = 0
+        upto = parent.num_computed_tokens
+        full, partial = divmod(upto, self.tokens_per_block)
+        table = self.block_tables[parent.request_id]
+        if not self.allocate(req, partial, table[:full]):
+            raise RuntimeError(f"request {req.request_id}: no free KV block for a beam's copy")
+        req.num_computed_tokens = upto
+        req.block_hashes = list(parent.block_hashes)
+        self._num_published[req.request_id] = min(self._num_published.get(parent.request_id, 0), full)
+        self._note_computed(req)
+        return (table[full].block_id, self.block_tables[req.request_id][full].block_id) if partial else None
+
     def free_blocks_needed(self, hits: list[Block], num_new_blocks: int) -> int:
         """Free-queue blocks consumed: new blocks plus hits revived from the free queue."""
         return num_new_blocks + sum(1 for b in hits if b.ref_cnt == 0)

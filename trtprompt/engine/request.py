@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from trtprompt.error_codes import ErrorCode, FieldError
 
@@ -40,7 +40,7 @@ FLOAT_BOUNDS: dict[str, Bound] = {
     "repetition_penalty": Bound(0.0, 100.0, low_open=True),
     "presence_penalty": Bound(-100.0, 100.0),
     "frequency_penalty": Bound(-100.0, 100.0),
-    # Only used by beam search, which the torch target lacks: accepted, checked, no effect.
+    # Beam search's (SamplingParams.length_penalty); checked by the edges that take it without beams too.
     "length_penalty": Bound(-100.0, 100.0),
 }
 
@@ -51,6 +51,13 @@ MAX_LOGPROBS = 20
 # The most sequences one request may ask for (OpenAI's n and best_of, Triton's num_return_sequences); the
 # engine also refuses more than its max_batch_size (validation.py), since they run side by side.
 MAX_SEQUENCES = 128
+
+
+# What beam search does not combine with yet, and each field's value when it is off: refused, not ignored.
+BEAM_SEARCH_EXCLUDES: tuple[tuple[str, object], ...] = (
+    ("top_k", None), ("top_p", None), ("min_p", 0.0), ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0), ("min_tokens", 0), ("stop_token_ids", ()), ("logprobs", None),
+    ("prompt_logprobs", None), ("logit_bias", ()), ("bad_words", ()), ("allowed_token_ids", None))
 
 
 def check_bound(field_name: str, value: float) -> None:
@@ -107,6 +114,11 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     # A matched stop word stays in the output (vLLM's include_stop_str_in_output).
     include_stop_in_output: bool = False
+    # Beam search over beam_width beams (1: none); n of them are returned, best first. length_penalty
+    # and early_stopping as transformers' and TensorRT-LLM's (engine/beam_search.py).
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def __post_init__(self) -> None:
         scoring_only = self.max_tokens == 0 and self.prompt_logprobs is not None
@@ -137,6 +149,7 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
                 raise FieldError(name, f"must be an integer in [0, {MAX_LOGPROBS}] or unset, got {k!r}")
+        self._check_beams()
         ids = [t for t, _ in self.logit_bias]
         if any(t < 0 for t in ids) or len(set(ids)) != len(ids):
             raise FieldError("logit_bias", "must map distinct token ids >= 0 to biases")
@@ -146,6 +159,21 @@ class SamplingParams:
             raise FieldError("bad_words", "must be non-empty token sequences of ids >= 0")
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
             raise FieldError("allowed_token_ids", "must be a non-empty list of token ids >= 0")
+
+    def _check_beams(self) -> None:
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or \
+                not 1 <= self.beam_width <= MAX_SEQUENCES:
+            raise FieldError("beam_width", f"must be an integer in [1, {MAX_SEQUENCES}], got {self.beam_width!r}")
+        check_bound("length_penalty", self.length_penalty)
+        if self.early_stopping not in (True, False, "never"):
+            raise FieldError("early_stopping", f"must be true, false or \"never\", got {self.early_stopping!r}")
+        if self.beam_width == 1:
+            return
+        if self.n > self.beam_width:
+            raise FieldError("n", f"({self.n}) must be at most beam_width ({self.beam_width}): the beams returned")
+        unsupported = [name for name, off in BEAM_SEARCH_EXCLUDES if getattr(self, name) != off]
+        if unsupported:
+            raise FieldError(unsupported[0], "is not supported with beam search (beam_width > 1) yet")
 
     def token_ids_named(self) -> list[int]:
         """Every token id this request names outside its prompt (the engine checks them against its vocabulary)."""

@@ -259,7 +259,8 @@ class Scheduler:
         that others hold or cache)."""
         if not self.guaranteed:
             return True
-        total = self.kv.blocks_for(req.num_prompt_tokens + req.max_output_tokens)
+        # A beam search reserves for all its beams on its first sequence (they join it running, start_running).
+        total = self.kv.blocks_for(req.num_prompt_tokens + req.max_output_tokens) * req.params.beam_width
         needed = self.kv.free_blocks_needed(held, total - len(held))
         if needed > self.kv.num_free_blocks - self.outstanding_reservations:
             return False
@@ -274,6 +275,12 @@ class Scheduler:
         step.out.block_copies.append((source_block, self.kv.fork(req, shared)))
         self._run(req, 1, step)
         return True
+
+    def start_running(self, req: Request) -> None:
+        """A beam of a running beam search joins the running requests holding the KV it was given
+        (its blocks were reserved by the search's first sequence)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _run(self, req: Request, num_new: int, step: _Step) -> None:
         if req.status is RequestStatus.PREEMPTED:

@@ -67,7 +67,20 @@ def validate_request(prompt: Sequence[int], params: SamplingParams, limits: Requ
         raise EngineRequestError(
             f"prompt length ({n}) + output ({max_out}) needs {n + max_out} KV-cache tokens, "
             f"more than the whole cache holds ({capacity} tokens in {limits.num_blocks} blocks)")
+    _check_beams_fit(n + max_out, params, limits)
     return ValidatedRequest(tokens, params, max_out, warning)
+
+
+def _check_beams_fit(tokens: int, params: SamplingParams, limits: RequestLimits) -> None:
+    """A beam search steps only with all its beams' KV in the cache at once: refuse one the cache
+    cannot hold (counting no sharing, as beams may diverge from the first token)."""
+    if params.beam_width == 1:
+        return
+    per_beam = -(-tokens // limits.tokens_per_block)
+    if params.beam_width * per_beam > limits.num_blocks:
+        raise EngineRequestError(
+            f"beam_width ({params.beam_width}) x {per_beam} KV blocks per beam (prompt + output {tokens} tokens) "
+            f"is more than the whole cache holds ({limits.num_blocks} blocks): lower beam_width or max_tokens")
 
 
 def _check_sequences(params: SamplingParams, limits: RequestLimits) -> None:
