@@ -63,14 +63,10 @@ def test_chat_messages_and_stream_options() -> None:
 
 
 @pytest.mark.parametrize("kind, body, param", [
-    ("completion", completion(n=2), "n"),
-    ("completion", completion(best_of=3), "best_of"),
-    ("completion", completion(logprobs=1), "logprobs"),
-    ("completion", completion(echo=True), "echo"),
+    ("completion", completion(best_of=3, stream=True), "best_of"),
+    ("chat", chat(best_of=3), "best_of"),
+    ("completion", completion(prompt_logprobs=1, stream=True), "prompt_logprobs"),
     ("completion", completion(suffix="x"), "suffix"),
-    ("completion", completion(logit_bias={"5": 10}), "logit_bias"),
-    ("chat", chat(logprobs=True), "logprobs"),
-    ("chat", chat(top_logprobs=2), "top_logprobs"),
     ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ("chat", chat(tool_choice="auto"), "tool_choice"),
     ("chat", chat(response_format={"type": "json_object"}), "response_format"),

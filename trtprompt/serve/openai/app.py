@@ -126,10 +126,10 @@ async def _generate(request: Request, kind: str) -> Response:
     items = merged([source.generate(p) for p in prepared])
     env = R.Envelope(kind, cfg.limits.name)
     if not gen.stream:
-        tallies = await _unless_gone(request, _collect(items, len(prepared)))
-        if tallies is None:
+        grid = await _unless_gone(request, _collect(items, len(prepared), gen.shape.sequences))
+        if grid is None:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(R.full_response(env, gen, tallies, cfg.tokens_per_block))
+        return JSONResponse(R.full_response(env, gen, grid, cfg.tokens_per_block))
     first = await _unless_gone(request, _first(items))  # queued requests wait here: watch the client
     if first is None:
         return Response(status_code=CLIENT_CLOSED)
@@ -138,12 +138,16 @@ async def _generate(request: Request, kind: str) -> Response:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _collect(items: AsyncGenerator[Item, None], n: int) -> list[R.Tally]:
-    tallies = [R.Tally() for _ in range(n)]
+def _grid(prompts: int, sequences: int) -> R.Grid:
+    return [[R.Tally() for _ in range(sequences)] for _ in range(prompts)]
+
+
+async def _collect(items: AsyncGenerator[Item, None], prompts: int, sequences: int) -> R.Grid:
+    grid = _grid(prompts, sequences)
     async for index, piece in items:
         if piece is not None:
-            tallies[index].add(piece)
-    return tallies
+            grid[index][piece.seq].add(piece)
+    return grid
 
 
 async def _first(items: AsyncGenerator[Item, None]) -> tuple[Item | None]:
@@ -174,16 +178,16 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
 
 async def _events(env: R.Envelope, gen: Generation, head: tuple[Item | None], items: AsyncGenerator[Item, None],
                   n: int, tokens_per_block: int | None) -> AsyncIterator[bytes]:
-    tallies, opened = [R.Tally() for _ in range(n)], [False] * n
+    grid, opened = _grid(n, gen.shape.n), [False] * (n * gen.shape.n)  # best_of > n is not streamed
     try:
         if head[0] is not None:
-            for out in _event(env, gen, head[0], tallies, opened):
+            for out in _event(env, gen, head[0], grid, opened):
                 yield out
         async for item in items:
-            for out in _event(env, gen, item, tallies, opened):
+            for out in _event(env, gen, item, grid, opened):
                 yield out
         if gen.include_usage:
-            yield R.usage_chunk(env, tallies, tokens_per_block)
+            yield R.usage_chunk(env, grid, tokens_per_block)
     except APIError as exc:
         yield R.sse(exc.body())
     finally:
@@ -191,16 +195,28 @@ async def _events(env: R.Envelope, gen: Generation, head: tuple[Item | None], it
     yield R.DONE
 
 
-def _event(env: R.Envelope, gen: Generation, item: Item, tallies: list[R.Tally], opened: list[bool]) -> list[bytes]:
-    """The chunks one item of choice `index` makes: its first piece always (chat: with the role), later
-    pieces when they carry text, and a closing chunk with the finish_reason when the choice ends."""
-    index, piece = item
+def _event(env: R.Envelope, gen: Generation, item: Item, grid: R.Grid, opened: list[bool]) -> list[bytes]:
+    """The chunks one item of prompt `p` makes: a piece of its sequence s is choice p * n + s, sent when
+    it is the choice's first (chat: with the role) or carries text or log probabilities; the prompt's
+    end closes each of its choices with a chunk carrying only the finish_reason."""
+    p, piece = item
+    n = gen.shape.n
+    if piece is None:
+        return [_closing(env, gen, grid[p][s], p * n + s, opened) for s in range(n)]
+    index, tally = p * n + piece.seq, grid[p][piece.seq]
     first = not opened[index]
     opened[index] = True
-    if piece is None:
-        return [R.chunk(env, gen, None, tallies[index].finish_reason(gen.max_tokens), first, index)]
-    tallies[index].add(piece)
-    return [R.chunk(env, gen, piece.text, None, first, index)] if piece.text or first else []
+    logprobs = R.shown_logprobs(env, gen, piece.logprobs, tally.offset)
+    tally.add(piece)
+    if not (piece.text or first or (logprobs is not None and piece.logprobs)):
+        return []
+    return [R.chunk(env, gen, piece.text, None, first, index, logprobs)]
+
+
+def _closing(env: R.Envelope, gen: Generation, tally: R.Tally, index: int, opened: list[bool]) -> bytes:
+    first = not opened[index]
+    opened[index] = True
+    return R.chunk(env, gen, None, tally.finish_reason(gen.max_tokens), first, index)
 
 
 async def _api_error(_request: Request, exc: Any) -> Response:

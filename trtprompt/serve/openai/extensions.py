@@ -12,7 +12,8 @@ to each request), and benchmark clients send vLLM's. Each field here is, by its 
   naming the field, never ignored.
 
 The extensions this server honours (top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
-stop_token_ids, cache_salt, skip_special_tokens) are parsed in params.py. docs/openai.md,
+stop_token_ids, cache_salt, skip_special_tokens, retention; prompt_logprobs, allowed_token_ids,
+bad_words, include_stop_str_in_output in answer_params.py) are parsed in params.py. docs/openai.md,
 "Extension fields", is the table of both.
 """
 
@@ -55,7 +56,6 @@ NO_CONSTRAINTS = "no constrained decoding (grammars, regexes, JSON schemas)"
 NO_REASONING = "no reasoning parser here: reasoning is never split from the content"
 EXTENSIONS: tuple[Extension, ...] = (
     # vLLM and SGLang sampling and output controls
-    _e("include_stop_str_in_output", (False,), REFUSE, "a matched stop string is always trimmed from the output"),
     _e("no_stop_trim", (False,), REFUSE, "a matched stop string is always trimmed from the output"),
     _e("use_beam_search", (False,), REFUSE, "no beam search"),
     _e("length_penalty", (1.0, 1), NOTE, "used by beam search only, which this server lacks (as in vLLM)"),
@@ -63,10 +63,7 @@ EXTENSIONS: tuple[Extension, ...] = (
        "the tokenizers library's decoder has no such option (vLLM's fast detokenizer ignores it too)"),
     _e("truncate_prompt_tokens", (), REFUSE, "prompts are fitted by the profile's overflow policy "
        "(docs/profiles.md)"),
-    _e("allowed_token_ids", (), REFUSE, "no per-request restriction of the vocabulary"),
-    _e("bad_words", (), REFUSE, "no bad-words filter"),
-    _e("prompt_logprobs", (), REFUSE, "the engine returns no log probabilities"),
-    _e("return_tokens_as_token_ids", (False,), REFUSE, "the engine returns no log probabilities"),
+    _e("return_tokens_as_token_ids", (False,), REFUSE, "log probabilities name their tokens as text"),
     _e("logits_processors", (), REFUSE, "no custom logits processors"),
     _e("custom_logit_processor", (), REFUSE, "no custom logits processors"),
     _e("custom_params", (), REFUSE, "no custom logits processors"),

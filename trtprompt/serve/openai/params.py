@@ -1,8 +1,8 @@
 """Parse and check an OpenAI request body into a `Generation`: the sampling parameters built once
 (SamplingParams), the prompts (text or token ids, one or a batch) or the chat, and how to answer.
 
-Strict by design: a parameter this server cannot honour (n > 1, logprobs,
-tools, a response_format other than text, best_of, ...) is refused with a 400
+Strict by design: a parameter this server cannot honour (tools, a response_format
+other than text, suffix, ...) is refused with a 400
 naming it, and so is a field neither OpenAI's API nor vLLM's or SGLang's
 extensions define (extensions.py: those not honoured here are accepted at the
 value that asks for this server's behaviour, noted, or refused).
@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from trtprompt.engine.request import RetentionConfig, SamplingParams
 from trtprompt.error_codes import FieldError
 from trtprompt.serve.openai import extensions
+from trtprompt.serve.openai.answer_params import Shape, Vocabulary, parse_shape, parse_vocabulary
 from trtprompt.serve.openai.errors import APIError, bad_request
 from trtprompt.serve.openai.retention import CacheMark, cache_mark, parse_retention, with_marks
 
@@ -26,7 +27,8 @@ from trtprompt.serve.openai.retention import CacheMark, cache_mark, parse_retent
 METADATA_FIELDS = ("user", "metadata", "store", "service_tier")
 # The vLLM/SGLang extensions honoured here (docs/openai.md, "Extension fields").
 HONOURED_EXTENSIONS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
-                       "cache_salt", "skip_special_tokens", "retention")
+                       "cache_salt", "skip_special_tokens", "retention", "prompt_logprobs", "allowed_token_ids",
+                       "bad_words", "include_stop_str_in_output")
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                  "frequency_penalty", "stream", "stream_options", "n", "logprobs", "logit_bias",
                  "best_of") + HONOURED_EXTENSIONS + METADATA_FIELDS
@@ -81,6 +83,10 @@ class Generation:
     # token ranges are measured once the chat is rendered and fitted.
     retention: RetentionConfig | None = None
     cache_marks: tuple[CacheMark, ...] = ()
+    # n, best_of, logprobs, echo, prompt_logprobs (answer_params.py); bad_words as text (the engine path
+    # encodes them, as it does stop words)
+    shape: Shape = Shape()
+    bad_words: tuple[str, ...] = ()
 
     @property
     def max_tokens(self) -> int:
@@ -98,18 +104,20 @@ def parse_request(kind: str, body: Any, limits: ModelLimits) -> Generation:
         raise bad_request("the request body must be a JSON object", None, "invalid_json")
     _check_fields(kind, body)
     _check_model(body, limits)
-    _refuse_unsupported(kind, body)
+    _refuse_unsupported(body)
     notes = extensions.check(kind, body)
     prompts, (messages, marks) = (_prompts(body, limits), (None, ())) if kind == "completion" \
         else ((), _messages(body))
-    max_tokens = _max_tokens(kind, body, limits)
+    shape, vocabulary = parse_shape(kind, body), parse_vocabulary(body, limits.vocab_size)
+    max_tokens = _max_tokens(kind, body, limits, shape)
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    return Generation(kind, prompts, messages, _sampling_params(body, max_tokens, limits), _stop(body),
-                      _salt(body), stream, _include_usage(options), _bool(body, "skip_special_tokens", True), notes,
-                      with_marks(parse_retention(body), marks), marks)
+    sampling = _sampling_params(body, max_tokens, limits, shape, vocabulary)
+    return Generation(kind, prompts, messages, sampling, _stop(body), _salt(body), stream, _include_usage(options),
+                      _bool(body, "skip_special_tokens", True), notes, with_marks(parse_retention(body), marks),
+                      marks, shape, vocabulary.bad_words)
 
 
 def _check_fields(kind: str, body: Mapping[str, Any]) -> None:
@@ -133,21 +141,8 @@ def _unsupported(param: str, value: Any, why: str) -> None:
     raise bad_request(f"{param}={_shown(value)} is not supported: {why}", param, "unsupported_parameter")
 
 
-def _refuse_unsupported(kind: str, body: Mapping[str, Any]) -> None:
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     """Parameters that would change the answer in a way this server cannot: 400, never ignored."""
-    for param in ("n", "best_of"):
-        value = body.get(param)
-        if value is not None and value != 1:
-            _unsupported(param, value, "one completion per request (send several requests)")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False) or body.get("top_logprobs") is not None:
-        _unsupported("logprobs" if logprobs not in (None, False) else "top_logprobs",
-                     logprobs if logprobs not in (None, False) else body["top_logprobs"],
-                     "the engine returns no log probabilities")
-    if body.get("logit_bias"):
-        _unsupported("logit_bias", body["logit_bias"], "the engine takes no per-token logit bias")
-    if kind == "completion" and body.get("echo"):  # chat's echo (vLLM's) is in extensions.py
-        _unsupported("echo", body["echo"], "the prompt is not returned with the completion")
     if body.get("suffix"):
         _unsupported("suffix", body["suffix"], "no insertion (fill-in-the-middle) mode")
     for param in ("tools", "functions"):
@@ -295,25 +290,40 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _max_tokens(kind: str, body: Mapping[str, Any], limits: ModelLimits) -> int:
+def _max_tokens(kind: str, body: Mapping[str, Any], limits: ModelLimits, shape: Shape) -> int:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     value = _int(body, name)
     bound = limits.max_output_len
     if value is None:
         return min(DEFAULT_MAX_TOKENS[kind], bound)
+    if value == 0 and _scores_prompt(shape):
+        return 0  # prompt scoring (lm-evaluation-harness's loglikelihood): nothing generated
     if not 1 <= value <= bound:
+        zero = " (0 only with echo or prompt_logprobs)" if value == 0 else ""
         raise bad_request(f"{name} must be in [1, {bound}] (the model's max_model_len {limits.max_model_len} "
-                          f"- 1), got {value}", name)
+                          f"- 1), got {value}{zero}", name)
     return value
+
+
+def _scores_prompt(shape: Shape) -> bool:
+    """max_tokens 0 answers the prompt alone: its echo or its log probabilities."""
+    return shape.echo or shape.prompt_logprobs is not None
 
 
 # SamplingParams fields under their OpenAI names, where those differ (for the engine's own refusals).
 OPENAI_NAMES = {"extra_end_ids": "stop_token_ids"}
 
 
-def _sampling_params(body: Mapping[str, Any], max_tokens: int, limits: ModelLimits) -> SamplingParams:
+def _sampling_params(body: Mapping[str, Any], max_tokens: int, limits: ModelLimits, shape: Shape,
+                     vocabulary: Vocabulary) -> SamplingParams:
+    prompt_logprobs = shape.engine_prompt_logprobs
+    if max_tokens == 0 and prompt_logprobs is None:
+        prompt_logprobs = 0  # echo alone with max_tokens 0: the engine's prompt-scoring request, shown as text
+    answer: dict[str, Any] = {"n": shape.sequences, "logprobs": shape.engine_logprobs,
+                              "prompt_logprobs": prompt_logprobs}
     try:
-        return SamplingParams(max_tokens=max_tokens, **_sampling(body, max_tokens, limits))
+        return SamplingParams(max_tokens=max_tokens, **_sampling(body, max_tokens, limits), **answer,
+                              **vocabulary.sampling_fields())
     except FieldError as exc:  # the engine's bounds (seed's among them), where they are tighter than OpenAI's
         raise bad_request(str(exc), OPENAI_NAMES.get(exc.field, exc.field)) from None
 

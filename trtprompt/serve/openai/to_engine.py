@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from typing import Any, AsyncGenerator
 
 from trtprompt.engine.engine_dir import read_engine_dir
-from trtprompt.engine.request import RetentionConfig
+from trtprompt.engine.request import RetentionConfig, SamplingParams
 from trtprompt.error_codes import BadRequestError, RequestError, describe, tagged
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.edge import PromptEdge
+from trtprompt.serve.openai.answer_params import Shape, bad_word_ids
+from trtprompt.serve.openai.engine_pieces import Echo, PieceReader
 from trtprompt.serve.openai.errors import APIError, from_triton
 from trtprompt.serve.openai.params import Generation, Prompt
 from trtprompt.serve.openai.retention import mark_ranges
@@ -53,6 +55,8 @@ class EngineInputs:
 
     request: TokenRequest
     skip_special_tokens: bool  # the OpenAI extension; the fused ensemble's own is SKIP_SPECIAL_TOKENS
+    shape: Shape = Shape()
+    echo: Echo | None = None  # completions' echo: the prompt as the answer starts with it
 
 
 def api_error_of(exc: BaseException) -> APIError:
@@ -87,20 +91,39 @@ class EnginePath:
 
     def _prepare(self, gen: Generation, prompt: Prompt | None) -> EngineInputs:
         try:
+            sampling = self._with_bad_words(gen)
             if isinstance(prompt, tuple):  # token ids: no tokenizing, the same budget and salt rule
-                ids = TokenRequest(prompt, gen.sampling, gen.stream, cache_salt=gen.cache_salt, retention=gen.retention)
+                ids = TokenRequest(prompt, sampling, gen.stream, cache_salt=gen.cache_salt, retention=gen.retention)
                 prepared = prepare_ids(ids, gen.stop, self.edge, self.tokenizer)
             else:
-                text = TextRequest(text=prompt or "", sampling=gen.sampling, stream=gen.stream,
+                text = TextRequest(text=prompt or "", sampling=sampling, stream=gen.stream,
                                    messages=gen.messages_json, cache_salt=gen.cache_salt, stop_words=gen.stop,
                                    retention=gen.retention)
                 prepared = prepare(text, self.edge, self.tokenizer)
-            return EngineInputs(self._marked(gen, prepared), gen.skip_special_tokens)
+            return EngineInputs(self._marked(gen, prepared), gen.skip_special_tokens, gen.shape,
+                                self._echo(gen, prompt, prepared))
         except Exception as exc:  # noqa: BLE001 - answered to the client, counted as the ensemble counts it
             if not isinstance(exc, RequestError):
                 log.exception("preparing a request failed")
             report_refused(refusal_reason(exc), self.socket)
             raise api_error_of(exc) from None
+
+    def _with_bad_words(self, gen: Generation) -> SamplingParams:
+        """gen's sampling with its bad words as token sequences, encoded as vLLM encodes them."""
+        if not gen.bad_words:
+            return gen.sampling
+        ids = bad_word_ids(gen.bad_words, lambda w: self.tokenizer.encode(w, add_special_tokens=False))
+        return dataclasses.replace(gen.sampling, bad_words=ids)
+
+    def _echo(self, gen: Generation, prompt: Prompt | None, prepared: Prepared) -> Echo | None:
+        """The prompt as sent when it is text and was not cut, else the fitted prompt's ids decoded."""
+        if not gen.shape.echo:
+            return None
+        ids = prepared.request.prompt_token_ids
+        cut = prepared.prompt.prompt_truncated_tokens > 0
+        text = prompt if isinstance(prompt, str) and not cut else \
+            self.tokenizer.decode(ids, skip_special_tokens=gen.skip_special_tokens)
+        return Echo(text, ids)
 
     def _marked(self, gen: Generation, prepared: Prepared) -> TokenRequest:
         """The request with its chat's cache_control marks as token ranges over the fitted prompt
@@ -135,8 +158,9 @@ class EnginePath:
             rid = self.client.submit(req, handle)
         except Exception as exc:  # noqa: BLE001 - engine unavailable or a refused submit
             raise api_error_of(exc) from None
-        detok = self.tokenizer.stream(list(req.prompt_token_ids), skip_special_tokens=inputs.skip_special_tokens)
-        finished, pending = False, list[int]()
+        reader = PieceReader(self.tokenizer, req.prompt_token_ids, inputs.shape, req.stream,
+                             inputs.skip_special_tokens, inputs.echo)
+        finished = False
         try:
             while not finished:
                 entry = await entries.get()
@@ -147,19 +171,10 @@ class EnginePath:
                 finished = entry["finished"]
                 if finished and entry.get("warning"):
                     log.warning("%s", entry["warning"])  # as the fused ensemble logs it
-                pending += entry["new_token_ids"]
-                if req.stream or finished:  # a whole answer is decoded at once, as the fused ensemble does
-                    piece = _piece(entry, detok.step(pending) + (detok.flush() if finished else ""))
-                    pending = []
-                    if piece.text or finished:
-                        yield piece
+                piece = reader.read(entry)
+                if piece is not None:
+                    yield piece
         finally:
             if not finished:
                 self.client.abort([rid])  # the HTTP client went away: free the KV blocks now
 
-
-def _piece(entry: dict[str, Any], text: str) -> Piece:
-    stats = entry.get("stats") or {}  # the final entry carries the request's stats
-    reused = stats.get("kv_cache_reused_blocks")
-    return Piece(text, entry.get("num_input_tokens"), entry.get("num_output_tokens"),
-                 None if reused is None else int(reused))

@@ -24,6 +24,7 @@ from tritonclient.grpc import InferInput, InferResult, service_pb2
 from trtprompt.client import aio_channel, grpc_call_metadata, resolve_api_key, stream_request, text_inputs
 from trtprompt.engine.request import SamplingParams
 from trtprompt.serve.openai.errors import APIError, from_triton, unavailable
+from trtprompt.serve.openai.logprobs import TokenLogprob
 from trtprompt.serve.openai.params import Generation, Prompt
 from trtprompt.serve.wire.retention_inputs import STARTS, retention_arrays
 
@@ -38,12 +39,17 @@ READ_OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "kv_cach
 
 @dataclass(frozen=True)
 class Piece:
-    """One data response of the ensemble."""
+    """One data response of the ensemble, or one update of an engine request's sequence."""
 
     text: str
     num_input_tokens: int | None
     num_output_tokens: int | None
     reused_blocks: int | None
+    seq: int = 0  # which of the request's n sequences (the engine path only)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # the tokens whose text this piece carries
+    cum_logprob: float | None = None  # the sequence's output so far
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # vLLM's field, on a sequence's first piece
+    finish_reason: str | None = None  # on a sequence's last piece, where the engine says it
 
 
 # Sent whatever their value; every other sampling field only where it differs from its default.
@@ -84,6 +90,25 @@ def _refuse_undeclared(gen: Generation, prompt: Prompt | None, sampling: dict[st
         if name not in declared:
             field = OPENAI_FIELD.get(name, name)
             _refuse(field, f"this server's {model!r} model has no {name!r} input")
+
+
+NOT_THROUGH_TRITON = "not through the Triton path yet: use the torch target's fused layout"
+
+
+def _answer_fields(gen: Generation) -> dict[str, bool]:
+    """The OpenAI fields the engine path answers and the ensemble cannot carry, by whether gen asks them."""
+    shape, sampling = gen.shape, gen.sampling
+    return {"n": shape.n > 1, "best_of": shape.best_of is not None, "logprobs": shape.logprobs is not None,
+            "echo": shape.echo, "prompt_logprobs": shape.prompt_logprobs is not None,
+            "logit_bias": bool(sampling.logit_bias), "allowed_token_ids": sampling.allowed_token_ids is not None,
+            "bad_words": bool(gen.bad_words), "include_stop_str_in_output": sampling.include_stop_in_output}
+
+
+def _refuse_answer_fields(gen: Generation) -> None:
+    """Refused by name, never dropped: the ensemble's inputs have no place for them yet."""
+    for name, asked in _answer_fields(gen).items():
+        if asked:
+            _refuse(name, NOT_THROUGH_TRITON)
 
 
 def _refuse(param: str, why: str) -> None:
@@ -159,6 +184,7 @@ class TritonEnsemble:
         if gen.cache_salt is not None and "cache_salt" not in declared:
             raise APIError(400, f"this server's {self.model!r} model has no 'cache_salt' input",
                            "invalid_request_error", "cache_salt", "unsupported_parameter")
+        _refuse_answer_fields(gen)
         optional: dict[str, Any] = ensemble_sampling(gen.sampling)
         _refuse_undeclared(gen, prompt, optional, declared, self.model)
         optional.update(self._retention(gen, declared))
