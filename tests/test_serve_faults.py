@@ -75,10 +75,9 @@ def test_wrong_dtype_shape_and_missing_input(served: Served) -> None:
 
 @pytest.mark.parametrize("optional, message", [
     ({"beam_width": 2}, "beam_width=2 is not supported"),
-    ({"num_return_sequences": 2}, "num_return_sequences=2 is not supported"),
-    ({"return_log_probs": True}, "return_log_probs=true is not supported"),
+    ({"num_return_sequences": 0}, "input 'num_return_sequences' must be >= 1, got 0"),
+    ({"return_context_logits": True}, "return_context_logits=true is not supported"),
     ({"return_generation_logits": True}, "return_generation_logits=true is not supported"),
-    ({"bad_words": "foo"}, "'bad_words' is not supported"),
 ])
 def test_unsupported_options_are_refused(served: Served, optional: dict[str, Any], message: str) -> None:
     assert message in _error(served.text("hi", 4, **optional))

@@ -31,15 +31,12 @@ MODELS_DIR = Path(__file__).resolve().parents[1] / "triton_models" / "models"  #
 
 # (name, type, dims, optional); dims exclude the batch dimension.
 # Inputs a TensorRT-LLM client may send that the torch target cannot honour;
-# declared so the model can answer them with a clear INVALID_ARG.
+# declared so the model can answer them with a clear INVALID_ARG (docs/triton-inputs.md).
 UNSUPPORTED_INPUTS: tuple[Tensor, ...] = (
-    ("num_return_sequences", "INT32", [1], True),
     ("return_context_logits", "BOOL", [1], True),
     ("return_generation_logits", "BOOL", [1], True),
     ("prompt_embedding_table", "FP16", [-1, -1], True),
     ("prompt_vocab_size", "INT32", [1], True),
-    ("embedding_bias_words", "STRING", [-1], True),
-    ("embedding_bias_weights", "FP32", [-1], True),
     ("lora_task_id", "UINT64", [1], True),
     ("lora_weights", "FP16", [-1, -1], True),
     ("lora_config", "INT32", [-1, 3], True),
@@ -60,6 +57,16 @@ SEQUENCE_OUTPUTS: tuple[Tensor, ...] = (
     ("prompt_truncated_tokens", "INT32", [1], False),
     ("dropped_turns", "INT32", [1], False),
 )
+# Each returned sequence comes in its own responses, with its sequence_index (both models).
+SEQUENCES_INPUT: Tensor = ("num_return_sequences", "INT32", [1], True)
+# The ensemble's embedding bias: words, each with a weight added to its tokens' logits.
+BIAS_WORD_INPUTS: tuple[Tensor, ...] = (
+    ("embedding_bias_words", "STRING", [-1], True),
+    ("embedding_bias_weights", "FP32", [-1], True),
+)
+# The fused ensemble's inputs the upstream layout's ensemble does not declare: its preprocessing and
+# postprocessing (tensorrtllm_backend's contract) have no step that would take them.
+FUSED_ONLY_INPUTS: tuple[Tensor, ...] = (SEQUENCES_INPUT, *BIAS_WORD_INPUTS)
 ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     ("text_input", "STRING", [1], False),
     ("max_tokens", "INT32", [1], False),
@@ -87,6 +94,7 @@ ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     ("overflow", "STRING", [1], True),  # a stricter overflow policy than the server's (issue 5)
     ("messages", "STRING", [1], True),  # JSON chat, used instead of text_input (send it empty)
     *RETENTION_INPUTS,  # TensorRT-LLM's names; the upstream layout hands them to the core as they are
+    *FUSED_ONLY_INPUTS,
 ) + UNSUPPORTED_INPUTS
 ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
     ("text_output", "STRING", [-1], False),
@@ -113,6 +121,8 @@ TOKEN_INPUTS: tuple[Tensor, ...] = (
     ("beam_width", "INT32", [1], True),
     ("stop_words_list", "INT32", [2, -1], True),
     ("bad_words_list", "INT32", [2, -1], True),
+    ("embedding_bias", "FP32", [-1], True),  # one bias per vocabulary entry
+    SEQUENCES_INPUT,
     *REQUEST_FLAGS,
     # Echoed back on every response (token_model.ECHOED) for the upstream layout's ensemble.
     ("prompt_truncated_tokens", "INT32", [1], True),
@@ -155,6 +165,9 @@ PRE_OUTPUTS: tuple[Tensor, ...] = (
 # the torch core echoes them (token_model.ECHOED). The tensorrtllm C++ backend cannot, so the
 # trtllm target's ensemble does not declare them.
 PROMPT_OUTPUTS: tuple[str, ...] = ("prompt_truncated_tokens", "dropped_turns")
+# return_log_probs' outputs: the torch core's go straight to the upstream ensemble's outputs, as its counts
+# do (tensorrtllm_backend routes the C++ core's through postprocessing, which this one does not take).
+LOGPROB_OUTPUTS: tuple[str, ...] = ("cum_log_probs", "output_log_probs")
 # Token counts: both cores answer them (return_num_input_tokens / return_num_output_tokens).
 COUNT_OUTPUTS: tuple[str, ...] = ("num_input_tokens", "num_output_tokens")
 POST_INPUTS: tuple[Tensor, ...] = (
@@ -376,7 +389,7 @@ def _core_step(cfg: mc.ModelConfig, ctx: RepoContext) -> None:
     outputs |= {name: name for name, *_ in PERF_OUTPUTS} | {name: name for name in COUNT_OUTPUTS}
     if ctx.engine.target != "trtllm":  # preprocessing's counts, handed back by the core on every response
         inputs |= {name: f"_{name}" for name in PROMPT_OUTPUTS}
-        outputs |= {name: name for name in PROMPT_OUTPUTS}
+        outputs |= {name: name for name in PROMPT_OUTPUTS + LOGPROB_OUTPUTS}
     _step(cfg, "tensorrt_llm", inputs, outputs)
 
 
@@ -386,12 +399,12 @@ def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
     Client cancellation does not cross a Triton ensemble (docs/design.md, "Triton facts"); this
     layout exists for the GPU target, whose core is the C++ backend.
     """
-    supported = [t for t in ENSEMBLE_INPUTS if t not in UNSUPPORTED_INPUTS and t[0] not in
+    supported = [t for t in ENSEMBLE_INPUTS if t not in UNSUPPORTED_INPUTS + FUSED_ONLY_INPUTS and t[0] not in
                  ("min_length", "random_seed", "perf_metrics_final_only")
                  and (core_takes_retention(ctx) or t not in RETENTION_INPUTS)]
     torch_core = ctx.engine.target != "trtllm"  # the C++ backend cannot hand the counts back
     outputs = [t for t in ENSEMBLE_OUTPUTS if t[0] in ("text_output", *COUNT_OUTPUTS)
-               or (torch_core and t[0] in PROMPT_OUTPUTS)] + list(PERF_OUTPUTS)
+               or (torch_core and t[0] in PROMPT_OUTPUTS + LOGPROB_OUTPUTS)] + list(PERF_OUTPUTS)
     cfg = _base("ensemble", ctx.max_batch_size, supported, outputs, {}, backend=None)
     cfg.platform = "ensemble"
     _preprocessing_step(cfg, ctx)

@@ -8,6 +8,7 @@ the input and goes to the client.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -53,27 +54,33 @@ def flag(tensors: Tensors, name: str, i: int, default: bool = False) -> bool:
     return default if value is None else value
 
 
+# The logits outputs TensorRT-LLM can return and what each would weigh: the torch target keeps no
+# logits past the step that samples from them, and one such tensor is vocab_size floats per position.
+LOGITS_FLAGS = {
+    "return_context_logits": "a [prompt tokens, vocab_size] FP32 tensor per request (the logits of every "
+                             "prompt position, 4 x prompt length x vocab_size bytes)",
+    "return_generation_logits": "a [beam_width, output tokens, vocab_size] FP32 tensor per request (the logits "
+                                "of every generated position, 4 x output length x vocab_size bytes)",
+}
+
+
 def check_unsupported(tensors: Tensors, i: int) -> None:
     """Inputs the torch target cannot honour: refuse rather than ignore."""
     beam = scalar(tensors, "beam_width", i, int)
     if beam is not None and beam != 1:
         raise BadRequestError(f"beam_width={beam} is not supported: the torch target has no beam search "
                               "(max_beam_width is 1)")
-    n = scalar(tensors, "num_return_sequences", i, int)
-    if n is not None and n != 1:
-        raise BadRequestError(f"num_return_sequences={n} is not supported by the torch target (only 1)")
-    for name in ("return_log_probs", "return_context_logits", "return_generation_logits"):
+    for name, size in LOGITS_FLAGS.items():
         if flag(tensors, name, i):
-            raise BadRequestError(f"{name}=true is not supported by the torch target (no logits outputs)")
+            raise BadRequestError(f"{name}=true is not supported by the torch target (for now): it would return "
+                                  f"{size}, and the engine keeps no logits past the step that samples from them; "
+                                  "return_log_probs gives the chosen tokens' log probabilities", name)
     for name in ("prompt_embedding_table", "prompt_vocab_size"):
         if name in tensors:
             raise BadRequestError(f"'{name}' is not supported by the torch target (no prompt tables)")
     for name in ("lora_task_id", "lora_weights", "lora_config"):
         if name in tensors:
             raise BadRequestError(f"'{name}' is not supported by the torch target (no LoRA)")
-    for name in ("embedding_bias_words", "embedding_bias_weights"):
-        if name in tensors and np.asarray(tensors[name]).size:
-            raise BadRequestError(f"'{name}' is not supported by the torch target")
 
 
 def utf8(value: Any, name: str) -> str:
@@ -99,14 +106,17 @@ def words(tensors: Tensors, name: str, i: int) -> list[str]:
     return [w for w in (utf8(v, name) for v in np.asarray(row).reshape(-1)) if w]
 
 
-def _sampling(tensors: Tensors, i: int, names: Mapping[str, tuple[str, ...]],
-              stop_token_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
-    """The row's SamplingParams, built once here; names maps each field to the input names that set it."""
+Extra = Mapping[str, tuple[Any, str]]  # SamplingParams field -> (value, the input that set it)
+
+
+def _sampling(tensors: Tensors, i: int, names: Mapping[str, tuple[str, ...]], extra: Extra) -> SamplingParams:
+    """The row's SamplingParams, built once here; names maps each scalar field to the input names that set
+    it, extra holds the fields the caller built from list inputs (stop and bad words, bias, sequences)."""
     casts = {"max_tokens": int, "top_k": int, "min_tokens": int, "seed": int, "end_id": int,
              "temperature": float, "top_p": float, "repetition_penalty": float,
              "presence_penalty": float, "frequency_penalty": float}
-    params: dict[str, Any] = {}
-    used: dict[str, str] = {}  # field -> the input that set it, for error messages
+    params: dict[str, Any] = {key: value for key, (value, _) in extra.items()}
+    used: dict[str, str] = {key: source for key, (_, source) in extra.items()}  # for error messages
     for key, sources in names.items():
         for source in sources:
             value = scalar(tensors, source, i, casts[key])
@@ -122,7 +132,7 @@ def _sampling(tensors: Tensors, i: int, names: Mapping[str, tuple[str, ...]],
         value = scalar(tensors, name, i, float)
         if value is not None:
             _float_bound(name, "length_penalty", value)
-    return _checked_sampling(params, used, stop_token_ids)
+    return _checked_sampling(params, used)
 
 
 # Declared for TensorRT-LLM clients; they only act with beam search, which this target lacks.
@@ -143,11 +153,10 @@ def _named(exc: FieldError, source: str) -> BadRequestError:
     return BadRequestError(f"input '{source}': {exc}", source)
 
 
-def _checked_sampling(params: Mapping[str, Any], sources: Mapping[str, str],
-                      stop_token_ids: tuple[tuple[int, ...], ...]) -> SamplingParams:
+def _checked_sampling(params: Mapping[str, Any], sources: Mapping[str, str]) -> SamplingParams:
     """SamplingParams, its refusal naming the client's input."""
     try:
-        return SamplingParams(**params, stop_token_ids=stop_token_ids)
+        return SamplingParams(**params)
     except FieldError as exc:
         raise _named(exc, sources.get(exc.field, exc.field)) from None
 
@@ -173,7 +182,81 @@ def outputs(tensors: Tensors, i: int, exclude_default: bool) -> Outputs:
         return_perf_metrics=flag(tensors, "return_perf_metrics", i),
         return_num_input_tokens=flag(tensors, "return_num_input_tokens", i),
         return_num_output_tokens=flag(tensors, "return_num_output_tokens", i),
-        perf_final_only=flag(tensors, "perf_metrics_final_only", i))
+        perf_final_only=flag(tensors, "perf_metrics_final_only", i),
+        return_log_probs=flag(tensors, "return_log_probs", i))
+
+
+Encode = Callable[[str], list[int]]  # a word's token ids, without special tokens
+
+
+def _no_tokenizer(word: str) -> list[int]:
+    """parse_text_item's encode where its caller has no tokenizer: a server bug if ever reached."""
+    raise RuntimeError("word inputs need the model's tokenizer: parse_text_item was given no encoder")
+
+
+def sequence_controls(tensors: Tensors, i: int) -> dict[str, tuple[Any, str]]:
+    """SamplingParams fields of the inputs both models share: num_return_sequences (each sequence comes back
+    in its own responses, with its sequence_index) and return_log_probs (the chosen tokens' only: 0 top)."""
+    extra: dict[str, tuple[Any, str]] = {}
+    n = scalar(tensors, "num_return_sequences", i, int)
+    if n is not None:
+        if n < 1:
+            raise BadRequestError(f"input 'num_return_sequences' must be >= 1, got {n}", "num_return_sequences")
+        extra["n"] = (n, "num_return_sequences")
+    if flag(tensors, "return_log_probs", i):
+        extra["logprobs"] = (0, "return_log_probs")
+    return extra
+
+
+def word_ids(tensors: Tensors, name: str, i: int, encode: Encode) -> tuple[tuple[int, ...], ...]:
+    """A words input as token sequences, each word tokenized alone without special tokens (tensorrtllm_backend's
+    preprocessing, as for stop_words); a word of no tokens is dropped, as there."""
+    return tuple(ids for ids in (tuple(encode(w)) for w in words(tensors, name, i)) if ids)
+
+
+def _bias_pairs(bias: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
+    """SamplingParams.logit_bias: sorted by id, zero biases left out."""
+    return tuple(sorted((t, b) for t, b in bias.items() if b != 0.0))
+
+
+def _finite(values: list[float], name: str) -> list[float]:
+    bad = next((v for v in values if not math.isfinite(v)), None)
+    if bad is not None:
+        raise BadRequestError(f"input '{name}' must hold finite numbers, got {bad!r}", name)
+    return values
+
+
+BIAS_WORDS, BIAS_WEIGHTS = "embedding_bias_words", "embedding_bias_weights"
+
+
+def bias_from_words(tensors: Tensors, i: int, encode: Encode) -> tuple[tuple[int, float], ...]:
+    """embedding_bias_words / embedding_bias_weights as a logit bias: as tensorrtllm_backend's preprocessing
+    builds its vocab-sized bias, every token of a word gets the word's weight, summed where words share a
+    token. Unlike it, words are tokenized without special tokens (it would also bias the BOS token)."""
+    raw_words, raw_weights = _row(tensors, BIAS_WORDS, i), _row(tensors, BIAS_WEIGHTS, i)
+    texts = [] if raw_words is None else [utf8(v, BIAS_WORDS) for v in np.asarray(raw_words).reshape(-1)]
+    weights = [] if raw_weights is None else [float(v) for v in np.asarray(raw_weights).reshape(-1)]
+    if len(texts) != len(weights):
+        raise BadRequestError(f"inputs '{BIAS_WORDS}' ({len(texts)} words) and '{BIAS_WEIGHTS}' ({len(weights)} "
+                              "weights) must have the same length: one weight per word", BIAS_WORDS)
+    bias: dict[int, float] = {}
+    for word, weight in zip(texts, _finite(weights, BIAS_WEIGHTS)):
+        for token in encode(word):
+            bias[token] = bias.get(token, 0.0) + weight
+    return _bias_pairs(bias)
+
+
+def bias_from_vector(tensors: Tensors, i: int, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """The token model's embedding_bias (one FP32 per vocabulary entry, TensorRT-LLM's) as a logit bias;
+    empty: none."""
+    row = _row(tensors, "embedding_bias", i)
+    if row is None or np.asarray(row).size == 0:
+        return ()
+    vector = _finite([float(v) for v in np.asarray(row).reshape(-1)], "embedding_bias")
+    if vocab_size is not None and len(vector) != vocab_size:
+        raise BadRequestError(f"input 'embedding_bias' must hold one bias per vocabulary entry ({vocab_size}), "
+                              f"got {len(vector)}", "embedding_bias")
+    return _bias_pairs(dict(enumerate(vector)))
 
 
 def _vector(tensors: Tensors, name: str, i: int) -> list[int] | None:
@@ -189,18 +272,22 @@ def retention(tensors: Tensors, i: int) -> RetentionConfig | None:
     return retention_from_inputs(vectors, decode)
 
 
-def parse_text_item(tensors: Tensors, i: int, exclude_default: bool) -> TextRequest:
-    """One row of an `ensemble` request (text in, text out)."""
+def parse_text_item(tensors: Tensors, i: int, exclude_default: bool, encode: Encode = _no_tokenizer) -> TextRequest:
+    """One row of an `ensemble` request (text in, text out); encode tokenizes bad_words and
+    embedding_bias_words (stop_words are tokenized later, by prepare)."""
     check_unsupported(tensors, i)
-    if words(tensors, "bad_words", i):
-        raise BadRequestError("'bad_words' is not supported by the torch target", "bad_words")
     text = utf8(scalar(tensors, "text_input", i, lambda v: v), "text_input")
     messages, overflow, salt = (text_scalar(tensors, name, i) for name in ("messages", "overflow", "cache_salt"))
     check_text_or_messages(text, messages)
-    return TextRequest(text=text, sampling=_sampling(tensors, i, TEXT_SAMPLING), stream=flag(tensors, "stream", i),
-                       outputs=outputs(tensors, i, exclude_default), messages=messages, overflow=overflow,
-                       cache_salt=salt, stop_words=tuple(words(tensors, "stop_words", i)),
-                       retention=retention(tensors, i))
+    extra = sequence_controls(tensors, i)
+    if words(tensors, "bad_words", i):
+        extra["bad_words"] = (word_ids(tensors, "bad_words", i, encode), "bad_words")
+    if BIAS_WORDS in tensors or BIAS_WEIGHTS in tensors:
+        extra["logit_bias"] = (bias_from_words(tensors, i, encode), BIAS_WORDS)
+    return TextRequest(text=text, sampling=_sampling(tensors, i, TEXT_SAMPLING, extra),
+                       stream=flag(tensors, "stream", i), outputs=outputs(tensors, i, exclude_default),
+                       messages=messages, overflow=overflow, cache_salt=salt,
+                       stop_words=tuple(words(tensors, "stop_words", i)), retention=retention(tensors, i))
 
 
 def words_list(arr: Array | None, name: str) -> list[list[int]]:
@@ -240,15 +327,16 @@ def prompt_ids(tensors: Tensors, i: int, max_input_len: int | None) -> Array:
 
 
 def parse_token_item(tensors: Tensors, i: int, exclude_default: bool,
-                     max_input_len: int | None = None) -> TokenRequest:
-    """One row of a `tensorrt_llm` request (token ids in, token ids out)."""
+                     max_input_len: int | None = None, vocab_size: int | None = None) -> TokenRequest:
+    """One row of a `tensorrt_llm` request (token ids in, token ids out); vocab_size checks embedding_bias."""
     check_unsupported(tensors, i)
-    if words_list(_row(tensors, "bad_words_list", i), "bad_words_list"):
-        raise BadRequestError("'bad_words_list' is not supported by the torch target", "bad_words_list")
     ids = prompt_ids(tensors, i, max_input_len)
-    stops = tuple(tuple(s) for s in words_list(_row(tensors, "stop_words_list", i), "stop_words_list"))
+    extra = sequence_controls(tensors, i)
+    for name, field in (("stop_words_list", "stop_token_ids"), ("bad_words_list", "bad_words")):
+        extra[field] = (tuple(tuple(w) for w in words_list(_row(tensors, name, i), name)), name)
+    extra["logit_bias"] = (bias_from_vector(tensors, i, vocab_size), "embedding_bias")
     return TokenRequest(prompt_token_ids=tuple(ids.astype(np.int64).tolist()),
-                        sampling=_sampling(tensors, i, TOKEN_SAMPLING, stops), stream=flag(tensors, "streaming", i),
+                        sampling=_sampling(tensors, i, TOKEN_SAMPLING, extra), stream=flag(tensors, "streaming", i),
                         outputs=outputs(tensors, i, exclude_default), cache_salt=text_scalar(tensors, "cache_salt", i),
                         retention=retention(tensors, i))
 

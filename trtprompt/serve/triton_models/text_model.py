@@ -15,54 +15,64 @@ from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.edge import PromptEdge
 from trtprompt.serve.triton_models import inputs
 from trtprompt.serve.triton_models import stub as io
+from trtprompt.serve.triton_models.sequences import SeqOutput, Sequences, logprob_arrays
 from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.wire.outputs import seq_finished
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
 from trtprompt.serve.wire.requests import TextRequest, TokenRequest, prepare
-from trtprompt.tokenizer import Tokenizer
+from trtprompt.tokenizer import StreamDetokenizer, Tokenizer
 
 
 class _TextRow:
-    """One batch row: its prompt ids, detokenizer and response building."""
+    """One batch row: its prompt ids, a detokenizer per returned sequence, and response building."""
 
     def __init__(self, model: "TextModel", index: int, req: TextRequest, wanted: frozenset[str]) -> None:
-        tok = model.tokenizer
         self.model, self.index, self.wanted = model, index, wanted
         self.stream, self.outputs = req.stream, req.outputs
-        prepared = prepare(req, model.edge, tok)
+        prepared = prepare(req, model.edge, model.tokenizer)
         self.request, self.prompt = prepared.request, prepared.prompt
         self.prompt_ids = list(self.request.prompt_token_ids)
-        # Detokenized in the prompt's context, so the first word keeps its
-        # leading space (Metaspace), exactly as `trtprompt generate` prints it.
-        self.detok = tok.stream(self.prompt_ids, skip_special_tokens=model.skip_special_tokens)
-        self.output_ids: list[int] = []
+        self.sequences = Sequences()
+        self.detoks: dict[int, StreamDetokenizer] = {}
 
     def engine_request(self) -> TokenRequest:
         return self.request
 
+    def _detok(self, index: int) -> StreamDetokenizer:
+        # Detokenized in the prompt's context, so the first word keeps its
+        # leading space (Metaspace), exactly as `trtprompt generate` prints it.
+        if index not in self.detoks:
+            self.detoks[index] = self.model.tokenizer.stream(self.prompt_ids,
+                                                             skip_special_tokens=self.model.skip_special_tokens)
+        return self.detoks[index]
+
     def response(self, frame: dict[str, Any]) -> list[Any] | None:
-        """Output tensors for this frame, or None when it adds nothing to send."""
-        new, finished = frame["new_token_ids"], frame["finished"]
-        self.output_ids.extend(new)
+        """Output tensors for this frame, or None when it adds nothing to send: streamed, the text it
+        brings; otherwise a sequence's whole text once it ends (each sequence in its own response)."""
+        index, seq = self.sequences.add(frame)
+        new, finished, detok = frame["new_token_ids"], frame["finished"], self._detok(index)
         if self.stream:
-            text = self.detok.step(new) + (self.detok.flush() if finished else "")
+            text = detok.step(new) + (detok.flush() if seq_finished(frame) else "")
             if not text and not finished:
                 return None
-        elif not finished:
+        elif not seq_finished(frame):
             return None
         elif self.outputs.exclude_input_in_output:
-            text = self.detok.step(self.output_ids) + self.detok.flush()
+            text = detok.step(seq.ids) + detok.flush()
         else:  # TensorRT-LLM returns prompt + output, decoded together
-            text = self.model.tokenizer.decode(self.prompt_ids + self.output_ids,
+            text = self.model.tokenizer.decode(self.prompt_ids + seq.ids,
                                                skip_special_tokens=self.model.skip_special_tokens)
-        return self._tensors(text, frame)
+        return self._tensors(text, frame, index, seq)
 
-    def _tensors(self, text: str, frame: dict[str, Any]) -> list[Any]:
+    def _tensors(self, text: str, frame: dict[str, Any], index: int, seq: SeqOutput) -> list[Any]:
         out = [io.text_tensor("text_output", text)] if "text_output" in self.wanted else []
-        values = {"batch_index": (self.index, "int32"), "sequence_index": (0, "int32"),
+        if self.outputs.return_log_probs:
+            out += [io.tensor(name, arr, "float32") for name, arr in logprob_arrays(seq, self.wanted).items()]
+        values = {"batch_index": (self.index, "int32"), "sequence_index": (index, "int32"),
                   "prompt_truncated_tokens": (self.prompt.prompt_truncated_tokens, "int32"),
                   "dropped_turns": (self.prompt.dropped_turns, "int32")}
         if self.outputs.return_perf_metrics and (frame["finished"] or not self.outputs.perf_final_only):
-            values |= inputs.perf_values(frame["stats"])
+            values |= inputs.perf_values(frame.get("stats") or {})
         values |= {k: (v, "int32") for k, v in self.outputs.counts(frame).items()}
         return out + io.scalar_tensors(values, self.wanted)
 
@@ -86,5 +96,9 @@ class TextModel(io.RowModel):
 
     def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> list[_TextRow]:
         n = inputs.batch_size(tensors, "text_input", "messages")
-        return [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default), wanted)
+        return [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default, self.encode_word), wanted)
                 for i in range(n)]
+
+    def encode_word(self, word: str) -> list[int]:
+        """A bad word's or bias word's ids: tokenized alone, without special tokens (as stop words are)."""
+        return self.tokenizer.encode(word, add_special_tokens=False)

@@ -18,7 +18,9 @@ from trtprompt.serve.triton_models import inputs
 from trtprompt.serve.triton_models import stub as io
 from trtprompt.serve.triton_models.inputs import Array
 from trtprompt.serve.triton_models.metrics_publisher import MetricsPublisher
+from trtprompt.serve.triton_models.sequences import Sequences, logprob_arrays
 from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.wire.outputs import seq_finished
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
 from trtprompt.serve.wire.requests import TokenRequest
 
@@ -31,29 +33,32 @@ class _TokenRow:
     def __init__(self, model: "TokenModel", index: int, req: TokenRequest, echo: dict[str, int],
                  wanted: frozenset[str]) -> None:
         self.model, self.index, self.req, self.echo, self.wanted = model, index, req, echo, wanted
-        self.output_ids: list[int] = []
+        self.sequences = Sequences()
 
     def engine_request(self) -> TokenRequest:
         return self.req
 
     def response(self, frame: dict[str, Any]) -> list[Any] | None:
+        """A streamed response per entry with new ids; otherwise one per sequence, when it ends
+        (TensorRT-LLM's decoupled model answers each returned sequence apart)."""
+        index, seq = self.sequences.add(frame)
         new, finished = frame["new_token_ids"], frame["finished"]
         if self.req.stream:
             ids = new
             if not ids and not finished:
                 return None
         else:
-            self.output_ids.extend(new)
-            if not finished:
+            if not seq_finished(frame):
                 return None
-            ids = self.output_ids if self.req.outputs.exclude_input_in_output \
-                else list(self.req.prompt_token_ids) + self.output_ids
+            ids = seq.ids if self.req.outputs.exclude_input_in_output else list(self.req.prompt_token_ids) + seq.ids
         out = [pb_utils.Tensor("output_ids", _ids_array(ids))] if "output_ids" in self.wanted else []
+        if self.req.outputs.return_log_probs:
+            out += [io.tensor(name, arr, "float32") for name, arr in logprob_arrays(seq, self.wanted).items()]
         values = {"sequence_length": (len(ids), "int32"), "batch_index": (self.index, "int32"),
-                  "sequence_index": (0, "int32")}
+                  "sequence_index": (index, "int32")}
         values |= {name: (value, "int32") for name, value in self.echo.items()}
         if self.req.outputs.return_perf_metrics:
-            values |= inputs.perf_values(frame["stats"])
+            values |= inputs.perf_values(frame.get("stats") or {})
         values |= {k: (v, "int32") for k, v in self.req.outputs.counts(frame).items()}
         return out + io.scalar_tensors(values, self.wanted)
 
@@ -82,17 +87,18 @@ class TokenModel(io.RowModel):
         self.metrics = MetricsPublisher(pb_utils, self.socket, period_s, model_labels).start()
         self.start_relay(self.socket, params)
 
-    def max_input_len(self) -> int:
-        """The engine's bound, asked once (a model may load before the engine is up)."""
-        if getattr(self, "_max_input_len", None) is None:
-            self._max_input_len = int(P.call(self.socket, {"op": "info"})["max_input_len"])
-        return self._max_input_len
+    def engine_bounds(self) -> tuple[int, int]:
+        """The engine's max_input_len and vocab_size, asked once (a model may load before the engine is up)."""
+        if getattr(self, "_bounds", None) is None:
+            info = P.call(self.socket, {"op": "info"})
+            self._bounds = (int(info["max_input_len"]), int(info["vocab_size"]))
+        return self._bounds
 
     def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> list[_TokenRow]:
         n = inputs.batch_size(tensors, "input_ids")
-        limit = self.max_input_len()  # input_ids past it are refused before reaching the engine
-        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default, limit), _echo(tensors, i),
-                          wanted) for i in range(n)]
+        limit, vocab = self.engine_bounds()  # input_ids past the limit are refused before reaching the engine
+        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default, limit, vocab),
+                          _echo(tensors, i), wanted) for i in range(n)]
 
     def finalize(self) -> None:
         self.metrics.stop()

@@ -34,6 +34,7 @@ class Outputs:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     perf_final_only: bool = False  # perf outputs on the final response only (fused ensemble)
+    return_log_probs: bool = False  # cum_log_probs / output_log_probs (the sampling asks the engine for them)
 
     @property
     def perf_every_step(self) -> bool:
