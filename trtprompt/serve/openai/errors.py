@@ -4,7 +4,8 @@ Triton's gRPC stream carries an error's message only, no status code
 (docs/openai.md), so the serving path tags each message with its code and
 `from_triton` reads the tag back (trtprompt/error_codes.py: the codes, their
 HTTP statuses, and the few untagged messages of tritonserver itself). gRPC
-call failures (tritonserver itself unreachable) do carry a status code.
+call failures (tritonserver itself unreachable) do carry a status code. The
+engine path (to_engine.py) keeps errors typed to here: `from_error`.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from trtprompt.error_codes import STATUSES, ErrorCode, classify, split_tag
+from trtprompt.error_codes import STATUSES, ErrorCode, classify, describe, split_tag
 
 RETRY_AFTER_S = 1
 # Ensemble input names in error messages -> the OpenAI parameter they come from.
 _PARAMS = {"text_input": "prompt", "messages": "messages", "max_tokens": "max_tokens",
            "prompt length": "prompt", "cache_salt": "cache_salt", "stop_words": "stop", "top_k": "top_k",
-           "top_p": "top_p", "temperature": "temperature", "min_tokens": "min_tokens", "seed": "seed"}
+           "top_p": "top_p", "temperature": "temperature", "min_tokens": "min_tokens", "seed": "seed",
+           "extra_end_ids": "stop_token_ids", "input_ids": "prompt", "n": "n"}
 
 
 @dataclass
@@ -58,6 +60,19 @@ def api_error(code: ErrorCode, message: str, param: str | None = None) -> APIErr
 
 def unavailable(message: str) -> APIError:
     return api_error(ErrorCode.UNAVAILABLE, message)
+
+
+def from_error(exc: BaseException) -> APIError:
+    """The API error for a failure on the engine path, from its type: the code through the one status
+    table, the param from the field it names (no text is tagged and read back on this path)."""
+    code, message = describe(exc)
+    if code is ErrorCode.TOO_LONG:
+        return api_error(code, message, "prompt")
+    if code is not ErrorCode.INVALID_ARGUMENT:
+        return api_error(code, message)
+    field = getattr(exc, "field", None)
+    param = _PARAMS.get(field, field) if isinstance(field, str) else _param_of(message.lower())
+    return api_error(code, message, param)
 
 
 def from_triton(message: str) -> APIError:

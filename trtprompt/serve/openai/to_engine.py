@@ -24,12 +24,12 @@ from typing import Any, AsyncGenerator
 
 from trtprompt.engine.engine_dir import read_engine_dir
 from trtprompt.engine.request import RetentionConfig, SamplingParams
-from trtprompt.error_codes import BadRequestError, RequestError, describe, tagged
+from trtprompt.error_codes import BadRequestError, RequestError
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.edge import PromptEdge
 from trtprompt.serve.openai.answer_params import Shape, bad_word_ids
 from trtprompt.serve.openai.engine_pieces import Echo, PieceReader
-from trtprompt.serve.openai.errors import APIError, from_triton
+from trtprompt.serve.openai.errors import APIError, from_error
 from trtprompt.serve.openai.params import Generation, Prompt
 from trtprompt.serve.openai.retention import mark_ranges
 from trtprompt.serve.openai.to_triton import Piece
@@ -60,8 +60,8 @@ class EngineInputs:
 
 
 def api_error_of(exc: BaseException) -> APIError:
-    """The API error the Triton path answers the same failure with (its code, as a tag)."""
-    return from_triton(tagged(*describe(exc)))
+    """The API error for a failure on this path: typed to the edge (errors.from_error)."""
+    return from_error(exc)
 
 
 class EnginePath:

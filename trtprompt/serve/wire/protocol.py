@@ -43,9 +43,10 @@ class EngineError(RequestError):
     """An error entry or reply of the engine process, with the code it carried (INTERNAL: a fault
     of the engine process, already logged there with its traceback)."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, field: str | None = None) -> None:
         super().__init__(message, code)
         self.message = message
+        self.field = field  # the request field to blame, where the engine process named one
 
 
 def encode_frame(message: Mapping[str, Any]) -> bytes:
@@ -152,4 +153,5 @@ def entry_error(entry: Mapping[str, Any]) -> EngineError | None:
     """The error an output entry carries, if it is an error entry."""
     if entry.get("error") is None:
         return None
-    return EngineError(parse_code(entry.get("code")), entry["error"])
+    field = entry.get("field")
+    return EngineError(parse_code(entry.get("code")), entry["error"], field if isinstance(field, str) else None)
