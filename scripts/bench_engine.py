@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Engine benchmarks of the embedded torch target, each A/B measured side by side in one run.
 
-    python scripts/bench_engine.py ENGINE_DIR --hf-dir CHECKPOINT [--only prefix,throughput,chunked,overhead]
+    python scripts/bench_engine.py ENGINE_DIR --hf-dir CHECKPOINT \
+        [--only prefix,throughput,chunked,overhead,sequences,logprobs]
 
 Writes JSON to --out (default bench-results/engine.json) and prints a Markdown table.
 """
@@ -15,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from trtprompt.bench import offline
+from trtprompt.bench import offline, request_features
 
-SCENARIOS = ("prefix", "throughput", "chunked", "overhead")
+SCENARIOS = ("prefix", "throughput", "chunked", "overhead", "sequences", "logprobs")
 
 
 def markdown(results: dict) -> str:
@@ -55,6 +56,10 @@ def main() -> None:
         results["chunked"] = offline.chunked_context(args.engine_dir)
     if "overhead" in wanted:
         results["overhead"] = {"decode": offline.step_overhead(args.engine_dir)}
+    if "sequences" in wanted:
+        results["sequences"] = request_features.sequences(args.engine_dir)
+    if "logprobs" in wanted:
+        results["logprobs"] = request_features.logprobs(args.engine_dir)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
     print(markdown(results))
