@@ -116,3 +116,18 @@ def test_logprobs_are_refused_past_their_bound():
         SamplingParams(logprobs=21)
     with pytest.raises(FieldError, match="max_tokens must be a positive integer"):
         SamplingParams(max_tokens=0)
+
+
+def test_the_end_token_that_finishes_a_sequence_keeps_its_log_probability(model_path):
+    """Not in the output (TensorRT-LLM's rule), but reported: a client scoring a continuation needs it."""
+    engine = make_engine(model_path)
+    plain = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
+    first = collect(engine, {"a": (PROMPT, plain)})["a"]
+    end = [t for o in first for t in o.new_token_ids][2]  # make the third greedy token the end token
+    outs = collect(engine, {"b": (PROMPT, SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, end_id=end))})["b"]
+    tokens = [t for o in outs for t in o.new_token_ids]
+    assert len(tokens) == 2 and outs[-1].finish_reason.value == "stop"
+    last = outs[-1].end_logprob
+    expected = oracle(model_path, PROMPT + tokens)[-1]
+    assert last is not None and last.token_id == end and abs(last.logprob - expected[end].item()) < TOL
+    assert [o.end_logprob for o in first] == [None] * len(first)  # finished by length: none

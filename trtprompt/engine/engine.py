@@ -424,6 +424,8 @@ class LLMEngine:
             fields["logprobs"] = req.token_logprobs[start:end]
             req.cum_emitted += sum(lp.logprob for lp in fields["logprobs"])
             fields["cum_logprob"] = req.cum_emitted
+            if req.is_finished and req.end_logprob is not None:
+                fields["end_logprob"] = req.end_logprob
         done = len(req.prompt_logprobs) == req.num_prompt_tokens - 1
         if req.params.prompt_logprobs is not None and req.sequence_index == 0 and done and not req.prompt_logprobs_sent:
             req.prompt_logprobs_sent = True

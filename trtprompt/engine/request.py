@@ -349,6 +349,9 @@ class RequestOutput:
     # With params.prompt_logprobs set, on the first output of each sequence: one per prompt token,
     # None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With params.logprobs set, on the output of a sequence the end token finished: that token's
+    # log probability (the token is not in the output, TensorRT-LLM's rule; vLLM reports it).
+    end_logprob: TokenLogprob | None = None
 
 
 class Request:
@@ -387,6 +390,7 @@ class Request:
         self.token_logprobs: list[TokenLogprob] = []  # params.logprobs: one per output token
         self.cum_emitted = 0.0  # the sum of the emitted tokens' log probabilities
         self.stopped_by_word = False  # finished by a stop word (kept in the output or not)
+        self.end_logprob: TokenLogprob | None = None  # the end token's that finished it (params.logprobs)
         # params.prompt_logprobs: the log probabilities of prompt tokens 1, 2, ... computed so far
         self.prompt_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs_sent = False

@@ -12,6 +12,7 @@ def check_stop(req: Request, token: int, logprob: TokenLogprob | None = None) ->
     unless the request keeps it (include_stop_in_output).
     """
     if token in req.end_ids and req.num_output >= req.params.min_tokens:
+        req.end_logprob = logprob  # kept apart: clients scoring text read it (lm-eval's loglikelihood)
         return FinishReason.STOP
     req.append_token(token, logprob)
     out = req.all_token_ids

@@ -8,7 +8,8 @@ where they apply, so a plain request's entries are what they always were:
 | `seq` | a sequence other than the first | its index (absent: 0) |
 | `seq_finished` | a sequence ends before its request's last | true (absent: the entry's `finished`) |
 | `logprobs` | the request asked for them | one `[logprob, [[id, logprob], ...]]` per new token, top first |
-| `cum_logprob` | likewise | the sum over the sequence's output so far |
+| `cum_logprob` | likewise, and on every beam of a beam search | the sum over the sequence's output so far |
+| `end_logprob` | logprobs asked for, the end token ended it | `[id, logprob, top]` of that token (not an output) |
 | `prompt_logprobs` | asked for; once | per prompt token: null for the first, then `[id, logprob, top]` |
 
 Stdlib only on the reading side: the Triton stubs decode entries too.
@@ -41,13 +42,17 @@ def sequence_fields(out: "RequestOutput") -> dict[str, Any]:
         fields["seq_finished"] = True
     if out.logprobs is not None:
         fields["logprobs"] = [[lp.logprob, [list(t) for t in lp.top]] for lp in out.logprobs]
+    if out.cum_logprob is not None:  # a beam's comes without per-token values (engine/beams.py)
         fields["cum_logprob"] = out.cum_logprob
+    if out.end_logprob is not None:
+        fields["end_logprob"] = _prompt_entry(out.end_logprob)
     if out.prompt_logprobs is not None:
         fields["prompt_logprobs"] = [None if lp is None else _prompt_entry(lp) for lp in out.prompt_logprobs]
     return fields
 
 
 def _prompt_entry(lp: "TokenLogprob") -> list[Any]:
+    """[id, logprob, top]: a position whose token is not among an entry's new_token_ids."""
     return [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
 
 
@@ -76,3 +81,11 @@ def prompt_logprobs(entry: Mapping[str, Any]) -> list[Logprob | None] | None:
         return None
     return [None if p is None else Logprob(int(p[0]), float(p[1]), tuple((int(i), float(v)) for i, v in p[2]))
             for p in raw]
+
+
+def end_logprob(entry: Mapping[str, Any]) -> Logprob | None:
+    """The log probability of the end token that finished the entry's sequence, if it carries one."""
+    raw = entry.get("end_logprob")
+    if raw is None:
+        return None
+    return Logprob(int(raw[0]), float(raw[1]), tuple((int(i), float(v)) for i, v in raw[2]))
