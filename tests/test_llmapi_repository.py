@@ -21,7 +21,13 @@ from trtprompt.error_codes import BadRequestError
 from trtprompt.prompt.edge import EdgePrompt
 from trtprompt.serve.launch.llmapi_repository import MODEL_DIR_ENV, PLACEHOLDER, find_llmapi_model
 from trtprompt.serve.launch.trtllm_model_config import parse_config_text
-from trtprompt.serve.triton_models.llmapi_edge import SALT_REFUSAL, edge_request, ensemble_outputs, llmapi_inputs
+from trtprompt.serve.triton_models.llmapi_edge import (
+    SALT_REFUSAL,
+    core_outputs,
+    edge_request,
+    ensemble_outputs,
+    llmapi_inputs,
+)
 
 
 def _repo_only(engine: Path, repo: Path, *more: str) -> Any:
@@ -138,3 +144,55 @@ def test_outputs_under_the_ensemble_names() -> None:
     assert set(ensemble_outputs(core, frozenset())) == {"text_output"}
     out = ensemble_outputs(core, frozenset({"kv_cache_reused_blocks"}))
     assert out["kv_cache_reused_blocks"].tolist() == [[3]] and out["text_output"].shape == (1, 1)
+
+
+def test_return_log_probs_asks_for_the_cumulative_logprob() -> None:
+    """Issue 37: return_log_probs -> the llmapi model's return_cumulative_logprob; its cumulative_logprob
+    (one per CompletionOutput, sent as text by model.py) comes back as FP32 cum_log_probs."""
+    result = edge_request(_tensors(text_input="x", max_tokens=np.int32(4), return_log_probs=True), _Edge().prepare, str)
+    inputs = llmapi_inputs(result)
+    assert inputs["return_cumulative_logprob"].tolist() == [True] and inputs["return_cumulative_logprob"].dtype == bool
+    assert core_outputs(frozenset({"cum_log_probs"})) == ["text_output", "cumulative_logprob"]
+    core = {"text_output": np.array([b"hi"], dtype=object), "cumulative_logprob": np.array([b"-1.25"], dtype=object)}
+    out = ensemble_outputs(core, frozenset({"cum_log_probs"}))
+    assert out["cum_log_probs"].dtype == np.float32 and out["cum_log_probs"].tolist() == [[-1.25]]
+    none = ensemble_outputs({"cumulative_logprob": np.array([b"None"], dtype=object)}, frozenset({"cum_log_probs"}))
+    assert np.isnan(none["cum_log_probs"][0, 0])  # not computed: NaN, never a made-up number
+
+
+@pytest.mark.parametrize(("name", "value", "field"), [
+    ("num_return_sequences", np.int32(2), "'n'"), ("beam_width", np.int32(4), "'use_beam_search'"),
+    ("bad_words", "no", "'bad'"), ("embedding_bias_words", "x", "'embedding_bias'"),
+    ("return_context_logits", True, "'return_context_logits'"),
+    ("return_generation_logits", True, "'return_generation_logits'"),
+])
+def test_edge_refuses_what_the_llmapi_model_cannot_carry(name: str, value: object, field: str) -> None:
+    with pytest.raises(BadRequestError, match=f"input '{name}' cannot be honoured: .*SamplingParams {field}"):
+        edge_request(_tensors(text_input="x", max_tokens=np.int32(4), **{name: value}), _Edge().prepare, str)
+
+
+def test_edge_accepts_the_defaults_of_what_it_cannot_carry() -> None:
+    """n 1, beam width 1 and false logits switches ask for nothing more: accepted, as every layout does."""
+    tensors = _tensors(text_input="x", max_tokens=np.int32(4), num_return_sequences=np.int32(1),
+                       beam_width=np.int32(1), return_context_logits=False, return_generation_logits=False)
+    assert edge_request(tensors, _Edge().prepare, str).max_tokens == 4
+
+
+def test_llmapi_ensemble_declares_the_uncarried_inputs_and_cum_log_probs(llmapi_engine: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from trtprompt.serve.launch.llmapi_repository import UNCARRIED_INPUTS
+    from trtprompt.serve.triton_models.llmapi_edge import UNCARRIED
+
+    assert UNCARRIED_INPUTS == tuple(UNCARRIED)  # repeated in launch/, which may not import triton_models/
+    monkeypatch.delenv(MODEL_DIR_ENV, raising=False)
+    assert _repo_only(llmapi_engine, tmp_path / "repo").exit_code == 0
+    ensemble = parse_config_text((tmp_path / "repo" / "ensemble" / "config.pbtxt").read_text(encoding="utf-8"))
+    assert set(UNCARRIED) | {"return_log_probs"} <= {t.name for t in ensemble.input}
+    assert [(t.name, t.data_type, list(t.dims)) for t in ensemble.output if t.name == "cum_log_probs"] == [
+        ("cum_log_probs", mc.TYPE_FP32, [-1])]
+    assert "output_log_probs" not in {t.name for t in ensemble.output}  # the llmapi model has no per-token values
+    core = parse_config_text((tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt").read_text(encoding="utf-8"))
+    assert "return_cumulative_logprob" in {t.name for t in core.input}
+    assert "cumulative_logprob" in {t.name for t in core.output}

@@ -203,3 +203,113 @@ def test_require_cache_salt_cannot_be_served_on_the_trtllm_target(
     result = _repo_only(engine, tmp_path / "repo")
     assert result.exit_code != 0
     assert "require_cache_salt = true cannot be served on the trtllm target" in result.output
+
+
+# Issue 37: the 1.2 templates' tensors for log probabilities, sequences, beams, bad words, embedding bias and
+# logits, as tensorrtllm_backend's all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt declares them
+# (read at NVIDIA/TensorRT-LLM 0c8de69a, triton_backend/; tests/fixtures/trtllm_names.json says which release).
+CORE_TENSORS: dict[str, tuple[int, list[int], bool]] = {  # name -> (type, dims, reshaped to [])
+    "return_log_probs": (mc.TYPE_BOOL, [1], True), "num_return_sequences": (mc.TYPE_INT32, [1], True),
+    "beam_width": (mc.TYPE_INT32, [1], True), "len_penalty": (mc.TYPE_FP32, [1], True),
+    "early_stopping": (mc.TYPE_BOOL, [1], True), "bad_words_list": (mc.TYPE_INT32, [2, -1], False),
+    "embedding_bias": (mc.TYPE_FP32, [-1], False),
+}
+CORE_OUTPUT_TENSORS: dict[str, tuple[int, list[int]]] = {
+    "cum_log_probs": (mc.TYPE_FP32, [-1]), "output_log_probs": (mc.TYPE_FP32, [-1, -1]),
+    "batch_index": (mc.TYPE_INT32, [1]), "sequence_index": (mc.TYPE_INT32, [1]),
+}
+
+
+def test_core_declares_the_1_2_template_tensors(good_repo: Path) -> None:
+    cfg = _parse(good_repo / "tensorrt_llm" / "config.pbtxt")
+    inputs, outputs = {t.name: t for t in cfg.input}, {t.name: t for t in cfg.output}
+    for name, (dtype, dims, reshaped) in CORE_TENSORS.items():
+        t = inputs[name]
+        assert (t.data_type, list(t.dims), t.HasField("reshape"), t.optional) == (dtype, dims, reshaped, True), name
+        assert t.allow_ragged_batch is not reshaped, name  # the lists are ragged, the scalars reshaped
+    for name, (dtype, dims) in CORE_OUTPUT_TENSORS.items():
+        assert (outputs[name].data_type, list(outputs[name].dims)) == (dtype, dims), name
+
+
+def test_logits_only_where_the_engine_gathers_them(good_repo: Path, tiny_checkpoint_factory: Callable[..., Path],
+                                                   tmp_path: Path) -> None:
+    """A default build gathers no logits: neither flag nor output is declared (Triton refuses the flag by name)."""
+    names = {t.name for t in _parse(good_repo / "tensorrt_llm" / "config.pbtxt").input}
+    outputs = {t.name for t in _parse(good_repo / "tensorrt_llm" / "config.pbtxt").output}
+    assert not names & {"return_context_logits", "return_generation_logits"}
+    assert not outputs & {"context_logits", "generation_logits"}
+    engine = make_engine_dir("gather_context_logits", tmp_path / "engine", tiny_checkpoint_factory("llama"))
+    assert _repo_only(engine, tmp_path / "repo", "--disable-kv-cache-reuse").exit_code == 0
+    cfg = _parse(tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt")
+    flag = {t.name: t for t in cfg.input}["return_context_logits"]
+    assert (flag.data_type, list(flag.dims), flag.HasField("reshape"), flag.optional) == (mc.TYPE_BOOL, [1], True, True)
+    out = {t.name: t for t in cfg.output}
+    assert (out["context_logits"].data_type, list(out["context_logits"].dims)) == (mc.TYPE_FP32, [-1, -1])
+    assert "generation_logits" not in out and "return_generation_logits" not in {t.name for t in cfg.input}
+
+
+def test_generation_logits_take_the_engines_logits_dtype() -> None:
+    p = TrtllmModelParams(Path("/e"), "float16", 2048, 16, gather_generation_logits=True, logits_dtype="float16")
+    cfg = parse_config_text(config_text(p))
+    out = {t.name: t for t in cfg.output}["generation_logits"]
+    assert (out.data_type, list(out.dims)) == (mc.TYPE_FP16, [-1, -1, -1])
+    assert "return_generation_logits" in {t.name for t in cfg.input} and "context_logits" not in {
+        t.name for t in cfg.output}
+    with pytest.raises(ValueError, match="logits_dtype must be one of"):
+        TrtllmModelParams(Path("/e"), "float16", 2048, 16, logits_dtype="int8")
+
+
+@pytest.mark.parametrize(("built", "served", "expected"), [(4, None, 4), (4, 1, 4), (4, 2, 2), (1, 1, 1)])
+def test_max_beam_width_is_the_engines_unless_lowered(built: int, served: int | None, expected: int) -> None:
+    build = {"max_batch_size": 8, "max_seq_len": 512, "max_beam_width": built}
+    runtime = {} if served is None else {"max_beam_width": served}
+    p = TrtllmModelParams.from_engine(Path("/e"), {"dtype": "float16"}, build, runtime)
+    assert p.parameters()["max_beam_width"] == str(expected)
+    assert p.parameters()["decoding_mode"] == ("beam_search" if expected > 1 else "top_k_top_p")
+
+
+def test_trtllm_ensemble_routes_the_1_2_template_tensors(tiny_checkpoint_factory: Callable[..., Path],
+                                                         tmp_path: Path) -> None:
+    """trtllm_model_configs: the four models as the 1.2 templates chain them (names, types, dims, maps)."""
+    from trtprompt.serve.launch import repository as r
+    from trtprompt.serve.launch.options import EngineInfo, resolve_options
+    from trtprompt.serve.launch.trtllm_model_config import params_for, trtllm_model_configs
+
+    engine_dir = make_engine_dir("gather_context_logits", tmp_path / "engine", tiny_checkpoint_factory("llama"))
+    engine = EngineInfo.read(engine_dir, tokenizer=None)
+    ctx = r.RepoContext(engine, resolve_options(engine, {"enable_kv_cache_reuse": False}), "")
+    written = trtllm_model_configs(params_for(ctx), r.preprocessing_config(ctx), r.postprocessing_config(ctx),
+                                   r.upstream_ensemble_config(ctx))
+    models = {cfg.name: cfg for cfg, _ in written}
+    assert sorted(models) == MODELS
+    for cfg in models.values():  # each parses back through Triton's schema
+        assert parse_config_text(text_format.MessageToString(cfg)) == cfg
+    pre, ens, core = models["preprocessing"], models["ensemble"], models["tensorrt_llm"]
+    assert [(t.name, t.data_type, list(t.dims), t.optional) for t in pre.input if "BIAS" in t.name] == [
+        ("EMBEDDING_BIAS_WORDS", mc.TYPE_STRING, [-1], True), ("EMBEDDING_BIAS_WEIGHTS", mc.TYPE_FP32, [-1], True)]
+    assert [(t.name, t.data_type, list(t.dims)) for t in pre.output if "BIAS" in t.name] == [
+        ("EMBEDDING_BIAS", mc.TYPE_FP32, [-1])]
+    ins = {t.name: (t.data_type, list(t.dims), t.optional) for t in ens.input}
+    assert {k: ins[k] for k in ("num_return_sequences", "embedding_bias_words", "embedding_bias_weights",
+                                "return_context_logits", "return_log_probs", "beam_width", "bad_words")} == {
+        "num_return_sequences": (mc.TYPE_INT32, [1], True), "embedding_bias_words": (mc.TYPE_STRING, [-1], True),
+        "embedding_bias_weights": (mc.TYPE_FP32, [-1], True), "return_context_logits": (mc.TYPE_BOOL, [1], True),
+        "return_log_probs": (mc.TYPE_BOOL, [1], True), "beam_width": (mc.TYPE_INT32, [1], True),
+        "bad_words": (mc.TYPE_STRING, [-1], True)}
+    assert "return_generation_logits" not in ins  # the fixture gathers context logits only
+    outs = {t.name: (t.data_type, list(t.dims)) for t in ens.output}
+    assert {k: outs[k] for k in ("cum_log_probs", "output_log_probs", "sequence_index", "batch_index",
+                                 "context_logits")} == {
+        "cum_log_probs": (mc.TYPE_FP32, [-1]), "output_log_probs": (mc.TYPE_FP32, [-1, -1]),
+        "sequence_index": (mc.TYPE_INT32, [1]), "batch_index": (mc.TYPE_INT32, [1]),
+        "context_logits": (mc.TYPE_FP32, [-1, -1])}
+    steps = {s.model_name: s for s in ens.ensemble_scheduling.step}
+    assert steps["preprocessing"].output_map["EMBEDDING_BIAS"] == steps["tensorrt_llm"].input_map["embedding_bias"]
+    core_map = steps["tensorrt_llm"]
+    assert (core_map.input_map["num_return_sequences"], core_map.input_map["return_context_logits"],
+            core_map.input_map["bad_words_list"], core_map.input_map["len_penalty"]) == (
+        "num_return_sequences", "return_context_logits", "_BAD_WORDS_IDS", "length_penalty")
+    assert set(core_map.input_map) <= {t.name for t in core.input}
+    assert set(core_map.output_map) <= {t.name for t in core.output}
+    ensemble_out = {t.name for t in ens.output}
+    assert {v for s in steps.values() for v in s.output_map.values() if not v.startswith("_")} == ensemble_out

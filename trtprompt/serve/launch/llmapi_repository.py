@@ -58,18 +58,25 @@ CORE_INPUTS: tuple[Tensor, ...] = (
     ("sampling_param_presence_penalty", "FP32", [1], True), ("sampling_param_max_tokens", "INT32", [1], True),
     ("sampling_param_stop", "STRING", [-1], True), ("sampling_param_seed", "UINT64", [1], True),
     ("sampling_param_exclude_input_from_output", "BOOL", [1], True),
-    ("sampling_param_return_perf_metrics", "BOOL", [1], True))
+    ("sampling_param_return_perf_metrics", "BOOL", [1], True), ("return_cumulative_logprob", "BOOL", [1], True))
 CORE_OUTPUTS: tuple[Tensor, ...] = (
     ("text_output", "STRING", [-1], False), ("kv_cache_reused_block", "INT32", [-1], False),
     ("kv_cache_alloc_new_blocks", "INT32", [-1], False), ("kv_cache_alloc_total_blocks", "INT32", [-1], False),
     ("arrival_time_ns", "INT64", [1], False), ("first_scheduled_time_ns", "INT64", [1], False),
-    ("first_token_time_ns", "INT64", [1], False), ("last_token_time_ns", "INT64", [1], False))
+    ("first_token_time_ns", "INT64", [1], False), ("last_token_time_ns", "INT64", [1], False),
+    ("cumulative_logprob", "FP32", [-1], False))
 # The client inputs the llmapi ensemble declares (the others of ENSEMBLE_INPUTS have no llmapi input);
-# cache_salt and the retention inputs are declared so the edge can refuse them with a clear message.
+# What TensorRT-LLM's llmapi model cannot carry (launch/ does not import triton_models/, so the names are
+# repeated from llmapi_edge.UNCARRIED; tests/test_llmapi_repository.py keeps the two equal).
+UNCARRIED_INPUTS: tuple[str, ...] = ("num_return_sequences", "beam_width", "bad_words", "embedding_bias_words",
+                                     "embedding_bias_weights", "return_context_logits", "return_generation_logits")
+# cache_salt, the retention inputs and the uncarried ones are declared so the edge can refuse them clearly.
 EDGE_INPUTS: tuple[str, ...] = ("text_input", "max_tokens", "stop_words", "temperature", "top_k", "top_p",
                                 "presence_penalty", "frequency_penalty", "seed", "stream", "exclude_input_in_output",
-                                "return_perf_metrics", "cache_salt", "overflow", "messages",
-                                *(name for name, *_ in RETENTION_INPUTS))
+                                "return_perf_metrics", "return_log_probs", "cache_salt", "overflow", "messages",
+                                *(name for name, *_ in RETENTION_INPUTS), *UNCARRIED_INPUTS)
+# return_log_probs' output on this layout: the sum only (the llmapi model returns no per-token values).
+LOGPROB_OUTPUT: Tensor = ("cum_log_probs", "FP32", [-1], False)
 # Serve options model.yaml takes (their LLM API names come from the registry).
 YAML_OPTIONS: tuple[str, ...] = ("enable_chunked_context", "enable_kv_cache_reuse", "batch_scheduler_policy",
                                  "kv_cache_free_gpu_mem_fraction", "max_tokens_in_paged_kv_cache", "max_batch_size",
@@ -138,7 +145,7 @@ def _write_core(root: Path, engine: EngineInfo, options: ServeOptions, found: Pa
 def _ensemble_config(engine: EngineInfo, options: ServeOptions) -> mc.ModelConfig:
     tensors = [t for t in ENSEMBLE_INPUTS if t[0] in EDGE_INPUTS]
     tensors += [t for t in RETENTION_INPUTS if t[0] not in {n for n, *_ in tensors}]
-    outputs: list[Tensor] = [("text_output", "STRING", [-1], False), *PERF_OUTPUTS]
+    outputs: list[Tensor] = [("text_output", "STRING", [-1], False), LOGPROB_OUTPUT, *PERF_OUTPUTS]
     params = {"tokenizer_dir": str(engine.tokenizer_dir), "gpt_model_path": str(engine.path),
               "add_special_tokens": wire.ADD_SPECIAL_TOKENS,
               "enable_chunked_context": options.enable_chunked_context}  # decides max_input_len

@@ -36,8 +36,7 @@ SCALAR_INPUTS: tuple[tuple[str, str], ...] = (
     ("runtime_top_p_decay", "FP32"), ("runtime_top_p_reset_ids", "INT32"), ("len_penalty", "FP32"),
     ("early_stopping", "BOOL"), ("repetition_penalty", "FP32"), ("min_tokens", "INT32"),
     ("beam_search_diversity_rate", "FP32"), ("presence_penalty", "FP32"), ("frequency_penalty", "FP32"),
-    ("seed", "UINT64"), ("return_log_probs", "BOOL"), ("return_context_logits", "BOOL"),
-    ("return_generation_logits", "BOOL"), ("return_perf_metrics", "BOOL"),
+    ("seed", "UINT64"), ("return_log_probs", "BOOL"), ("return_perf_metrics", "BOOL"),
     ("return_num_input_tokens", "BOOL"), ("return_num_output_tokens", "BOOL"),
     ("exclude_input_in_output", "BOOL"), ("stop", "BOOL"), ("streaming", "BOOL"),
     ("num_return_sequences", "INT32"), ("prompt_vocab_size", "INT32"), ("lora_task_id", "UINT64"),
@@ -54,8 +53,6 @@ OUTPUTS: tuple[Tensor, ...] = (
     ("sequence_length", "INT32", [-1], False),
     ("cum_log_probs", "FP32", [-1], False),
     ("output_log_probs", "FP32", [-1, -1], False),
-    ("context_logits", "FP32", [-1, -1], False),
-    ("generation_logits", "FP32", [-1, -1, -1], False),
     ("batch_index", "INT32", [1], False),
     ("sequence_index", "INT32", [1], False),
     *PERF_OUTPUTS,
@@ -65,6 +62,14 @@ OUTPUTS: tuple[Tensor, ...] = (
     ("num_input_tokens", "INT32", [1], False),
     ("num_output_tokens", "INT32", [1], False),
 )
+
+# Build flag -> (request flag, output, dims): the backend fills an output only where the engine computes it
+# (TensorRT-LLM refuses return_context_logits on an engine built without gather_context_logits), so both are
+# declared only then; their type is the engine's logits dtype (the template's ${logits_datatype}).
+LOGITS: dict[str, tuple[str, str, list[int]]] = {
+    "gather_context_logits": ("return_context_logits", "context_logits", [-1, -1]),
+    "gather_generation_logits": ("return_generation_logits", "generation_logits", [-1, -1, -1]),
+}
 
 
 # The knobs this model's config.pbtxt carries (typed, defaulted and checked by trtprompt/knobs.py).
@@ -90,10 +95,15 @@ class TrtllmModelParams(knobs.BackendParams):
     request_stats_max_iterations: int = 0
     normalize_log_probs: bool = True
     decoupled: bool = True
+    # The engine's build flags and logits dtype: which logits outputs exist, and their Triton type.
+    gather_context_logits: bool = False
+    gather_generation_logits: bool = False
+    logits_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.dtype not in TRITON_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(TRITON_DTYPES)}, got {self.dtype!r}")
+        for name in ("dtype", "logits_dtype"):
+            if getattr(self, name) not in TRITON_DTYPES:
+                raise ValueError(f"{name} must be one of {', '.join(TRITON_DTYPES)}, got {getattr(self, name)!r}")
         knobs.check_all(self, MODEL_KNOBS)
         for name in ("max_attention_window_size", "triton_max_batch_size"):
             if getattr(self, name) < 1:
@@ -109,8 +119,16 @@ class TrtllmModelParams(knobs.BackendParams):
         fields = cls.__dataclass_fields__
         given = {k: v for k, v in runtime.items() if k in fields and v is not None}
         given.setdefault("triton_max_batch_size", int(runtime.get("max_batch_size") or build_config["max_batch_size"]))
+        given["max_beam_width"] = beam_width(build_config, given.get("max_beam_width"))
         return cls(engine_dir=Path(engine_dir), dtype=str(pretrained_config["dtype"]),
-                   max_attention_window_size=int(build_config["max_seq_len"]), **given)
+                   max_attention_window_size=int(build_config["max_seq_len"]),
+                   gather_context_logits=bool(build_config.get("gather_context_logits")),
+                   gather_generation_logits=bool(build_config.get("gather_generation_logits")),
+                   logits_dtype=str(pretrained_config.get("logits_dtype") or "float32"), **given)
+
+    def logits(self) -> list[tuple[str, str, list[int]]]:
+        """(request flag, output, dims) of each logits output this engine computes."""
+        return [entry for flag, entry in LOGITS.items() if getattr(self, flag)]
 
     def parameters(self) -> dict[str, str]:
         """The backend's parameters, as the strings config.pbtxt holds."""
@@ -130,6 +148,16 @@ class TrtllmModelParams(knobs.BackendParams):
             "executor_worker_path": EXECUTOR_WORKER,
         }
         return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in params.items() if v is not None}
+
+
+def beam_width(build_config: Mapping[str, Any], serve_value: int | None) -> int:
+    """max_beam_width for the executor: the engine's, unless serve lowered it. ServeOptions holds the
+    knob's default (1) when nothing was given, so 1 reads as "not given": a beam engine keeps its beams
+    (serving it greedy-only is asking for beam_width 1 per request, which every engine takes)."""
+    built = int(build_config.get("max_beam_width") or 1)
+    if serve_value is None or serve_value == knobs.default("max_beam_width"):
+        return built
+    return int(serve_value)
 
 
 def _add(field: Any, name: str, dtype: str, dims: Sequence[int], optional: bool,
@@ -157,6 +185,13 @@ def _inputs(cfg: mc.ModelConfig, dtype: str) -> None:
     _add(cfg.input, "prompt_embedding_table", TRITON_DTYPES[dtype], [-1, -1], True, ragged=True)
 
 
+def _logits(cfg: mc.ModelConfig, p: TrtllmModelParams) -> None:
+    """The logits flags and outputs of the engine's gather_* build flags (none on a default build)."""
+    for flag, output, dims in p.logits():
+        _add(cfg.input, flag, "BOOL", [1], True, reshape=True)
+        _add(cfg.output, output, TRITON_DTYPES[p.logits_dtype], dims, False)
+
+
 def tensorrt_llm_model_config(p: TrtllmModelParams) -> mc.ModelConfig:
     cfg = mc.ModelConfig(name=MODEL_NAME, backend=BACKEND, max_batch_size=p.triton_max_batch_size)
     cfg.model_transaction_policy.decoupled = p.decoupled
@@ -167,6 +202,7 @@ def tensorrt_llm_model_config(p: TrtllmModelParams) -> mc.ModelConfig:
     _inputs(cfg, p.dtype)
     for name, kind, dims, optional in OUTPUTS:
         _add(cfg.output, name, kind, dims, optional)
+    _logits(cfg, p)
     cfg.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
     for key, value in p.parameters().items():
         cfg.parameters[key].string_value = value
@@ -202,3 +238,73 @@ def params_for(ctx: Any) -> TrtllmModelParams:
     """Params from a serve RepoContext (engine info + resolved ServeOptions)."""
     return TrtllmModelParams.from_engine(ctx.engine.path, ctx.engine.pretrained_config, ctx.engine.build_config,
                                          asdict(ctx.options))
+
+
+# tensorrtllm_backend 1.2's preprocessing turns the ensemble's embedding bias words and weights into the core's
+# embedding_bias (one value per vocabulary entry); names, types and dims as its templates declare them.
+PRE_BIAS_INPUTS: tuple[Tensor, ...] = (("EMBEDDING_BIAS_WORDS", "STRING", [-1], True),
+                                       ("EMBEDDING_BIAS_WEIGHTS", "FP32", [-1], True))
+PRE_BIAS_OUTPUT: Tensor = ("EMBEDDING_BIAS", "FP32", [-1], False)
+# What the 1.2 ensemble template declares beyond repository.upstream_ensemble_config: sequences and the bias
+# in, the core's log probabilities and indices out (straight from the core, as that template maps them).
+ENSEMBLE_EXTRA_INPUTS: tuple[Tensor, ...] = (("num_return_sequences", "INT32", [1], True),
+                                             ("embedding_bias_words", "STRING", [-1], True),
+                                             ("embedding_bias_weights", "FP32", [-1], True))
+ENSEMBLE_EXTRA_OUTPUTS: tuple[Tensor, ...] = (("cum_log_probs", "FP32", [-1], False),
+                                              ("output_log_probs", "FP32", [-1, -1], False),
+                                              ("batch_index", "INT32", [1], False),
+                                              ("sequence_index", "INT32", [1], False))
+
+
+def _tensors(field: Any, tensors: Sequence[Tensor]) -> None:
+    for name, dtype, dims, optional in tensors:
+        _add(field, name, dtype, dims, optional)
+
+
+def _copy(base: mc.ModelConfig) -> mc.ModelConfig:
+    cfg = mc.ModelConfig()
+    cfg.CopyFrom(base)
+    return cfg
+
+
+def trtllm_preprocessing_config(base: mc.ModelConfig) -> mc.ModelConfig:
+    """repository.preprocessing_config's message plus the embedding bias tensors of the 1.2 template.
+    (The shared configs come in as arguments: repository imports this module, so it may not import back.)"""
+    cfg = _copy(base)
+    _tensors(cfg.input, PRE_BIAS_INPUTS)
+    _tensors(cfg.output, (PRE_BIAS_OUTPUT,))
+    return cfg
+
+
+def trtllm_ensemble_config(base: mc.ModelConfig, p: TrtllmModelParams) -> mc.ModelConfig:
+    """repository.upstream_ensemble_config's message plus what the 1.2 ensemble template routes for issue 37:
+    sequences, the embedding bias (through preprocessing), log probabilities, indices and the engine's logits."""
+    cfg = _copy(base)
+    logits = p.logits()
+    _tensors(cfg.input, ENSEMBLE_EXTRA_INPUTS + tuple((flag, "BOOL", [1], True) for flag, _, _ in logits))
+    _tensors(cfg.output, ENSEMBLE_EXTRA_OUTPUTS)
+    for _, output, dims in logits:
+        _add(cfg.output, output, TRITON_DTYPES[p.logits_dtype], dims, False)
+    steps = {s.model_name: s for s in cfg.ensemble_scheduling.step}
+    pre, core = steps["preprocessing"], steps[MODEL_NAME]
+    pre.input_map.update({"EMBEDDING_BIAS_WORDS": "embedding_bias_words",
+                          "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights"})
+    pre.output_map["EMBEDDING_BIAS"] = "_EMBEDDING_BIAS"
+    core.input_map.update({"embedding_bias": "_EMBEDDING_BIAS", "num_return_sequences": "num_return_sequences",
+                           **{flag: flag for flag, _, _ in logits}})
+    core.output_map.update({name: name for name, *_ in ENSEMBLE_EXTRA_OUTPUTS})
+    core.output_map.update({output: output for _, output, _ in logits})
+    return cfg
+
+
+def trtllm_model_configs(p: TrtllmModelParams, pre: mc.ModelConfig, post: mc.ModelConfig,
+                         ensemble: mc.ModelConfig) -> list[tuple[mc.ModelConfig, str | None]]:
+    """The trtllm target's four models as tensorrtllm_backend 1.2 lays them out, issue 37's tensors included,
+    from repository's preprocessing / postprocessing / upstream ensemble configs.
+
+    Not yet what repository.model_configs writes: it needs preprocessing (serve/triton_models/pre_post.py)
+    to answer EMBEDDING_BIAS on every request and postprocessing to keep one detokenizer per
+    (request id, sequence_index); until then the written repository declares the core's tensors only.
+    """
+    return [(trtllm_preprocessing_config(pre), "preprocessing.py"), (tensorrt_llm_model_config(p), None),
+            (post, "postprocessing.py"), (trtllm_ensemble_config(ensemble, p), None)]

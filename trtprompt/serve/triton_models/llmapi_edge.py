@@ -38,6 +38,8 @@ SAMPLING: dict[str, tuple[str, str]] = {
     "seed": ("sampling_param_seed", "uint64"),
     "exclude_input_in_output": ("sampling_param_exclude_input_from_output", "bool"),
     "return_perf_metrics": ("sampling_param_return_perf_metrics", "bool"),
+    # Not a SamplingParams field there: the model's output switch for CompletionOutput.cumulative_logprob.
+    "return_log_probs": ("return_cumulative_logprob", "bool"),
 }
 # llmapi model output -> the ensemble output every other layout names it with.
 OUTPUT_NAMES: dict[str, str] = {
@@ -49,7 +51,19 @@ OUTPUT_NAMES: dict[str, str] = {
     "first_scheduled_time_ns": "first_scheduled_time_ns",
     "first_token_time_ns": "first_token_time_ns",
     "last_token_time_ns": "last_token_time_ns",
+    "cumulative_logprob": "cum_log_probs",  # one per CompletionOutput; model.py writes each as its str()
 }
+# Client inputs TensorRT-LLM's llmapi Triton model cannot carry: its model.py builds SamplingParams from
+# best_of, temperature, top_k, top_p, the penalties, max_tokens, seed, stop and two flags only, so n,
+# use_beam_search, bad, embedding_bias and the logits switches never reach the LLM API. Each is refused
+# when it asks for more than the default (docs/gpu.md, "What each TensorRT-LLM target carries").
+UNCARRIED: dict[str, str] = {
+    "num_return_sequences": "n", "beam_width": "use_beam_search", "bad_words": "bad",
+    "embedding_bias_words": "embedding_bias", "embedding_bias_weights": "embedding_bias",
+    "return_context_logits": "return_context_logits", "return_generation_logits": "return_generation_logits",
+}
+UNCARRIED_REFUSAL = ("input '{name}' cannot be honoured: TensorRT-LLM's llmapi Triton model passes no SamplingParams "
+                     "'{field}' to the LLM API; serve with the trtllm (1.2 engine) or torch target to use it")
 SALT_REFUSAL = ("input 'cache_salt' cannot be honoured: TensorRT-LLM's llmapi Triton model has no per-request "
                 "cache salt input, so KV blocks could not be kept apart")
 # The LLM API takes retention as generate_async(kv_cache_retention_config=KvCacheRetentionConfig(...)), but
@@ -94,6 +108,26 @@ def _sampling(tensors: Mapping[str, Array]) -> dict[str, tuple[Any, str]]:
     return out
 
 
+def _asks_more_than_default(tensors: Mapping[str, Array], name: str) -> bool:
+    """True when an uncarried input would change the result: a count or width above 1, a true flag, or
+    any word or weight (a default value is accepted, as the other layouts accept it)."""
+    value = np.asarray(tensors.get(name, ()))
+    if value.size == 0:
+        return False
+    if value.dtype == bool:
+        return bool(value.any())
+    if name in ("num_return_sequences", "beam_width"):
+        return bool((value.astype(np.int64) > 1).any())
+    return True
+
+
+def refuse_uncarried(tensors: Mapping[str, Array]) -> None:
+    """Refuse, naming it, the first input TensorRT-LLM's llmapi model would silently drop."""
+    for name, field in UNCARRIED.items():
+        if _asks_more_than_default(tensors, name):
+            raise BadRequestError(UNCARRIED_REFUSAL.format(name=name, field=field), name)
+
+
 def edge_request(tensors: Mapping[str, Array], prepare: Callable[..., Any],
                  decode: Callable[[list[int]], str]) -> EdgeResult:
     """One client request (batch of 1) -> what the llmapi model gets. prepare is PromptEdge.prepare
@@ -108,6 +142,7 @@ def edge_request(tensors: Mapping[str, Array], prepare: Callable[..., Any],
     given = next((name for name in RETENTION_NAMES if np.asarray(tensors.get(name, ())).size), None)
     if given:
         raise BadRequestError(RETENTION_REFUSAL.format(name=given), given)
+    refuse_uncarried(tensors)
     max_tokens = _max_tokens(tensors)
     prompt = prepare(text, messages, overflow, salt, max_tokens)
     untouched = messages is None and not prompt.prompt_truncated_tokens
@@ -139,5 +174,18 @@ def ensemble_outputs(llmapi: Mapping[str, Array], wanted: frozenset[str]) -> dic
     out: dict[str, Array] = {}
     for source, name in OUTPUT_NAMES.items():
         if source in llmapi and (name in wanted or name == "text_output"):
-            out[name] = np.asarray(llmapi[source]).reshape(1, -1)
+            value = np.asarray(llmapi[source]).reshape(1, -1)
+            out[name] = _log_probs(value) if name == "cum_log_probs" else value
     return out
+
+
+def _log_probs(value: Array) -> Array:
+    """cumulative_logprob as FP32: model.py sends each CompletionOutput's value as text ("None" where the
+    LLM API computed none, which becomes NaN rather than a made-up number)."""
+    def parse(v: Any) -> float:
+        text = v.decode("utf-8") if isinstance(v, bytes) else str(v)
+        try:
+            return float(text)
+        except ValueError:
+            return float("nan")
+    return np.array([[parse(v) for v in row] for row in value], dtype=np.float32)
