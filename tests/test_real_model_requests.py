@@ -50,7 +50,7 @@ def test_log_probabilities_equal_transformers(loaded: tuple[Any, Any, Any]) -> N
     assert err < TOL
 
 
-@pytest.mark.parametrize("question", PROMPTS[:3])
+@pytest.mark.parametrize("question", PROMPTS[:1])  # one: each search is ~10 s of a 30-layer model
 def test_beam_search_equals_transformers(loaded: tuple[Any, Any, Any], question: str) -> None:
     engine, tok, model = loaded
     prompt = tok.encode_chat(chat(question))
