@@ -131,3 +131,34 @@ def test_the_end_token_that_finishes_a_sequence_keeps_its_log_probability(model_
     expected = oracle(model_path, PROMPT + tokens)[-1]
     assert last is not None and last.token_id == end and abs(last.logprob - expected[end].item()) < TOL
     assert [o.end_logprob for o in first] == [None] * len(first)  # finished by length: none
+
+
+def test_context_and_generation_logits_are_the_raw_logits(model_path):
+    """TensorRT-LLM's return_context_logits / return_generation_logits: float32, before any processing."""
+    engine = make_engine(model_path, chunked=True, max_num_tokens=16)
+    run_to_completion(engine, {"warm": PROMPT}, SamplingParams(max_tokens=2))  # cached blocks must not be taken
+    params = SamplingParams(max_tokens=5, temperature=0.8, top_k=5, seed=1, repetition_penalty=1.5,
+                            return_context_logits=True, return_generation_logits=True)
+    outs = collect(engine, {"r": (PROMPT, params)})["r"]
+    tokens = [t for o in outs for t in o.new_token_ids]
+    with torch.no_grad():
+        expected = _hf_model(str(model_path))(torch.tensor([PROMPT + tokens])).logits[0].float()
+    context = [o.context_logits for o in outs if o.context_logits is not None]
+    assert len(context) == 1 and context[0].shape == (len(PROMPT), expected.shape[1])
+    assert torch.allclose(context[0], expected[:len(PROMPT)], atol=1e-4)
+    generation = torch.cat([o.generation_logits for o in outs if o.generation_logits is not None])
+    assert generation.shape == (len(tokens), expected.shape[1])
+    assert torch.allclose(generation, expected[len(PROMPT) - 1:len(PROMPT) - 1 + len(tokens)], atol=1e-4)
+
+
+def test_logits_past_their_bound_are_refused(model_path, monkeypatch):
+    from trtprompt.engine import validation
+    from trtprompt.error_codes import FieldError
+
+    monkeypatch.setattr(validation, "MAX_LOGITS_BYTES", 10 * 256 * 4)  # ten rows of this vocabulary
+    engine = make_engine(model_path)
+    with pytest.raises(FieldError, match=r"return_context_logits asks for 37 x 256 float32 logits \(37888 bytes\)"):
+        engine.add_request("c", PROMPT, SamplingParams(max_tokens=2, return_context_logits=True))
+    with pytest.raises(FieldError, match="return_generation_logits asks for 11 x 256 .* a shorter max_tokens"):
+        engine.add_request("g", PROMPT, SamplingParams(max_tokens=11, return_generation_logits=True))
+    engine.add_request("ok", PROMPT, SamplingParams(max_tokens=10, return_generation_logits=True))

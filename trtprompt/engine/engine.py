@@ -280,12 +280,12 @@ class LLMEngine:
                 outputs.extend(self._fail_step(sched, f"engine error: the model step failed: "
                                                       f"{type(exc).__name__}: {exc}"))
                 return outputs
-            self._record_prompt_logprobs(logits)
+            self._record_prompt_rows(logits)
             samplers = [s.request for s in sched.scheduled if s.samples]
             plain = [j for j, r in enumerate(samplers) if not self.beams.owns(r)]
             rows = logits.sampled if len(plain) == len(samplers) else logits.sampled[plain]
-            tokens, logprobs = self._sample(StepLogits(rows), [samplers[j] for j in plain])
-            outputs.extend(self._update(sched, tokens, logprobs))
+            tokens, logprobs, raw_rows = self._sample(StepLogits(rows), [samplers[j] for j in plain])
+            outputs.extend(self._update(sched, tokens, logprobs, raw_rows))
             for j, req in enumerate(samplers):
                 if self.beams.owns(req) and not req.is_finished:
                     outputs.extend(self._beam_step(req, logits.sampled[j]))
@@ -322,21 +322,29 @@ class LLMEngine:
 
     @staticmethod
     def _sample(logits: StepLogits, reqs: list[Request]) -> tuple[list[int | SampleFailure],
-                                                                 list[TokenLogprob | None]]:
-        """Each request's token, and its log probabilities where asked for (taken from the logits
-        before sample() processes them in place)."""
+                                                                 list[TokenLogprob | None],
+                                                                 list[torch.Tensor | None]]:
+        """Each request's token, its log probabilities and its raw logits row where asked for (both
+        taken from the logits before sample() processes them in place)."""
         if not reqs:
-            return [], []
+            return [], [], []
         raw = raw_logprobs(logits.sampled, reqs)
+        kept = [logits.sampled[i].clone() if r.params.return_generation_logits else None for i, r in enumerate(reqs)]
         tokens = sample(logits.sampled, reqs)
-        return tokens, attach_logprobs(raw, reqs, tokens)
+        return tokens, attach_logprobs(raw, reqs, tokens), kept
 
     @staticmethod
-    def _record_prompt_logprobs(logits: StepLogits) -> None:
+    def _record_prompt_rows(logits: StepLogits) -> None:
+        """Consume the prompt positions' logits: prompt log probabilities, context logits."""
         for rows, values in logits.prompt:
-            req = rows.request
-            scored = req.all_token_ids[rows.first_position + 1:rows.first_position + 1 + rows.count]
-            req.prompt_logprobs.extend(prompt_logprobs(rows, values, scored))
+            req, first = rows.request, rows.first_position
+            if req.params.return_context_logits:
+                req.context_logits.append(values.clone())  # a view of the step's logits otherwise
+            scoring = min(rows.count, req.num_prompt_tokens - 1 - first)  # rows that score a prompt token
+            if req.params.prompt_logprobs is not None and scoring > 0:
+                scored = req.all_token_ids[first + 1:first + 1 + scoring]
+                req.prompt_logprobs.extend(prompt_logprobs(rows, values[:scoring], scored))
+            req.prompt_rows_done = first + rows.count
 
     def _fail_step(self, sched: SchedulerOutput, message: str) -> list[RequestOutput]:
         """Finish every request of a step whose forward raised; requests outside it go on.
@@ -357,10 +365,10 @@ class LLMEngine:
         return self._output(req, error=message)
 
     def _update(self, sched: SchedulerOutput, tokens: list[int | SampleFailure],
-                logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:
+                logprobs: list[TokenLogprob | None], raw_rows: list[torch.Tensor | None]) -> list[RequestOutput]:
         outputs = []
         now = time.time_ns()
-        it = iter(zip(tokens, logprobs))
+        it = iter(zip(tokens, logprobs, raw_rows))
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens = s.context_len + s.num_new_tokens
@@ -369,7 +377,7 @@ class LLMEngine:
             self.kv.cache_computed(req)
             if not s.samples or self.beams.owns(req):
                 continue
-            token, logprob = next(it)
+            token, logprob, raw_row = next(it)
             if isinstance(token, SampleFailure):
                 log.warning("request %s failed sampling: %s", req.request_id, token.reason)
                 outputs.append(self._fail(req, f"engine error: sampling failed for this request "
@@ -380,11 +388,15 @@ class LLMEngine:
                 req.stats.first_token_time_ns = now
             req.stats.last_token_time_ns = now
             # max_tokens 0 (prompt scoring): the prompt is computed, nothing is generated.
+            before = req.num_output
             reason = FinishReason.LENGTH if req.max_output_tokens == 0 else check_stop(req, token, logprob)
+            if raw_row is not None and req.num_output > before:
+                req.generation_logits.append(raw_row)
             if reason is not None:
                 self._finish(req, reason)
             out = self._output(req)
-            if out.new_token_ids or out.sequence_finished or out.prompt_logprobs is not None:
+            if out.new_token_ids or out.sequence_finished or out.prompt_logprobs is not None \
+                    or out.context_logits is not None:
                 outputs.append(out)
         return outputs
 
@@ -426,11 +438,26 @@ class LLMEngine:
             fields["cum_logprob"] = req.cum_emitted
             if req.is_finished and req.end_logprob is not None:
                 fields["end_logprob"] = req.end_logprob
-        done = len(req.prompt_logprobs) == req.num_prompt_tokens - 1
-        if req.params.prompt_logprobs is not None and req.sequence_index == 0 and done and not req.prompt_logprobs_sent:
-            req.prompt_logprobs_sent = True
-            fields["prompt_logprobs"] = [None, *req.prompt_logprobs]
+        if req.params.return_generation_logits and end > start:
+            fields["generation_logits"] = torch.stack(req.generation_logits[start:end])
+        fields.update(LLMEngine._prompt_extras(req))
         return fields
+
+    @staticmethod
+    def _prompt_extras(req: Request) -> dict[str, Any]:
+        """The prompt log probabilities and context logits, once the prompt is computed (sequence 0)."""
+        asked = req.params.prompt_logprobs is not None or req.params.return_context_logits
+        computed = req.num_computed_tokens >= req.num_prompt_tokens and req.prompt_rows_done >= req.prompt_rows_wanted
+        if not asked or req.sequence_index != 0 or req.prompt_extras_sent or not computed:
+            return {}
+        req.prompt_extras_sent = True
+        extras: dict[str, Any] = {}
+        if req.params.prompt_logprobs is not None:
+            extras["prompt_logprobs"] = [None, *req.prompt_logprobs]
+        if req.params.return_context_logits:
+            extras["context_logits"] = torch.cat(req.context_logits)
+            req.context_logits = []
+        return extras
 
     def stats(self) -> EngineStats:
         kv, sched = self.kv, self.scheduler

@@ -48,6 +48,9 @@ FLOAT_BOUNDS: dict[str, Bound] = {
 # The most top log probabilities one token may ask for (OpenAI's top_logprobs bound; vLLM's max_logprobs
 # default). Each costs a (token id, log probability) pair per token on the wire.
 MAX_LOGPROBS = 20
+# The most bytes of raw logits one request may ask for (return_context_logits, return_generation_logits):
+# they travel in one frame of the engine protocol (its limit 64 MiB, base64 adds a third).
+MAX_LOGITS_BYTES = 32 * 1024 * 1024
 # The most sequences one request may ask for (OpenAI's n and best_of, Triton's num_return_sequences); the
 # engine also refuses more than its max_batch_size (validation.py), since they run side by side.
 MAX_SEQUENCES = 128
@@ -57,7 +60,8 @@ MAX_SEQUENCES = 128
 BEAM_SEARCH_EXCLUDES: tuple[tuple[str, object], ...] = (
     ("top_k", None), ("top_p", None), ("min_p", 0.0), ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
     ("frequency_penalty", 0.0), ("min_tokens", 0), ("stop_token_ids", ()), ("logprobs", None),
-    ("prompt_logprobs", None), ("logit_bias", ()), ("bad_words", ()), ("allowed_token_ids", None))
+    ("prompt_logprobs", None), ("logit_bias", ()), ("bad_words", ()), ("allowed_token_ids", None),
+    ("return_context_logits", False), ("return_generation_logits", False))
 
 
 def check_bound(field_name: str, value: float) -> None:
@@ -119,6 +123,11 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # TensorRT-LLM's raw logits outputs: every prompt position's ([prompt tokens, vocab]) and each
+    # output token's ([output tokens, vocab]), float32, before any processing; bounded by
+    # MAX_LOGITS_BYTES per request (validation.py).
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
 
     def __post_init__(self) -> None:
         scoring_only = self.max_tokens == 0 and self.prompt_logprobs is not None
@@ -349,6 +358,9 @@ class RequestOutput:
     # With params.prompt_logprobs set, on the first output of each sequence: one per prompt token,
     # None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Raw float32 logits: the prompt's [prompt tokens, vocab] once, the new tokens' [new tokens, vocab].
+    context_logits: torch.Tensor | None = None
+    generation_logits: torch.Tensor | None = None
     # With params.logprobs set, on the output of a sequence the end token finished: that token's
     # log probability (the token is not in the output, TensorRT-LLM's rule; vLLM reports it).
     end_logprob: TokenLogprob | None = None
@@ -393,12 +405,26 @@ class Request:
         self.end_logprob: TokenLogprob | None = None  # the end token's that finished it (params.logprobs)
         # params.prompt_logprobs: the log probabilities of prompt tokens 1, 2, ... computed so far
         self.prompt_logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs_sent = False
+        self.prompt_rows_done = 0  # prompt positions whose logits were consumed (prompt_rows_wanted)
+        self.prompt_extras_sent = False  # prompt log probabilities / context logits, sent once
+        self.context_logits: list[torch.Tensor] = []  # params.return_context_logits: per chunk
+        self.generation_logits: list[torch.Tensor] = []  # params.return_generation_logits: per token
 
     @property
     def reuses_prefix(self) -> bool:
-        """False when every prompt position must be computed (its prompt logprobs need their logits)."""
-        return self.params.prompt_logprobs is None
+        """False when every prompt position must be computed (its prompt log probabilities or context
+        logits need their logits)."""
+        return self.params.prompt_logprobs is None and not self.params.return_context_logits
+
+    @property
+    def prompt_rows_wanted(self) -> int:
+        """Prompt positions whose logits this request needs: all for context logits, all but the last
+        for prompt log probabilities (position p scores token p + 1), none otherwise."""
+        if self.sequence_index != 0:
+            return 0  # a request's other sequences share its prompt
+        if self.params.return_context_logits:
+            return self.num_prompt_tokens
+        return self.num_prompt_tokens - 1 if self.params.prompt_logprobs is not None else 0
 
     @property
     def num_tokens(self) -> int:

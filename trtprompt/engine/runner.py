@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PromptRows:
-    """Logits rows of one request's prompt positions this step, for its prompt log probabilities:
-    the row at position p scores prompt token p + 1."""
+    """Logits rows of one request's prompt positions this step, for its prompt log probabilities
+    (the row at position p scores prompt token p + 1) or its context logits."""
 
     request: Request
     first_position: int
@@ -51,12 +51,9 @@ class StepLogits:
 
 
 def prompt_positions(req: Request, start: int, end: int) -> range:
-    """Positions in [start, end) whose logits score a prompt token req still lacks the log probability of
-    (sequence 0 of a request with prompt_logprobs; the rest share its prompt)."""
-    if req.params.prompt_logprobs is None or req.sequence_index != 0:
-        return range(0)
-    first = max(start, len(req.prompt_logprobs))
-    return range(first, min(end, req.num_prompt_tokens - 1))
+    """Positions in [start, end) whose logits req still needs (Request.prompt_rows_wanted): a position
+    computed again after a preemption is not taken twice."""
+    return range(max(start, req.prompt_rows_done), min(end, req.prompt_rows_wanted))
 
 
 class ModelRunner:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from trtprompt.engine.errors import EngineRequestError, InputTooLongError
-from trtprompt.engine.request import SamplingParams
+from trtprompt.engine.request import MAX_LOGITS_BYTES, SamplingParams
 from trtprompt.error_codes import FieldError
 
 
@@ -68,6 +68,7 @@ def validate_request(prompt: Sequence[int], params: SamplingParams, limits: Requ
             f"prompt length ({n}) + output ({max_out}) needs {n + max_out} KV-cache tokens, "
             f"more than the whole cache holds ({capacity} tokens in {limits.num_blocks} blocks)")
     _check_beams_fit(n + max_out, params, limits)
+    _check_logits_size(n, max_out, params, limits)
     return ValidatedRequest(tokens, params, max_out, warning)
 
 
@@ -94,3 +95,15 @@ def _check_sequences(params: SamplingParams, limits: RequestLimits) -> None:
     if bad is not None:
         raise EngineRequestError(f"token id {bad} in the sampling parameters is outside the vocabulary "
                                  f"[0, {limits.vocab_size})")
+
+
+def _check_logits_size(prompt: int, output: int, params: SamplingParams, limits: RequestLimits) -> None:
+    """Raw logits travel whole: refuse what would pass MAX_LOGITS_BYTES, naming the input and the bound."""
+    for name, asked, rows, shorter in (("return_context_logits", params.return_context_logits, prompt, "prompt"),
+                                       ("return_generation_logits", params.return_generation_logits, output,
+                                        "max_tokens")):
+        size = rows * limits.vocab_size * 4
+        if asked and size > MAX_LOGITS_BYTES:
+            raise FieldError(name, f"asks for {rows} x {limits.vocab_size} float32 logits ({size} bytes), more than "
+                                   f"the {MAX_LOGITS_BYTES} bytes a request may return (MAX_LOGITS_BYTES): send "
+                                   f"a shorter {shorter}")

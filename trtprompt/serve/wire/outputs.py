@@ -10,6 +10,8 @@ where they apply, so a plain request's entries are what they always were:
 | `logprobs` | the request asked for them | one `[logprob, [[id, logprob], ...]]` per new token, top first |
 | `cum_logprob` | likewise, and on every beam of a beam search | the sum over the sequence's output so far |
 | `end_logprob` | logprobs asked for, the end token ended it | `[id, logprob, top]` of that token (not an output) |
+| `context_logits` | asked for; once | `{"rows", "cols", "f32"}`: [prompt tokens, vocab] float32 LE, base64 |
+| `generation_logits` | asked for | the same form, one row per new token |
 | `prompt_logprobs` | asked for; once | per prompt token: null for the first, then `[id, logprob, top]` |
 
 Stdlib only on the reading side: the Triton stubs decode entries too.
@@ -17,9 +19,12 @@ Stdlib only on the reading side: the Triton stubs decode entries too.
 
 from __future__ import annotations
 
+import base64
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 if TYPE_CHECKING:  # the writing side runs in the engine process only
+    import torch
+
     from trtprompt.engine.request import RequestOutput, TokenLogprob
 
 Top = tuple[tuple[int, float], ...]
@@ -46,9 +51,21 @@ def sequence_fields(out: "RequestOutput") -> dict[str, Any]:
         fields["cum_logprob"] = out.cum_logprob
     if out.end_logprob is not None:
         fields["end_logprob"] = _prompt_entry(out.end_logprob)
+    for name, logits in (("context_logits", out.context_logits), ("generation_logits", out.generation_logits)):
+        if logits is not None:
+            fields[name] = _logits_entry(logits)
     if out.prompt_logprobs is not None:
         fields["prompt_logprobs"] = [None if lp is None else _prompt_entry(lp) for lp in out.prompt_logprobs]
     return fields
+
+
+def _logits_entry(logits: "torch.Tensor") -> dict[str, Any]:
+    """Raw float32 rows as bytes: JSON numbers would take five times the room and the time."""
+    import numpy as np
+
+    rows = logits.detach().to("cpu").float().contiguous().numpy().astype("<f4", copy=False)
+    return {"rows": int(rows.shape[0]), "cols": int(rows.shape[1]),
+            "f32": base64.b64encode(np.ascontiguousarray(rows).tobytes()).decode("ascii")}
 
 
 def _prompt_entry(lp: "TokenLogprob") -> list[Any]:
@@ -89,3 +106,22 @@ def end_logprob(entry: Mapping[str, Any]) -> Logprob | None:
     if raw is None:
         return None
     return Logprob(int(raw[0]), float(raw[1]), tuple((int(i), float(v)) for i, v in raw[2]))
+
+
+class Logits(NamedTuple):
+    """Raw float32 logits an entry carries: rows x cols little-endian floats (numpy.frombuffer reads them)."""
+
+    rows: int
+    cols: int
+    data: bytes
+
+
+def logits_of(entry: Mapping[str, Any], name: str) -> Logits | None:
+    """The entry's `context_logits` or `generation_logits`, if it carries them."""
+    raw = entry.get(name)
+    if raw is None:
+        return None
+    data = base64.b64decode(raw["f32"])
+    if len(data) != int(raw["rows"]) * int(raw["cols"]) * 4:
+        raise ValueError(f"{name}: {len(data)} bytes for {raw['rows']} x {raw['cols']} float32 values")
+    return Logits(int(raw["rows"]), int(raw["cols"]), data)
