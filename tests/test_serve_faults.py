@@ -74,7 +74,7 @@ def test_wrong_dtype_shape_and_missing_input(served: Served) -> None:
 
 
 @pytest.mark.parametrize("optional, message", [
-    ({"beam_width": 2}, "beam_width=2 is not supported"),
+    ({"beam_width": 2}, "input 'beam_width' (2) exceeds max_beam_width (1)"),
     ({"num_return_sequences": 0}, "input 'num_return_sequences' must be >= 1, got 0"),
     ({"return_context_logits": True}, "return_context_logits=true is not supported"),
     ({"return_generation_logits": True}, "return_generation_logits=true is not supported"),
@@ -88,7 +88,7 @@ def test_unsupported_lora_and_prompt_table_inputs(served: Served) -> None:
     assert "'lora_task_id' is not supported" in _error(_raw(served, text_inputs("hi", 4) + [lora]))
     table = make_input("prompt_embedding_table", np.zeros((1, 2, 4), dtype=np.float16))
     assert "'prompt_embedding_table' is not supported" in _error(_raw(served, text_inputs("hi", 4) + [table]))
-    assert "beam_width=3 is not supported" in _error(served.tokens([1, 2], 4, beam_width=3))
+    assert "input 'beam_width' (3) exceeds max_beam_width (1)" in _error(served.tokens([1, 2], 4, beam_width=3))
     served.assert_healthy()
 
 

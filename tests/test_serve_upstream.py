@@ -90,7 +90,7 @@ def test_openai_chat_and_usage_through_the_upstream_ensemble(upstream: Served, o
 
 def test_errors_reach_the_client_and_the_server_keeps_serving(upstream: Served) -> None:
     assert "input 'text_input' is empty" in (upstream.text("", 4).error or "")
-    assert "beam_width=2 is not supported" in (upstream.text("hi", 4, beam_width=2).error or "")
+    assert "input 'beam_width' (2) exceeds max_beam_width (1)" in (upstream.text("hi", 4, beam_width=2).error or "")
     upstream.assert_healthy()
 
 

@@ -15,7 +15,8 @@ from trtprompt.knobs import KNOBS, Knob, in_section
 # The runtime policy `build` records and `serve` overrides: what the embedded engine takes.
 RUNTIME_POLICY: tuple[str, ...] = tuple(k for k in in_section("runtime") if KNOBS[k].engine)
 BUILD_OPTIONS: tuple[str, ...] = (*in_section("build"), *RUNTIME_POLICY, "overflow")
-SERVE_OPTIONS: tuple[str, ...] = (*RUNTIME_POLICY, "max_batch_size", "max_num_tokens", "exclude_input_in_output",
+SERVE_OPTIONS: tuple[str, ...] = (*RUNTIME_POLICY, "max_batch_size", "max_num_tokens", "max_beam_width",
+                                  "exclude_input_in_output",
                                   "cancellation_check_period_ms", "stats_check_period_ms", "engine_threads", "compute_dtype",
                                   "layout",
                                   "disk_cache_path", "disk_cache_size", "kv_remote_url", "kv_remote_password_file",

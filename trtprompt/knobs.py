@@ -154,7 +154,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
        **_TOKENS),
     _k("opt_num_tokens", "build", int, None, "Token count TensorRT tunes for (unset: max_batch_size x beam width).",
        trtllm="opt_num_tokens", **_TOKENS),
-    _k("max_beam_width", "build", int, 1, "Most beams per request (the torch target: 1).", low=1, high=1024,
+    _k("max_beam_width", "build", int, 1, ("Most beams per request (the torch target: set by serve, at most 128 "
+       "sequences per request; its engines record 1)."), low=1, high=1024,
        trtllm="max_beam_width", llmapi="max_beam_width", lowerable=True, serve=True),
     _k("tokens_per_block", "build", int, 32, "Tokens per KV-cache block.", low=1, high=1024, power_of_two=True,
        trtllm="plugin_config.tokens_per_block", llmapi="kv_cache_config.tokens_per_block"),

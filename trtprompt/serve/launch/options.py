@@ -16,6 +16,7 @@ from trtprompt.client import API_KEY_ENV
 from trtprompt.engine.compute_dtype import check_compute_dtype
 from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.engine.kv_events import KV_EVENT_KNOBS, kv_events_config, offset_endpoint
+from trtprompt.engine.request import MAX_SEQUENCES
 from trtprompt.engine.tiers.redis_store import RedisTarget, remote_password
 from trtprompt.interface import OPENAI_PORT
 from trtprompt.secret_source import read_secret
@@ -107,7 +108,7 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
     if opts.enable_kv_cache_reuse and build.get("gather_context_logits"):
         raise ValueError("enable_kv_cache_reuse cannot work with an engine built with "
                          "gather_context_logits; rebuild without it or serve with --disable-kv-cache-reuse")
-    rules.check_not_raised({k: getattr(opts, k) for k in knobs.LOWERABLE_KEYS}, build)
+    rules.check_not_raised({k: getattr(opts, k) for k in _build_bounds(engine)}, build)
     if engine.target != "torch" and opts.replicas != 1:
         raise ValueError(f"replicas runs several torch engine processes; this engine is for the {engine.target} "
                          "target: leave it at 1 (docs/replicas.md)")
@@ -133,8 +134,22 @@ def check_engine_allows(engine: EngineInfo, opts: ServeOptions) -> None:
     if opts.kv_remote_url is not None:  # refused here, before the banner or a process could show a password
         RedisTarget.parse(opts.kv_remote_url)
         remote_password(opts.kv_remote_password_file)  # an unreadable or empty file: refused now, naming it
-    if engine.target == "torch" and opts.max_beam_width != 1:
-        raise ValueError("max_beam_width must be 1 for the torch target (no beam search)")
+    _check_beam_width(engine, opts)
+
+
+def _build_bounds(engine: EngineInfo) -> tuple[str, ...]:
+    """The serve knobs bounded by the engine's build values. A torch engine compiles nothing per beam (its
+    beams are sequences of the paged KV cache) and records max_beam_width 1: there it is a serve bound only."""
+    if engine.target == "torch":
+        return tuple(k for k in knobs.LOWERABLE_KEYS if k != "max_beam_width")
+    return knobs.LOWERABLE_KEYS
+
+
+def _check_beam_width(engine: EngineInfo, opts: ServeOptions) -> None:
+    """The torch engine takes at most MAX_SEQUENCES sequences per request, its beams among them."""
+    if engine.target == "torch" and opts.max_beam_width > MAX_SEQUENCES:
+        raise ValueError(f"max_beam_width={opts.max_beam_width} exceeds the torch engine's {MAX_SEQUENCES} "
+                         "sequences per request (each beam is one)")
 
 
 @dataclass(frozen=True)

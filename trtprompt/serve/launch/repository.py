@@ -66,7 +66,9 @@ BIAS_WORD_INPUTS: tuple[Tensor, ...] = (
 )
 # The fused ensemble's inputs the upstream layout's ensemble does not declare: its preprocessing and
 # postprocessing (tensorrtllm_backend's contract) have no step that would take them.
-FUSED_ONLY_INPUTS: tuple[Tensor, ...] = (SEQUENCES_INPUT, *BIAS_WORD_INPUTS)
+# TensorRT-LLM's tensorrt_llm model takes early_stopping (BOOL) with beam_width; its ensemble does not.
+EARLY_STOPPING_INPUT: Tensor = ("early_stopping", "BOOL", [1], True)
+FUSED_ONLY_INPUTS: tuple[Tensor, ...] = (SEQUENCES_INPUT, *BIAS_WORD_INPUTS, EARLY_STOPPING_INPUT)
 ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     ("text_input", "STRING", [1], False),
     ("max_tokens", "INT32", [1], False),
@@ -119,6 +121,7 @@ TOKEN_INPUTS: tuple[Tensor, ...] = (
     ("random_seed", "UINT64", [1], True),
     ("seed", "UINT64", [1], True),
     ("beam_width", "INT32", [1], True),
+    EARLY_STOPPING_INPUT,
     ("stop_words_list", "INT32", [2, -1], True),
     ("bad_words_list", "INT32", [2, -1], True),
     ("embedding_bias", "FP32", [-1], True),  # one bias per vocabulary entry
@@ -286,6 +289,7 @@ def fused_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
         "engine_socket": ctx.engine_socket,
         "gpt_model_path": str(ctx.engine.path),
         "exclude_input_in_output": ctx.options.exclude_input_in_output,
+        "max_beam_width": ctx.options.max_beam_width,  # a request's beam_width is refused past it (inputs.py)
         "cancellation_check_period_ms": ctx.options.cancellation_check_period_ms,
         "add_special_tokens": inputs.ADD_SPECIAL_TOKENS,
         "skip_special_tokens": inputs.SKIP_SPECIAL_TOKENS,

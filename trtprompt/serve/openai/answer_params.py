@@ -29,6 +29,8 @@ class Shape:
     logprobs: int | None = None  # top log probabilities per token shown (None: no logprobs in the answer)
     echo: bool = False  # completions: the prompt (and, with logprobs, its tokens) before the output
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' log probabilities, top-k each
+    # vLLM's use_beam_search: the beams searched (None: no beam search); the n best come back, best first
+    beam_width: int | None = None
 
     @property
     def sequences(self) -> int:
@@ -51,13 +53,16 @@ class Shape:
 
 def parse_shape(kind: str, body: Mapping[str, Any]) -> Shape:
     n = _count(body, "n", 1)
-    best_of = _best_of(kind, body, n)
+    beams = _flag(body, "use_beam_search", False)
+    best_of = _best_of(kind, body, n, beams)
     logprobs = _chat_logprobs(body) if kind == "chat" else _completion_logprobs(body)
     echo = kind == "completion" and _flag(body, "echo", False)
     prompt_logprobs = _top_k(body, "prompt_logprobs")
     if prompt_logprobs is not None and body.get("stream"):
         raise bad_request("prompt_logprobs is not supported with stream: true (the prompt's log probabilities "
                           "come with the whole answer)", "prompt_logprobs", "unsupported_parameter")
+    if beams:  # vLLM's rule: best_of beams (older vLLM) or n (newer), the n best returned
+        return Shape(n, None, logprobs, echo, prompt_logprobs, max(n, best_of or n))
     return Shape(n, best_of, logprobs, echo, prompt_logprobs)
 
 
@@ -70,7 +75,9 @@ def _count(body: Mapping[str, Any], name: str, default: int) -> int:
     return value
 
 
-def _best_of(kind: str, body: Mapping[str, Any], n: int) -> int | None:
+def _best_of(kind: str, body: Mapping[str, Any], n: int, beams: bool) -> int | None:
+    """best_of: sequences sampled per prompt, the n most likely returned; with use_beam_search, the beam
+    width (streamable: beams come whole at the end anyway)."""
     best_of = _count(body, "best_of", n)
     if best_of == n:
         return None
@@ -79,7 +86,7 @@ def _best_of(kind: str, body: Mapping[str, Any], n: int) -> int | None:
                           "/v1/completions only)", "best_of", "unsupported_parameter")
     if best_of < n:
         raise bad_request(f"best_of must be >= n ({n}), got {best_of}", "best_of")
-    if body.get("stream"):
+    if body.get("stream") and not beams:
         raise bad_request("best_of > n is not supported with stream: true (the best sequences are known only "
                           "at the end)", "best_of", "unsupported_parameter")
     return best_of

@@ -12,8 +12,9 @@ to each request), and benchmark clients send vLLM's. Each field here is, by its 
   naming the field, never ignored.
 
 The extensions this server honours (top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
-stop_token_ids, cache_salt, skip_special_tokens, retention; prompt_logprobs, allowed_token_ids,
-bad_words, include_stop_str_in_output in answer_params.py) are parsed in params.py. docs/openai.md,
+stop_token_ids, cache_salt, skip_special_tokens, retention, use_beam_search, length_penalty,
+early_stopping; prompt_logprobs, allowed_token_ids, bad_words, include_stop_str_in_output in
+answer_params.py) are parsed in params.py. docs/openai.md,
 "Extension fields", is the table of both.
 """
 
@@ -57,8 +58,6 @@ NO_REASONING = "no reasoning parser here: reasoning is never split from the cont
 EXTENSIONS: tuple[Extension, ...] = (
     # vLLM and SGLang sampling and output controls
     _e("no_stop_trim", (False,), REFUSE, "a matched stop string is always trimmed from the output"),
-    _e("use_beam_search", (False,), REFUSE, "no beam search"),
-    _e("length_penalty", (1.0, 1), NOTE, "used by beam search only, which this server lacks (as in vLLM)"),
     _e("spaces_between_special_tokens", (True,), NOTE,
        "the tokenizers library's decoder has no such option (vLLM's fast detokenizer ignores it too)"),
     _e("truncate_prompt_tokens", (), REFUSE, "prompts are fitted by the profile's overflow policy "

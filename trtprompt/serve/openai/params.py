@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, cast
 
 from trtprompt.engine.request import RetentionConfig, SamplingParams
 from trtprompt.error_codes import FieldError
@@ -28,7 +28,8 @@ METADATA_FIELDS = ("user", "metadata", "store", "service_tier")
 # The vLLM/SGLang extensions honoured here (docs/openai.md, "Extension fields").
 HONOURED_EXTENSIONS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
                        "cache_salt", "skip_special_tokens", "retention", "prompt_logprobs", "allowed_token_ids",
-                       "bad_words", "include_stop_str_in_output")
+                       "bad_words", "include_stop_str_in_output", "use_beam_search", "length_penalty",
+                       "early_stopping")
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                  "frequency_penalty", "stream", "stream_options", "n", "logprobs", "logit_bias",
                  "best_of") + HONOURED_EXTENSIONS + METADATA_FIELDS
@@ -115,6 +116,7 @@ def parse_request(kind: str, body: Any, limits: ModelLimits) -> Generation:
     if options is not None and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     sampling = _sampling_params(body, max_tokens, limits, shape, vocabulary)
+    notes += _beam_notes(body, shape)
     return Generation(kind, prompts, messages, sampling, _stop(body), _salt(body), stream, _include_usage(options),
                       _bool(body, "skip_special_tokens", True), notes, with_marks(parse_retention(body), marks),
                       marks, shape, vocabulary.bad_words)
@@ -321,11 +323,65 @@ def _sampling_params(body: Mapping[str, Any], max_tokens: int, limits: ModelLimi
         prompt_logprobs = 0  # echo alone with max_tokens 0: the engine's prompt-scoring request, shown as text
     answer: dict[str, Any] = {"n": shape.sequences, "logprobs": shape.engine_logprobs,
                               "prompt_logprobs": prompt_logprobs}
+    fields, beams = _sampling(body, max_tokens, limits), _beam_search(body, shape, max_tokens)
+    if beams:  # every other field asks nothing here (_beam_search refused those that did)
+        fields = {k: v for k, v in fields.items() if k in BEAM_KEPT} | beams
     try:
-        return SamplingParams(max_tokens=max_tokens, **_sampling(body, max_tokens, limits), **answer,
-                              **vocabulary.sampling_fields())
+        return SamplingParams(max_tokens=max_tokens, **fields, **answer, **vocabulary.sampling_fields())
     except FieldError as exc:  # the engine's bounds (seed's among them), where they are tighter than OpenAI's
         raise bad_request(str(exc), OPENAI_NAMES.get(exc.field, exc.field)) from None
+
+
+# What beam search does not combine with (engine/request.py BEAM_SEARCH_EXCLUDES, by their OpenAI names),
+# and the values of each that ask for nothing (null, false and empty always do): refused by name otherwise.
+BEAM_EXCLUDED: dict[str, tuple[float, ...]] = {
+    "top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "presence_penalty": (0,),
+    "frequency_penalty": (0,), "min_tokens": (0,), "stop": (), "logprobs": (), "top_logprobs": (),
+    "prompt_logprobs": (), "logit_bias": (), "allowed_token_ids": (), "bad_words": ()}
+# Kept from _sampling with beams: the end of a beam (ignore_eos, stop_token_ids) and a seed, which changes nothing.
+BEAM_KEPT = ("ignore_eos", "extra_end_ids", "seed")
+
+
+def _beam_search(body: Mapping[str, Any], shape: Shape, max_tokens: int) -> dict[str, Any]:
+    """vLLM's use_beam_search as SamplingParams fields: shape.beam_width beams (one: greedy), temperature
+    ignored (0, transformers' do_sample=False), length_penalty and early_stopping; empty without beams or
+    with max_tokens 0 (prompt scoring: nothing to search)."""
+    length_penalty, early_stopping = _float(body, "length_penalty"), _early_stopping(body)
+    if shape.beam_width is None or max_tokens == 0:
+        return {}
+    for name, neutral in BEAM_EXCLUDED.items():
+        value = body.get(name)
+        if not _asks_nothing(value, neutral):
+            raise bad_request(f"{name}={_shown(value)} is not supported with use_beam_search (beam search takes "
+                              "no sampling controls yet)", name, "unsupported_parameter")
+    return {"temperature": 0.0, "beam_width": shape.beam_width, "early_stopping": early_stopping,
+            "length_penalty": 1.0 if length_penalty is None else length_penalty}
+
+
+def _asks_nothing(value: Any, neutral: tuple[float, ...]) -> bool:
+    if value is None or value is False or (isinstance(value, (str, list, dict)) and not value):
+        return True
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value in neutral
+
+
+def _early_stopping(body: Mapping[str, Any]) -> bool | Literal["never"]:
+    """vLLM's early_stopping: true, false (its default) or "never" (transformers' meanings)."""
+    value = body.get("early_stopping")
+    if value is None:
+        return False
+    if value is True or value is False or value == "never":
+        return cast(bool | Literal["never"], value)
+    raise bad_request(f"early_stopping must be true, false or \"never\", got {_shown(value)}", "early_stopping")
+
+
+def _beam_notes(body: Mapping[str, Any], shape: Shape) -> tuple[str, ...]:
+    """length_penalty and early_stopping change nothing without use_beam_search (vLLM accepts them so too)."""
+    if shape.beam_width is not None:
+        return ()
+    asked = {"length_penalty": body.get("length_penalty") not in (None, 1, 1.0),
+             "early_stopping": body.get("early_stopping") not in (None, False)}
+    return tuple(f"{name}={_shown(body[name])} (used by beam search only: use_beam_search)"
+                 for name, on in asked.items() if on)
 
 
 def _sampling(body: Mapping[str, Any], max_tokens: int, limits: ModelLimits) -> dict[str, Any]:

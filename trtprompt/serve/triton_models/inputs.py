@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from trtprompt.engine.request import FLOAT_BOUNDS, RetentionConfig, SamplingParams, check_bound
+from trtprompt.engine.request import FLOAT_BOUNDS, RetentionConfig, SamplingParams
 from trtprompt.error_codes import BadRequestError, FieldError, OverBoundError
 from trtprompt.interface import PERF_OUTPUTS
 from trtprompt.serve.wire.requests import Outputs, TextRequest, TokenRequest, check_text_or_messages
@@ -66,10 +66,6 @@ LOGITS_FLAGS = {
 
 def check_unsupported(tensors: Tensors, i: int) -> None:
     """Inputs the torch target cannot honour: refuse rather than ignore."""
-    beam = scalar(tensors, "beam_width", i, int)
-    if beam is not None and beam != 1:
-        raise BadRequestError(f"beam_width={beam} is not supported: the torch target has no beam search "
-                              "(max_beam_width is 1)")
     for name, size in LOGITS_FLAGS.items():
         if flag(tensors, name, i):
             raise BadRequestError(f"{name}=true is not supported by the torch target (for now): it would return "
@@ -114,7 +110,7 @@ def _sampling(tensors: Tensors, i: int, names: Mapping[str, tuple[str, ...]], ex
     it, extra holds the fields the caller built from list inputs (stop and bad words, bias, sequences)."""
     casts = {"max_tokens": int, "top_k": int, "min_tokens": int, "seed": int, "end_id": int,
              "temperature": float, "top_p": float, "repetition_penalty": float,
-             "presence_penalty": float, "frequency_penalty": float}
+             "presence_penalty": float, "frequency_penalty": float, "length_penalty": float}
     params: dict[str, Any] = {key: value for key, (value, _) in extra.items()}
     used: dict[str, str] = {key: source for key, (_, source) in extra.items()}  # for error messages
     for key, sources in names.items():
@@ -128,22 +124,7 @@ def _sampling(tensors: Tensors, i: int, names: Mapping[str, tuple[str, ...]], ex
         raise BadRequestError(f"input '{names['max_tokens'][0]}' is required")
     if max_tokens <= 0:
         raise BadRequestError(f"{names['max_tokens'][0]} must be a positive integer, got {max_tokens}")
-    for name in IGNORED_FLOATS:  # beam-search only: no effect here, but never a NaN either
-        value = scalar(tensors, name, i, float)
-        if value is not None:
-            _float_bound(name, "length_penalty", value)
     return _checked_sampling(params, used)
-
-
-# Declared for TensorRT-LLM clients; they only act with beam search, which this target lacks.
-IGNORED_FLOATS = ("length_penalty", "len_penalty")
-
-
-def _float_bound(source: str, key: str, value: float) -> None:
-    try:
-        check_bound(key, value)
-    except FieldError as exc:
-        raise _named(exc, source) from None
 
 
 def _named(exc: FieldError, source: str) -> BadRequestError:
@@ -166,12 +147,14 @@ TEXT_SAMPLING = {
     "top_p": ("top_p",), "repetition_penalty": ("repetition_penalty",),
     "presence_penalty": ("presence_penalty",), "frequency_penalty": ("frequency_penalty",),
     "min_tokens": ("min_tokens", "min_length"), "seed": ("seed", "random_seed"), "end_id": ("end_id",),
+    "length_penalty": ("length_penalty",),
 }
 TOKEN_SAMPLING = {
     "max_tokens": ("request_output_len",), "temperature": ("temperature",), "top_k": ("runtime_top_k",),
     "top_p": ("runtime_top_p",), "repetition_penalty": ("repetition_penalty",),
     "presence_penalty": ("presence_penalty",), "frequency_penalty": ("frequency_penalty",),
     "min_tokens": ("min_tokens", "min_length"), "seed": ("random_seed", "seed"), "end_id": ("end_id",),
+    "length_penalty": ("len_penalty",),
 }
 
 
@@ -194,18 +177,41 @@ def _no_tokenizer(word: str) -> list[int]:
     raise RuntimeError("word inputs need the model's tokenizer: parse_text_item was given no encoder")
 
 
-def sequence_controls(tensors: Tensors, i: int) -> dict[str, tuple[Any, str]]:
+def sequence_controls(tensors: Tensors, i: int, max_beam_width: int) -> dict[str, tuple[Any, str]]:
     """SamplingParams fields of the inputs both models share: num_return_sequences (each sequence comes back
-    in its own responses, with its sequence_index) and return_log_probs (the chosen tokens' only: 0 top)."""
+    in its own responses, with its sequence_index; with beams, how many of the best come back together),
+    return_log_probs (the chosen tokens' only: 0 top) and the beam search inputs."""
     extra: dict[str, tuple[Any, str]] = {}
     n = scalar(tensors, "num_return_sequences", i, int)
     if n is not None:
         if n < 1:
             raise BadRequestError(f"input 'num_return_sequences' must be >= 1, got {n}", "num_return_sequences")
         extra["n"] = (n, "num_return_sequences")
-    if flag(tensors, "return_log_probs", i):
+    beams = beam_controls(tensors, i, max_beam_width, n)
+    # A beam's cum_log_probs comes without asking the engine for per-token values (it gives none with beams).
+    if flag(tensors, "return_log_probs", i) and not beams:
         extra["logprobs"] = (0, "return_log_probs")
-    return extra
+    return extra | beams
+
+
+def beam_controls(tensors: Tensors, i: int, max_beam_width: int, n: int | None) -> dict[str, tuple[Any, str]]:
+    """beam_width (at most the server's max_beam_width, refused naming both as TensorRT-LLM does) and
+    early_stopping, TensorRT-LLM's default true when absent; empty without beams. The beams returned:
+    num_return_sequences of them, else all beam_width (TensorRT-LLM's default)."""
+    width = scalar(tensors, "beam_width", i, int)
+    if width is None or width == 1:
+        return {}
+    if width < 1:
+        raise BadRequestError(f"input 'beam_width' must be >= 1, got {width}", "beam_width")
+    if width > max_beam_width:
+        raise BadRequestError(f"input 'beam_width' ({width}) exceeds max_beam_width ({max_beam_width}), this "
+                              "server's bound (trtprompt serve --max-beam-width)", "beam_width")
+    if n is not None and n > width:
+        raise BadRequestError(f"input 'num_return_sequences' ({n}) must be at most beam_width ({width}): the "
+                              "beams returned", "num_return_sequences")
+    early = flag(tensors, "early_stopping", i, True)
+    return {"beam_width": (width, "beam_width"), "early_stopping": (early, "early_stopping"),
+            "n": (width if n is None else n, "num_return_sequences")}
 
 
 def word_ids(tensors: Tensors, name: str, i: int, encode: Encode) -> tuple[tuple[int, ...], ...]:
@@ -272,22 +278,27 @@ def retention(tensors: Tensors, i: int) -> RetentionConfig | None:
     return retention_from_inputs(vectors, decode)
 
 
-def parse_text_item(tensors: Tensors, i: int, exclude_default: bool, encode: Encode = _no_tokenizer) -> TextRequest:
+def parse_text_item(tensors: Tensors, i: int, exclude_default: bool, encode: Encode = _no_tokenizer,
+                    max_beam_width: int = 1) -> TextRequest:
     """One row of an `ensemble` request (text in, text out); encode tokenizes bad_words and
     embedding_bias_words (stop_words are tokenized later, by prepare)."""
     check_unsupported(tensors, i)
     text = utf8(scalar(tensors, "text_input", i, lambda v: v), "text_input")
     messages, overflow, salt = (text_scalar(tensors, name, i) for name in ("messages", "overflow", "cache_salt"))
     check_text_or_messages(text, messages)
-    extra = sequence_controls(tensors, i)
+    extra = sequence_controls(tensors, i, max_beam_width)
     if words(tensors, "bad_words", i):
         extra["bad_words"] = (word_ids(tensors, "bad_words", i, encode), "bad_words")
     if BIAS_WORDS in tensors or BIAS_WEIGHTS in tensors:
         extra["logit_bias"] = (bias_from_words(tensors, i, encode), BIAS_WORDS)
+    stop_words = tuple(words(tensors, "stop_words", i))
+    if stop_words and "beam_width" in extra:  # named here: prepare turns them into the engine's stop sequences
+        raise BadRequestError("input 'stop_words' is not supported with beam search (beam_width > 1) yet",
+                              "stop_words")
     return TextRequest(text=text, sampling=_sampling(tensors, i, TEXT_SAMPLING, extra),
                        stream=flag(tensors, "stream", i), outputs=outputs(tensors, i, exclude_default),
                        messages=messages, overflow=overflow, cache_salt=salt,
-                       stop_words=tuple(words(tensors, "stop_words", i)), retention=retention(tensors, i))
+                       stop_words=stop_words, retention=retention(tensors, i))
 
 
 def words_list(arr: Array | None, name: str) -> list[list[int]]:
@@ -326,12 +337,12 @@ def prompt_ids(tensors: Tensors, i: int, max_input_len: int | None) -> Array:
     return ids[:length]
 
 
-def parse_token_item(tensors: Tensors, i: int, exclude_default: bool,
-                     max_input_len: int | None = None, vocab_size: int | None = None) -> TokenRequest:
+def parse_token_item(tensors: Tensors, i: int, exclude_default: bool, max_input_len: int | None = None,
+                     vocab_size: int | None = None, max_beam_width: int = 1) -> TokenRequest:
     """One row of a `tensorrt_llm` request (token ids in, token ids out); vocab_size checks embedding_bias."""
     check_unsupported(tensors, i)
     ids = prompt_ids(tensors, i, max_input_len)
-    extra = sequence_controls(tensors, i)
+    extra = sequence_controls(tensors, i, max_beam_width)
     for name, field in (("stop_words_list", "stop_token_ids"), ("bad_words_list", "bad_words")):
         extra[field] = (tuple(tuple(w) for w in words_list(_row(tensors, name, i), name)), name)
     extra["logit_bias"] = (bias_from_vector(tensors, i, vocab_size), "embedding_bias")

@@ -166,10 +166,10 @@ class PostprocessingModel:
                 tensors = io.read_inputs(request, self.input_names)
                 n = inputs.batch_size(tensors, "TOKENS_BATCH")
                 key = request.request_id() if n == 1 else ""
-                texts = [self._text(tensors, i, key) for i in range(n)]
+                texts = [self._texts(tensors, i, key) for i in range(n)]
                 if self.metrics is not None:
                     self.metrics.observe_batch(tensors, key, n)
-                out = np.array([[t.encode("utf-8")] for t in texts], dtype=object)
+                out = np.array([[t.encode("utf-8") for t in row] for row in texts], dtype=object)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", out)]))
             except Exception as exc:  # noqa: BLE001 - reported to the client
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=io.error_for(exc)))
@@ -178,6 +178,16 @@ class PostprocessingModel:
     def finalize(self) -> None:
         if self.metrics is not None:
             self.metrics.release()
+
+    def _texts(self, tensors: dict[str, Array], i: int, key: str) -> list[str]:
+        """Row i's text per beam ([batch, beam] as tensorrtllm_backend's OUTPUT): one beam streams through
+        its request's detokenizer; a beam search's beams come whole, once, and are decoded whole."""
+        tokens = np.asarray(tensors["TOKENS_BATCH"][i])
+        if tokens.ndim < 2 or tokens.shape[0] == 1:
+            return [self._text(tensors, i, key)]
+        lengths = np.asarray(tensors["SEQUENCE_LENGTH"][i]).reshape(-1)
+        return [self.tokenizer.decode([int(t) for t in tokens[k, :int(lengths[k])]],
+                                      skip_special_tokens=self.skip_special_tokens) for k in range(tokens.shape[0])]
 
     def _text(self, tensors: dict[str, Array], i: int, key: str) -> str:
         length = int(np.asarray(tensors["SEQUENCE_LENGTH"][i]).reshape(-1)[0])

@@ -6,6 +6,11 @@ response carries one sequence with its `sequence_index`; with return_log_probs i
 `cum_log_probs` ([1, 1]: batch, beam) and `output_log_probs` ([1, 1, tokens]), the log probabilities
 of the tokens that response brings (streaming) or of the whole output (not streaming).
 
+A beam search (beam_width > 1) is answered as TensorRT-LLM answers it: every returned beam in one
+response, at the end (the engine reports beams only once the search is done, streaming or not), each
+output with a beam dimension: `cum_log_probs` [1, beams], and no `output_log_probs` (the engine computes
+no per-token values for beams; docs/triton-inputs.md).
+
 Stdlib and numpy only: tested outside Triton's stub.
 """
 
@@ -35,7 +40,8 @@ class SeqOutput:
         lps = token_logprobs(entry)
         if lps is not None:
             self.logprobs.extend(lp.logprob for lp in lps)
-            self.cum = float(entry.get("cum_logprob") or 0.0)
+        if entry.get("cum_logprob") is not None:  # with the logprobs, or a beam's alone
+            self.cum = float(entry["cum_logprob"])
 
     def take_logprobs(self) -> list[float]:
         """The log probabilities gathered since the last response: a streamed response that had no
@@ -57,6 +63,10 @@ class Sequences:
         seq.add(entry)
         return index, seq
 
+    def ranked(self) -> list[SeqOutput]:
+        """The sequences by index: a beam search's best first."""
+        return [self.by_index[k] for k in sorted(self.by_index)]
+
 
 def logprob_arrays(seq: SeqOutput, wanted: frozenset[str]) -> dict[str, Array]:
     """cum_log_probs and output_log_probs for one response, shaped as TensorRT-LLM's (batch, beam first);
@@ -65,3 +75,16 @@ def logprob_arrays(seq: SeqOutput, wanted: frozenset[str]) -> dict[str, Array]:
     arrays = {"cum_log_probs": np.asarray([[seq.cum]], dtype=np.float32),
               "output_log_probs": np.asarray(new, dtype=np.float32).reshape(1, 1, len(new))}
     return {name: arr for name, arr in arrays.items() if name in wanted}
+
+
+def beam_logprob_arrays(beams: list[SeqOutput], wanted: frozenset[str]) -> dict[str, Array]:
+    """A beam search's cum_log_probs, [1, beams] (batch, beam), if the client asked for it."""
+    cum = np.asarray([[b.cum for b in beams]], dtype=np.float32)
+    return {"cum_log_probs": cum} if "cum_log_probs" in wanted else {}
+
+
+def beam_counts(counts: Mapping[str, int], beams: list[SeqOutput]) -> dict[str, int]:
+    """num_input_tokens as asked; num_output_tokens summed over the returned beams (as OpenAI's usage counts
+    every choice), the beams coming in one response."""
+    summed = {"num_output_tokens": sum(len(b.ids) for b in beams)} if "num_output_tokens" in counts else {}
+    return dict(counts) | summed

@@ -15,7 +15,13 @@ from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.edge import PromptEdge
 from trtprompt.serve.triton_models import inputs
 from trtprompt.serve.triton_models import stub as io
-from trtprompt.serve.triton_models.sequences import SeqOutput, Sequences, logprob_arrays
+from trtprompt.serve.triton_models.sequences import (
+    SeqOutput,
+    Sequences,
+    beam_counts,
+    beam_logprob_arrays,
+    logprob_arrays,
+)
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.outputs import seq_finished
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
@@ -34,6 +40,7 @@ class _TextRow:
         self.prompt_ids = list(self.request.prompt_token_ids)
         self.sequences = Sequences()
         self.detoks: dict[int, StreamDetokenizer] = {}
+        self.beams = self.request.sampling.beam_width > 1
 
     def engine_request(self) -> TokenRequest:
         return self.request
@@ -50,6 +57,8 @@ class _TextRow:
         """Output tensors for this frame, or None when it adds nothing to send: streamed, the text it
         brings; otherwise a sequence's whole text once it ends (each sequence in its own response)."""
         index, seq = self.sequences.add(frame)
+        if self.beams:
+            return self._beams(frame) if frame["finished"] else None
         new, finished, detok = frame["new_token_ids"], frame["finished"], self._detok(index)
         if self.stream:
             text = detok.step(new) + (detok.flush() if seq_finished(frame) else "")
@@ -57,24 +66,39 @@ class _TextRow:
                 return None
         elif not seq_finished(frame):
             return None
-        elif self.outputs.exclude_input_in_output:
-            text = detok.step(seq.ids) + detok.flush()
-        else:  # TensorRT-LLM returns prompt + output, decoded together
-            text = self.model.tokenizer.decode(self.prompt_ids + seq.ids,
-                                               skip_special_tokens=self.model.skip_special_tokens)
-        return self._tensors(text, frame, index, seq)
-
-    def _tensors(self, text: str, frame: dict[str, Any], index: int, seq: SeqOutput) -> list[Any]:
+        else:
+            text = self._whole(index, seq)
         out = [io.text_tensor("text_output", text)] if "text_output" in self.wanted else []
         if self.outputs.return_log_probs:
             out += [io.tensor(name, arr, "float32") for name, arr in logprob_arrays(seq, self.wanted).items()]
+        return out + self._scalars(frame, index, self.outputs.counts(frame))
+
+    def _whole(self, index: int, seq: SeqOutput) -> str:
+        """A sequence's whole text: its output alone, or (TensorRT-LLM's default) prompt + output decoded
+        together; streamed beams come whole but without the prompt, as streamed text does."""
+        if self.outputs.exclude_input_in_output or self.stream:
+            detok = self._detok(index)
+            return detok.step(seq.ids) + detok.flush()
+        skip = self.model.skip_special_tokens
+        return self.model.tokenizer.decode(self.prompt_ids + seq.ids, skip_special_tokens=skip)
+
+    def _beams(self, frame: dict[str, Any]) -> list[Any]:
+        """A beam search's one response: text_output [1, beams], best first (docs/triton-inputs.md)."""
+        beams = self.sequences.ranked()
+        texts = [self._whole(k, beam).encode("utf-8") for k, beam in enumerate(beams)]
+        out = [io.tensor("text_output", [texts], "object")] if "text_output" in self.wanted else []
+        if self.outputs.return_log_probs:
+            out += [io.tensor(name, arr, "float32") for name, arr in beam_logprob_arrays(beams, self.wanted).items()]
+        return out + self._scalars(frame, 0, beam_counts(self.outputs.counts(frame), beams))
+
+    def _scalars(self, frame: dict[str, Any], index: int, counts: dict[str, int]) -> list[Any]:
         values = {"batch_index": (self.index, "int32"), "sequence_index": (index, "int32"),
                   "prompt_truncated_tokens": (self.prompt.prompt_truncated_tokens, "int32"),
                   "dropped_turns": (self.prompt.dropped_turns, "int32")}
         if self.outputs.return_perf_metrics and (frame["finished"] or not self.outputs.perf_final_only):
             values |= inputs.perf_values(frame.get("stats") or {})
-        values |= {k: (v, "int32") for k, v in self.outputs.counts(frame).items()}
-        return out + io.scalar_tensors(values, self.wanted)
+        values |= {k: (v, "int32") for k, v in counts.items()}
+        return io.scalar_tensors(values, self.wanted)
 
 
 class TextModel(io.RowModel):
@@ -89,6 +113,7 @@ class TextModel(io.RowModel):
         self.exclude_default = io.param_bool(params, "exclude_input_in_output", False)
         self.add_special_tokens = io.param_bool(params, "add_special_tokens", True)
         self.skip_special_tokens = io.param_bool(params, "skip_special_tokens", True)
+        self.max_beam_width = int(params.get("max_beam_width") or 1)
         policy = PromptPolicy.from_mapping(read_engine_dir(params["gpt_model_path"], params["tokenizer_dir"]).prompt)
         self.edge = PromptEdge(policy, self.tokenizer, self.add_special_tokens,
                                functools.partial(P.engine_limits, self.socket))
@@ -96,8 +121,8 @@ class TextModel(io.RowModel):
 
     def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> list[_TextRow]:
         n = inputs.batch_size(tensors, "text_input", "messages")
-        return [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default, self.encode_word), wanted)
-                for i in range(n)]
+        return [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default, self.encode_word,
+                                                         self.max_beam_width), wanted) for i in range(n)]
 
     def encode_word(self, word: str) -> list[int]:
         """A bad word's or bias word's ids: tokenized alone, without special tokens (as stop words are)."""

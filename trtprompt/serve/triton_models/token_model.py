@@ -18,7 +18,7 @@ from trtprompt.serve.triton_models import inputs
 from trtprompt.serve.triton_models import stub as io
 from trtprompt.serve.triton_models.inputs import Array
 from trtprompt.serve.triton_models.metrics_publisher import MetricsPublisher
-from trtprompt.serve.triton_models.sequences import Sequences, logprob_arrays
+from trtprompt.serve.triton_models.sequences import Sequences, beam_counts, beam_logprob_arrays, logprob_arrays
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.outputs import seq_finished
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
@@ -42,6 +42,8 @@ class _TokenRow:
         """A streamed response per entry with new ids; otherwise one per sequence, when it ends
         (TensorRT-LLM's decoupled model answers each returned sequence apart)."""
         index, seq = self.sequences.add(frame)
+        if self.req.sampling.beam_width > 1:
+            return self._beams(frame) if frame["finished"] else None
         new, finished = frame["new_token_ids"], frame["finished"]
         if self.req.stream:
             ids = new
@@ -54,13 +56,35 @@ class _TokenRow:
         out = [pb_utils.Tensor("output_ids", _ids_array(ids))] if "output_ids" in self.wanted else []
         if self.req.outputs.return_log_probs:
             out += [io.tensor(name, arr, "float32") for name, arr in logprob_arrays(seq, self.wanted).items()]
-        values = {"sequence_length": (len(ids), "int32"), "batch_index": (self.index, "int32"),
-                  "sequence_index": (index, "int32")}
+        values = {"sequence_length": (len(ids), "int32")}
+        return out + self._scalars(frame, index, values, self.req.outputs.counts(frame))
+
+    def _beams(self, frame: dict[str, Any]) -> list[Any]:
+        """A beam search's one response (TensorRT-LLM's shapes): output_ids [1, beams, longest] padded
+        with end_id past each beam's sequence_length [1, beams], best first; streamed, outputs alone."""
+        prompt = [] if self.req.outputs.exclude_input_in_output or self.req.stream else list(self.req.prompt_token_ids)
+        beams = self.sequences.ranked()
+        rows = [prompt + b.ids for b in beams]
+        width = max(len(r) for r in rows)
+        pad = self.req.sampling.end_id if self.req.sampling.end_id is not None else 0
+        ids = np.full((1, len(rows), width), pad, dtype=np.int32)
+        for k, row in enumerate(rows):
+            ids[0, k, :len(row)] = row
+        out = [pb_utils.Tensor("output_ids", ids)] if "output_ids" in self.wanted else []
+        if "sequence_length" in self.wanted:
+            out.append(io.tensor("sequence_length", [[len(r) for r in rows]], "int32"))
+        if self.req.outputs.return_log_probs:
+            out += [io.tensor(name, arr, "float32") for name, arr in beam_logprob_arrays(beams, self.wanted).items()]
+        return out + self._scalars(frame, 0, {}, beam_counts(self.req.outputs.counts(frame), beams))
+
+    def _scalars(self, frame: dict[str, Any], index: int, values: dict[str, tuple[int, str]],
+                 counts: dict[str, int]) -> list[Any]:
+        values = values | {"batch_index": (self.index, "int32"), "sequence_index": (index, "int32")}
         values |= {name: (value, "int32") for name, value in self.echo.items()}
         if self.req.outputs.return_perf_metrics:
             values |= inputs.perf_values(frame.get("stats") or {})
-        values |= {k: (v, "int32") for k, v in self.req.outputs.counts(frame).items()}
-        return out + io.scalar_tensors(values, self.wanted)
+        values |= {k: (v, "int32") for k, v in counts.items()}
+        return io.scalar_tensors(values, self.wanted)
 
 
 def _echo(tensors: dict[str, Any], i: int) -> dict[str, int]:
@@ -82,6 +106,7 @@ class TokenModel(io.RowModel):
         self.input_names = [t["name"] for t in cfg["input"]]
         self.socket = io.engine_socket(params)
         self.exclude_default = io.param_bool(params, "exclude_input_in_output", False)
+        self.max_beam_width = int(params.get("max_beam_width") or 1)
         period_s = int(params.get("stats_check_period_ms") or KNOBS["stats_check_period_ms"].default) / 1000
         model_labels = {"model": args["model_name"], "version": str(args["model_version"])}
         self.metrics = MetricsPublisher(pb_utils, self.socket, period_s, model_labels).start()
@@ -97,8 +122,9 @@ class TokenModel(io.RowModel):
     def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> list[_TokenRow]:
         n = inputs.batch_size(tensors, "input_ids")
         limit, vocab = self.engine_bounds()  # input_ids past the limit are refused before reaching the engine
-        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default, limit, vocab),
-                          _echo(tensors, i), wanted) for i in range(n)]
+        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default, limit, vocab,
+                                                           self.max_beam_width), _echo(tensors, i), wanted)
+                for i in range(n)]
 
     def finalize(self) -> None:
         self.metrics.stop()
