@@ -267,3 +267,23 @@ def test_include_stop_str_in_output_keeps_the_matched_stop(served: Served, oracl
     assert trimmed["choices"][0]["text"] == head
     assert kept["choices"][0]["text"] == head + stop
     assert kept["choices"][0]["finish_reason"] == trimmed["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.server
+def test_an_end_token_lists_its_log_probability_last(served: Served, oracle: Oracle,
+                                                     hf_logprobs: Callable[[list[int]], torch.Tensor]) -> None:
+    """lm-evaluation-harness's request (echo, logprobs 1, max_tokens 1) where the model's next token
+    ends the request: the end token is no text, but its entry comes last, as vLLM lists it, so
+    `token_logprobs[ctxlen:-1]` drops it and not the continuation's last token."""
+    ids = oracle.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    nxt = oracle.token_ids("The quick brown fox jumps over the lazy dog", 1)[0]
+    status, body = post(served, "/v1/completions", {"model": model(served), "prompt": ids, "echo": True,
+                                                    "logprobs": 1, "max_tokens": 1, "temperature": 0,
+                                                    "stop_token_ids": [nxt]})
+    assert status == 200, body
+    (choice,) = body["choices"]
+    lp = choice["logprobs"]
+    assert choice["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == 0
+    assert choice["text"] == oracle.tokenizer.decode(ids)
+    assert len(lp["token_logprobs"]) == len(ids) + 1
+    assert abs(lp["token_logprobs"][-1] - hf_logprobs(ids)[-1, nxt].item()) < 1e-4

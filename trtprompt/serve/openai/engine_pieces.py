@@ -15,7 +15,14 @@ from typing import Any, Mapping, Sequence
 from trtprompt.serve.openai.answer_params import Shape
 from trtprompt.serve.openai.logprobs import Candidate, TokenLogprob
 from trtprompt.serve.openai.to_triton import Piece
-from trtprompt.serve.wire.outputs import Logprob, prompt_logprobs, seq_finished, seq_of, token_logprobs
+from trtprompt.serve.wire.outputs import (
+    Logprob,
+    end_logprob,
+    prompt_logprobs,
+    seq_finished,
+    seq_of,
+    token_logprobs,
+)
 from trtprompt.tokenizer import StreamDetokenizer, Tokenizer
 
 
@@ -56,6 +63,10 @@ class PieceReader:
         done = seq_finished(entry)
         state.pending += entry.get("new_token_ids") or []
         state.held += [self._named(lp) for lp in token_logprobs(entry) or []]
+        if (end := end_logprob(entry)) is not None:
+            # The end token is no output text, but its log probability is listed last, as vLLM lists it:
+            # lm-evaluation-harness drops the last entry as the generated token's.
+            state.held.append(self._named(end))
         if not (self._stream or done):
             return None
         text = state.detok.step(state.pending) + (state.detok.flush() if done else "")
