@@ -23,8 +23,6 @@ import base64
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 if TYPE_CHECKING:  # the writing side runs in the engine process only
-    import torch
-
     from trtprompt.engine.request import RequestOutput, TokenLogprob
 
 Top = tuple[tuple[int, float], ...]
@@ -59,8 +57,9 @@ def sequence_fields(out: "RequestOutput") -> dict[str, Any]:
     return fields
 
 
-def _logits_entry(logits: "torch.Tensor") -> dict[str, Any]:
-    """Raw float32 rows as bytes: JSON numbers would take five times the room and the time."""
+def _logits_entry(logits: Any) -> dict[str, Any]:
+    """Raw float32 rows (a torch tensor: wire imports no torch) as bytes: JSON numbers would take five
+    times the room and the time."""
     import numpy as np
 
     rows = logits.detach().to("cpu").float().contiguous().numpy().astype("<f4", copy=False)
