@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ CANCEL_AFTER = (0, 1, 4, 16, 60)  # output tokens seen before cancelling; 0: bef
 MEAN_EXTRA_TOKENS = 64
 IDLE_DEADLINE_S = 20.0
 WARMUP_ROUNDS = 1
+CANCEL_STEPS = 8  # engine steps from a cancellation to its abort, reader held (measured: 2-3)
 
 
 @dataclass
@@ -284,3 +286,92 @@ def test_a_reader_behind_the_engine_merges_its_frames_and_loses_no_token(tmp_pat
         assert [e["finished"] for e in behind[i]] == [False] * (len(behind[i]) - 1) + [True]
         assert behind[i][-1]["num_output_tokens"] == n and behind[i][-1]["finish_reason"] == "length"
         assert "stats" in behind[i][-1]
+
+
+class _Victim:
+    """A Watched request whose client goes away when the test says so (as Job's sender would tell)."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client, self.rid, self.gone = client, "", threading.Event()
+
+    def is_cancelled(self) -> bool:
+        return self.gone.is_set()
+
+    def cancel(self) -> None:
+        self.client.abort([self.rid])
+
+
+def _engine_stats(service: EngineService) -> dict[str, Any]:
+    return service.stats(1 << 62)
+
+
+def _wait_steps(service: EngineService, since: int, n: int) -> int:
+    """The engine's iteration counter once it has made n steps past `since` (polled to a deadline)."""
+    deadline = time.monotonic() + IDLE_DEADLINE_S
+    while (now := _engine_stats(service)["iteration_counter"]) < since + n:
+        assert time.monotonic() < deadline, f"the engine made no {n} steps within {IDLE_DEADLINE_S}s"
+        time.sleep(0.001)
+    return now
+
+
+def test_a_cancel_is_aborted_within_steps_while_the_reader_is_behind(tmp_path: Path) -> None:
+    """Issue 37, item 7: a stub's reader busy relaying a backlog (its IPC sends slow on loaded
+    cores) reads no step frame for as long as that takes. The watcher paced its sweeps on frames
+    READ, so every cancellation waited up to its idle bound (0.5 s, hundreds of steps; in the
+    chaos run some requests ran on to max_tokens after their client left). Paced also on frames
+    waiting unread, it aborts the request within a few engine steps of the cancellation. The
+    reader is held inside a handler for the whole test, as a slow send holds it."""
+    from trtprompt.serve.triton_models.cancel_watch import watch_client
+    from trtprompt.serve.wire.process import prefer_quick_thread_switches
+
+    switch = sys.getswitchinterval()
+    prefer_quick_thread_switches()  # as the stub and the engine process run
+    loop = EngineLoop(make_engine(make_hf_model(tmp_path / "hf", "llama"), max_batch_size=8, max_seq_len=512))
+    loop.start()
+    service = EngineService(loop)
+    server = _Server(str(tmp_path / "engine.sock"), service)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    client, release, held = EngineClient(server.server_address), threading.Event(), threading.Event()
+    watcher = watch_client(0.001, client)  # period 1 ms: what is left to measure is the pacing
+    try:
+        steps = _cancel_while_held(client, watcher, service, release, held)
+    finally:
+        release.set()
+        watcher.stop()
+        client.close()
+        server.shutdown()
+        loop.stop()
+        server.server_close()
+        sys.setswitchinterval(switch)
+    finished = _engine_stats(service)["finished"]
+    assert finished["length"] == 0 and finished["aborted"] == 2, finished
+    # A step or two once the watcher sees it; the rest is the 1 ms period and thread wake-ups.
+    # Paced on frames read alone: 150-480 steps (the 0.5 s idle bound), or max_tokens.
+    assert steps <= CANCEL_STEPS, f"aborted {steps} engine steps after its client went away"
+
+
+
+def _cancel_while_held(client: EngineClient, watcher: Any, service: EngineService,
+                       release: threading.Event, held: threading.Event) -> int:
+    """Holds the reader in the blocker's first entry, cancels the victim meanwhile; the engine
+    steps from that cancellation until the victim is aborted."""
+    def blocker(entry: dict[str, Any]) -> None:
+        if not held.is_set():
+            held.set()
+            release.wait(IDLE_DEADLINE_S)
+
+    params = SamplingParams(max_tokens=480, min_tokens=480)
+    victim = _Victim(client)
+    victim.rid = client.submit(TokenRequest(tuple(range(3, 15)), params, stream=True), lambda e: None)
+    watcher.add(victim)
+    blocker_rid = client.submit(TokenRequest(tuple(range(20, 32)), params, stream=True), blocker)
+    assert held.wait(IDLE_DEADLINE_S), "the blocker got no output"
+    start = _wait_steps(service, _engine_stats(service)["iteration_counter"], 5)  # frames pile up unread
+    assert client.behind(), "the held reader left no step frame unread"
+    victim.gone.set()
+    deadline = time.monotonic() + IDLE_DEADLINE_S
+    while sum((stats := _engine_stats(service))["finished"][k] for k in ("aborted", "length")) < 1:
+        assert time.monotonic() < deadline, f"the victim did not end within {IDLE_DEADLINE_S}s: {stats}"
+        time.sleep(0.0005)
+    client.abort([blocker_rid])
+    return int(stats["iteration_counter"]) - start

@@ -45,3 +45,29 @@ def test_stop_after_streams_cancelled_at_their_end_leaves_nothing(tiny_engine_di
     report = chaos.Report()
     chaos.part_shutdown(tiny_engine_dir, tmp_path, report, stops=1)
     assert report.failures == [], report.notes
+
+
+_CANCEL_SPEC = importlib.util.spec_from_file_location(
+    "chaos_cancel", Path(__file__).resolve().parent.parent / "scripts" / "chaos_cancel.py")
+chaos_cancel = importlib.util.module_from_spec(_CANCEL_SPEC)
+sys.modules["chaos_cancel"] = chaos_cancel
+_CANCEL_SPEC.loader.exec_module(chaos_cancel)
+
+
+def test_cancelled_dropped_and_killed_clients_are_all_aborted(served: Served):
+    """Issue 37, item 7, one short round of scripts/chaos_cancel.py: streams cancelled, closed under,
+    and whose client process is SIGKILLed mid-stream; none runs on to its max_tokens (LONG), each
+    is aborted, and the engine holds no block afterwards."""
+    import asyncio
+
+    before = chaos_cancel.idle_stats(served.engine_stats)
+    tally = asyncio.run(chaos_cancel.one_round(served.url, 20))  # kills: streams 1 and 17, drop: 9
+    after = chaos_cancel.idle_stats(served.engine_stats)
+    line, ok = chaos_cancel.round_line(1, tally, before, after)
+    assert ok, line
+    assert tally.left.get("kill") == 2 and tally.left.get("drop") == 1, line
+    aborted = after["finished"]["aborted"] - before["finished"]["aborted"]
+    # Every client that went away after its request was issued: all but those that left before
+    # Triton passed it on (stop_after 0), which the engine may never see.
+    early = sum(chaos_cancel.kind_of(i) != "normal" and chaos_cancel.stop_after_of(i) == 0 for i in range(20))
+    assert aborted >= sum(tally.left.values()) - early, line

@@ -21,6 +21,19 @@ class Watched(Protocol):
     def cancel(self) -> None: ...
 
 
+class Paced(Protocol):
+    """What paces a watcher: the stub's EngineClient."""
+
+    def steps(self) -> int: ...
+
+    def behind(self) -> bool: ...
+
+
+def watch_client(period_s: float, client: Paced) -> CancelWatcher:
+    """The stub's one watcher, paced on its engine connection's step frames, read or waiting."""
+    return CancelWatcher(period_s, client.steps, behind=client.behind)
+
+
 class CancelWatcher:
     """One thread that checks every request in flight for cancellation, once per engine step.
 
@@ -28,15 +41,22 @@ class CancelWatcher:
     tritonserver (both processes pay for it), and the engine can act on an
     abort only between steps, so checking a request more than once per step
     buys nothing: a sweep runs when `period_s` has passed AND the engine has
-    sent a step frame since the last sweep (`steps()` counts them), or when
-    `idle_s` has passed without one (requests still queued, a long prefill).
-    Under load that is one check per request per step instead of one per
-    period; the thread sleeps while nothing is in flight.
+    stepped since the last sweep, or when `idle_s` has passed without a step
+    (requests still queued, a long prefill). Under load that is one check per
+    request per step instead of one per period; the thread sleeps while
+    nothing is in flight.
+
+    The engine has stepped when `steps()` (step frames the reader has read)
+    moved, or when `behind()` (step frames wait unread): a reader busy
+    relaying a backlog reads no frame for as long as that takes, and pacing
+    on `steps()` alone then held every cancellation for up to `idle_s`
+    (docs/design.md, "Cancellation").
     """
 
-    def __init__(self, period_s: float, steps: Callable[[], int], idle_s: float = IDLE_SWEEP_S) -> None:
+    def __init__(self, period_s: float, steps: Callable[[], int], idle_s: float = IDLE_SWEEP_S,
+                 behind: Callable[[], bool] = lambda: False) -> None:
         self.period_s, self.idle_s = period_s, max(period_s, idle_s)
-        self._steps = steps
+        self._steps, self._behind = steps, behind
         self._lock = threading.Lock()
         self._items: set[Watched] = set()
         self._busy = threading.Event()
@@ -67,7 +87,7 @@ class CancelWatcher:
             if self._stop.wait(self.period_s):
                 return
             now, steps = time.monotonic(), self._steps()
-            if steps == seen and now - last < self.idle_s:
+            if steps == seen and now - last < self.idle_s and not self._behind():
                 continue
             seen, last = steps, now
             with self._lock:

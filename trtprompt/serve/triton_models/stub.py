@@ -26,7 +26,7 @@ import triton_python_backend_utils as pb_utils
 
 from trtprompt.error_codes import STATUSES, CancelledRequestError, code_of, describe, tagged
 from trtprompt.knobs import KNOBS
-from trtprompt.serve.triton_models.cancel_watch import CancelWatcher
+from trtprompt.serve.triton_models.cancel_watch import CancelWatcher, watch_client
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.engine_client import EngineClient
 from trtprompt.serve.wire.process import SOCKET_ENV
@@ -235,8 +235,7 @@ class RowModel:
     def start_relay(self, socket_path: str, params: Mapping[str, str]) -> None:
         self.client = EngineClient(socket_path)
         period_ms = params.get("cancellation_check_period_ms") or KNOBS["cancellation_check_period_ms"].default
-        self.watcher = CancelWatcher(int(period_ms) / 1000,
-                                     self.client.steps)
+        self.watcher = watch_client(int(period_ms) / 1000, self.client)
         self.workers = Workers()
 
     def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> Sequence[Row]:

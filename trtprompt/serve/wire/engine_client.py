@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import select
 import socket
 import threading
 import time
@@ -63,6 +64,15 @@ class _Session:
     def send(self, data: bytes) -> None:
         with self._send_lock:
             self.sock.sendall(data)
+
+    def unread(self) -> bool:
+        """True when the engine has sent bytes the reader has not read yet (it is busy relaying).
+
+        Asked from another thread: select() only looks, the reader still gets every byte."""
+        try:
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):  # closed meanwhile: the reader ends its requests itself
+            return False
 
     def kill(self, message: str) -> None:
         """End every request waiting on this connection with an UNAVAILABLE entry."""
@@ -186,6 +196,13 @@ class EngineClient:
 
     def _count_step(self) -> None:
         self._steps += 1  # only the live connection's reader thread counts
+
+    def behind(self) -> bool:
+        """True while step frames wait unread on the connection: the engine stepped, and this reader,
+        busy relaying earlier frames, has not counted it in `steps()` yet (it may stay so for as
+        long as relaying takes; paces the CancelWatcher, docs/design.md "Cancellation")."""
+        session = self._session
+        return session is not None and not session.dead and session.unread()
 
     def abort(self, rids: list[str]) -> None:
         """Best effort: a lost connection aborts its requests in the engine anyway."""
