@@ -299,3 +299,22 @@ def test_watcher_sweeps_without_steps_after_the_idle_bound() -> None:
         time.sleep(0.02)
     watcher.stop()
 
+
+
+def test_a_step_past_the_frame_limit_goes_out_entry_by_entry(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raw logits are large: a step whose entries pass MAX_FRAME together is sent one entry per frame, and
+    an entry past it alone fails its own request (aborted in the engine), never the step's others."""
+    monkeypatch.setattr(P, "MAX_FRAME", 6000)  # about three rows of this model's 256 logits each, as base64
+    client = EngineClient(engine.path)
+    small, small_too, huge = Collector(), Collector(), Collector()
+    logits = SamplingParams(max_tokens=4, temperature=0.0, return_generation_logits=True)
+    client.submit(TokenRequest((5, 6, 7), logits, stream=True), small)
+    client.submit(TokenRequest((8, 9, 10), logits, stream=True), small_too)
+    client.submit(TokenRequest(tuple(range(5, 25)), SamplingParams(max_tokens=4, return_context_logits=True),
+                               stream=True), huge)
+    for done in (small, small_too):
+        assert done.wait()["finish_reason"] == "length" and len(done.tokens()) == 4
+    failed = huge.wait()
+    assert failed["code"] == P.INVALID_ARG and "over the engine protocol's limit" in failed["error"]
+    engine.wait_idle()  # the failed request was aborted in the engine too
+    client.close()

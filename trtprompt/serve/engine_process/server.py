@@ -159,7 +159,25 @@ class Connection:
             if out.finished:
                 self.service.record(out)
         if not closed:  # "t": when it was made, so a reader can tell it is behind (engine_client.behind)
-            self.send({"type": "step", "t": time.monotonic(), "outputs": entries})
+            for frame in self._step_frames(entries, time.monotonic()):
+                self._outbox.put(frame)
+
+    def _step_frames(self, entries: list[dict[str, Any]], made: float) -> list[bytes]:
+        """The step's entries as one frame; past the protocol's MAX_FRAME (raw logits are large) one frame
+        per entry, and an entry too large alone fails its request (aborted here), not the step's others."""
+        try:
+            return [P.encode_frame({"type": "step", "t": made, "outputs": entries})]
+        except P.EngineError:
+            pass
+        frames = []
+        for entry in entries:
+            try:
+                frames.append(P.encode_frame({"type": "step", "t": made, "outputs": [entry]}))
+            except P.EngineError as exc:
+                self.service.loop.abort(self._prefix + entry["id"])
+                failed = {"id": entry["id"], "finished": True, "error": exc.message, "code": P.INVALID_ARG}
+                frames.append(P.encode_frame({"type": "step", "t": made, "outputs": [failed]}))
+        return frames
 
     def send(self, message: Mapping[str, Any]) -> None:
         self._outbox.put(P.encode_frame(message))
