@@ -203,10 +203,3 @@ def test_mismatched_embedding_bias_names_both_inputs(served: Served) -> None:
                            + [make_input("embedding_bias", np.ones((1, 5)), np.float32)], 60.0)
     assert bad.error is not None and "input 'embedding_bias' must hold one bias per vocabulary entry" in bad.error
 
-
-@pytest.mark.parametrize("name", ["return_context_logits", "return_generation_logits"])
-def test_logits_outputs_refused_with_their_size(served: Served, name: str) -> None:
-    result = served.text(PROMPT, 4, **{name: True})
-    assert result.error is not None
-    assert f"{name}=true is not supported by the torch target (for now)" in result.error
-    assert "vocab_size] FP32 tensor" in result.error

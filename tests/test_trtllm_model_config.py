@@ -164,6 +164,7 @@ def test_trtllm_ensemble_always_asks_for_perf_outputs_and_feeds_them_to_postproc
     assert all(steps["tensorrt_llm"].output_map[name] == name for name in perf)
     assert dict(steps["postprocessing"].input_map) == {"TOKENS_BATCH": "_TOKENS_BATCH",
                                                        "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH",
+                                                       "SEQUENCE_INDEX": "sequence_index",
                                                        **{name.upper(): name for name in perf}}
     assert set(perf) <= {t.name for t in ensemble.output}  # they always come back to the client too
     pre = _parse(good_repo / "preprocessing" / "config.pbtxt")
@@ -172,6 +173,7 @@ def test_trtllm_ensemble_always_asks_for_perf_outputs_and_feeds_them_to_postproc
     assert {(t.name, t.data_type, t.optional) for t in pre.input if t.name == "RETURN_PERF_METRICS"} == {
         ("RETURN_PERF_METRICS", mc.TYPE_BOOL, True)}
     assert {t.name: t.optional for t in post.input} == {"TOKENS_BATCH": False, "SEQUENCE_LENGTH": False,
+                                                        "SEQUENCE_INDEX": True,
                                                         **{name.upper(): True for name in perf}}
     params = {k: v.string_value for k, v in post.parameters.items()}
     assert (params["publish_request_metrics"], params["gpt_model_path"]) == (
@@ -270,18 +272,11 @@ def test_max_beam_width_is_the_engines_unless_lowered(built: int, served: int | 
 
 def test_trtllm_ensemble_routes_the_1_2_template_tensors(tiny_checkpoint_factory: Callable[..., Path],
                                                          tmp_path: Path) -> None:
-    """trtllm_model_configs: the four models as the 1.2 templates chain them (names, types, dims, maps)."""
-    from trtprompt.serve.launch import repository as r
-    from trtprompt.serve.launch.options import EngineInfo, resolve_options
-    from trtprompt.serve.launch.trtllm_model_config import params_for, trtllm_model_configs
-
+    """`serve --repo-only` writes the four models as the 1.2 templates chain them (names, types, dims, maps):
+    trtllm_model_configs is what repository.model_configs writes for the trtllm target."""
     engine_dir = make_engine_dir("gather_context_logits", tmp_path / "engine", tiny_checkpoint_factory("llama"))
-    engine = EngineInfo.read(engine_dir, tokenizer=None)
-    ctx = r.RepoContext(engine, resolve_options(engine, {"enable_kv_cache_reuse": False}), "")
-    written = trtllm_model_configs(params_for(ctx), r.preprocessing_config(ctx), r.postprocessing_config(ctx),
-                                   r.upstream_ensemble_config(ctx))
-    models = {cfg.name: cfg for cfg, _ in written}
-    assert sorted(models) == MODELS
+    assert _repo_only(engine_dir, tmp_path / "repo", "--disable-kv-cache-reuse").exit_code == 0
+    models = {name: _parse(tmp_path / "repo" / name / "config.pbtxt") for name in MODELS}
     for cfg in models.values():  # each parses back through Triton's schema
         assert parse_config_text(text_format.MessageToString(cfg)) == cfg
     pre, ens, core = models["preprocessing"], models["ensemble"], models["tensorrt_llm"]
@@ -313,3 +308,33 @@ def test_trtllm_ensemble_routes_the_1_2_template_tensors(tiny_checkpoint_factory
     assert set(core_map.output_map) <= {t.name for t in core.output}
     ensemble_out = {t.name for t in ens.output}
     assert {v for s in steps.values() for v in s.output_map.values() if not v.startswith("_")} == ensemble_out
+    # As the 1.2 ensemble template maps them: the bias words into preprocessing, the log probabilities,
+    # indices and logits straight from the core; postprocessing also reads sequence_index (ours keys its
+    # detokenizers by it), which Triton allows of a tensor that is an ensemble output too.
+    assert {k: steps["preprocessing"].input_map[k] for k in ("EMBEDDING_BIAS_WORDS", "EMBEDDING_BIAS_WEIGHTS")} == {
+        "EMBEDDING_BIAS_WORDS": "embedding_bias_words", "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights"}
+    assert {k: core_map.output_map[k] for k in CORE_OUTPUT_TENSORS} == {k: k for k in CORE_OUTPUT_TENSORS}
+    assert core_map.output_map["context_logits"] == "context_logits"
+    post, post_map = models["postprocessing"], steps["postprocessing"]
+    assert post_map.input_map["SEQUENCE_INDEX"] == "sequence_index"
+    assert [(t.name, t.data_type, list(t.dims), t.optional) for t in post.input if t.name == "SEQUENCE_INDEX"] == [
+        ("SEQUENCE_INDEX", mc.TYPE_INT32, [1], True)]
+    assert set(post_map.input_map) <= {t.name for t in post.input}
+    assert set(steps["preprocessing"].input_map) <= {t.name for t in pre.input}
+    produced = {t.name for t in ens.input} | {v for s in steps.values() for v in s.output_map.values()}
+    assert {v for s in steps.values() for v in s.input_map.values()} <= produced
+
+
+def test_default_engine_repository_carries_the_1_2_request_tensors(good_repo: Path) -> None:
+    """The repository serve writes for a default build (no logits gathered): sequences, bias words and
+    log probabilities in the ensemble, preprocessing answering EMBEDDING_BIAS to the core."""
+    ens = _parse(good_repo / "ensemble" / "config.pbtxt")
+    assert {"num_return_sequences", "embedding_bias_words", "embedding_bias_weights", "return_log_probs"} <= {
+        t.name for t in ens.input}
+    assert not {"return_context_logits", "return_generation_logits"} & {t.name for t in ens.input}
+    assert set(CORE_OUTPUT_TENSORS) <= {t.name for t in ens.output}
+    steps = {s.model_name: s for s in ens.ensemble_scheduling.step}
+    assert steps["preprocessing"].output_map["EMBEDDING_BIAS"] == "_EMBEDDING_BIAS"
+    assert steps["tensorrt_llm"].input_map["embedding_bias"] == "_EMBEDDING_BIAS"
+    pre = _parse(good_repo / "preprocessing" / "config.pbtxt")
+    assert "EMBEDDING_BIAS" in {t.name for t in pre.output}

@@ -1,8 +1,10 @@
 """The trtllm repository against the real (CPU, bundled) tritonserver: Triton's own model-config
 validator accepts the tensorrtllm `tensorrt_llm` config (it then stops only because the tensorrtllm
 backend library is absent here), the ensemble's wiring to that model's exact input/output
-signature loads once the core's backend is swapped for a python stub, and the trtllm target's
-`postprocessing` turns the perf outputs TensorRT-LLM's backend would send into the request metrics.
+signature loads once the core's backend is swapped for a python stub, the trtllm target's
+`postprocessing` turns the perf outputs TensorRT-LLM's backend would send into the request metrics, and
+the 1.2 tensors travel the written ensemble (embedding bias words to the core's embedding_bias, several
+returned sequences decoded apart by sequence_index).
 TensorRT-LLM cannot run here: the C++ backend is the only part replaced (by a stub, or by this
 test sending what it would send)."""
 
@@ -229,6 +231,84 @@ def test_ensemble_asks_the_core_for_perf_outputs_and_publishes_them(trtllm_repo:
             time.sleep(0.3)
         assert (scraped.get(f"{C.TTFT}_count"), scraped.get(f"{C.TTFT}_sum"), scraped.get(C.PREFIX_HIT_BLOCKS),
                 scraped.get(C.PREFIX_QUERIED_BLOCKS)) == (1.0, 0.75, 2.0, 5.0)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+# Stands in for the C++ backend with num_return_sequences: each sequence's tokens one per response,
+# the sequences interleaved, sequence_index only when more than one (as the backend sends it), and
+# what it got as embedding_bias reported back as cum_log_probs ([length, sum]).
+SEQUENCES_CORE_STUB = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+SEQUENCES = {sequences!r}
+
+
+def _get(request, name):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = _get(request, "num_return_sequences")
+            n = 1 if n is None else int(n.reshape(-1)[0])
+            bias = _get(request, "embedding_bias")
+            bias = np.zeros(0, np.float32) if bias is None else bias.reshape(-1)
+            sends = [(s, t) for step in range(max(map(len, SEQUENCES))) for s in range(n)
+                     for t in SEQUENCES[s][step:step + 1]]
+            sender = request.get_response_sender()
+            for k, (s, token) in enumerate(sends):
+                outs = [pb_utils.Tensor("output_ids", np.array([[[token]]], dtype=np.int32)),
+                        pb_utils.Tensor("sequence_length", np.array([[1]], dtype=np.int32)),
+                        pb_utils.Tensor("cum_log_probs", np.array([[bias.size, bias.sum()]], dtype=np.float32))]
+                if n > 1:
+                    outs.append(pb_utils.Tensor("sequence_index", np.array([[s]], dtype=np.int32)))
+                sender.send(pb_utils.InferenceResponse(output_tensors=outs),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if k == len(sends) - 1 else 0)
+        return None
+"""
+
+
+def test_sequences_and_embedding_bias_through_the_ensemble(trtllm_repo: Path, tmp_path: Path) -> None:
+    """The written ensemble end to end around a stand-in core: preprocessing's EMBEDDING_BIAS reaches the
+    core's embedding_bias ([1, vocab] with words, empty without), postprocessing decodes two interleaved
+    sequences with one detokenizer each, and a response without sequence_index (one sequence) still
+    reaches postprocessing (its SEQUENCE_INDEX is optional)."""
+    import numpy as np
+
+    from trtprompt.client import LLMClient, make_input, text_inputs
+    from trtprompt.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(trtllm_repo.parent / "engine" / "tokenizer")
+    texts = ["Grüße aus Köln", "The quick brown fox"]
+    sequences = [tok.encode(t, add_special_tokens=False) for t in texts]
+    repo = tmp_path / "repo"
+    _stub_core(trtllm_repo, repo, SEQUENCES_CORE_STUB.format(sequences=sequences))
+    proc, log = _triton(repo, tmp_path, 18670, wait_ready=True, grpc_port=18672)
+    try:
+        with LLMClient("127.0.0.1:18672") as client:
+            bias = [make_input("embedding_bias_words", ["hello", "hello world"]),
+                    make_input("embedding_bias_weights", np.array([[1.5, -0.25]], dtype=np.float32))]
+            two = client.infer("ensemble", text_inputs("hi", 8, True, num_return_sequences=2) + bias, 60.0)
+            one = client.infer("ensemble", text_inputs("hi", 8, True), 60.0)
+        assert two.error is None and one.error is None, log.read_text()[-3000:]
+        pieces: dict[int, str] = {0: "", 1: ""}
+        for r in two.responses:
+            if "text_output" in r:
+                pieces[int(r["sequence_index"].reshape(-1)[0])] += r["text_output"].reshape(-1)[0].decode("utf-8")
+        assert pieces == {0: texts[0], 1: texts[1]}
+        expected = 1.5 * len(tok.encode("hello", add_special_tokens=False)) \
+            - 0.25 * len(tok.encode("hello world", add_special_tokens=False))
+        sent = [r["cum_log_probs"].reshape(-1).tolist() for r in two.responses if "cum_log_probs" in r]
+        assert len(sent) == len(sum(sequences, [])) and all(s == [768.0, pytest.approx(expected)] for s in sent)
+        assert "".join(r["text_output"].reshape(-1)[0].decode("utf-8") for r in one.responses
+                       if "text_output" in r) == texts[0]
+        assert {tuple(r["cum_log_probs"].reshape(-1).tolist()) for r in one.responses if "cum_log_probs" in r} == {
+            (0.0, 0.0)}  # no words: the empty bias, which TensorRT-LLM's backend reads as none
     finally:
         proc.terminate()
         proc.wait(30)

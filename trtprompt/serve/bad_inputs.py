@@ -82,7 +82,7 @@ def _tok(ids: Any = (1, 2, 3), length: Any = None, out_len: int = 4, drop: tuple
     return build
 
 
-F32, I32, BOOL = np.float32, np.int32, np.bool_
+F32, I32 = np.float32, np.int32
 NAN, INF = math.nan, math.inf
 # The engine's float bounds (engine/request.py FLOAT_BOUNDS), under the inputs' names on both models.
 INPUT_FIELDS = {"runtime_top_p": "top_p", "len_penalty": "length_penalty"}
@@ -150,9 +150,6 @@ CASES: tuple[Case, ...] = (
          _text(num_return_sequences=(0, I32))),
     Case(E, "`num_return_sequences` past the engine's max_batch_size", GRPC_INVALID,
          "exceeds the engine's max_batch_size", _text(num_return_sequences=(100, I32))),
-    Case(E, "`return_context_logits` = true", GRPC_INVALID,
-         "return_context_logits=true is not supported by the torch target (for now): it would return a "
-         "[prompt tokens, vocab_size] FP32 tensor", _text(return_context_logits=(True, BOOL))),
     Case(E, "`embedding_bias_words` and `embedding_bias_weights` of different lengths", GRPC_INVALID,
          "inputs 'embedding_bias_words' (2 words) and 'embedding_bias_weights' (1 weights) must have the same length",
          lambda lim: _text()(lim) + [_i("embedding_bias_words", ["a", "b"], None),
@@ -205,9 +202,6 @@ CASES: tuple[Case, ...] = (
          _tok(bad_words_list=(np.array([[[5, 6], [9, -1]]]), I32))),
     Case(T, "`embedding_bias` not one per vocabulary entry", GRPC_INVALID,
          "input 'embedding_bias' must hold one bias per vocabulary entry", _tok(embedding_bias=(np.ones((1, 3)), F32))),
-    Case(T, "`return_generation_logits` = true", GRPC_INVALID,
-         "return_generation_logits=true is not supported by the torch target (for now)",
-         _tok(return_generation_logits=(True, BOOL))),
     Case(T, "`retention_token_range_ends` not past its start", GRPC_INVALID,
          "input 'retention_token_range_ends' must hold ends > their starts, or -1 for the prompt's end, got [32, 32)",
          _tok(**(ONE_RANGE | {R_STARTS: _ranges(32), R_ENDS: _ranges(32)}))),

@@ -33,8 +33,6 @@ MODELS_DIR = Path(__file__).resolve().parents[1] / "triton_models" / "models"  #
 # Inputs a TensorRT-LLM client may send that the torch target cannot honour;
 # declared so the model can answer them with a clear INVALID_ARG (docs/triton-inputs.md).
 UNSUPPORTED_INPUTS: tuple[Tensor, ...] = (
-    ("return_context_logits", "BOOL", [1], True),
-    ("return_generation_logits", "BOOL", [1], True),
     ("prompt_embedding_table", "FP16", [-1, -1], True),
     ("prompt_vocab_size", "INT32", [1], True),
     ("lora_task_id", "UINT64", [1], True),
@@ -56,6 +54,18 @@ SEQUENCE_OUTPUTS: tuple[Tensor, ...] = (
     ("num_output_tokens", "INT32", [1], False),
     ("prompt_truncated_tokens", "INT32", [1], False),
     ("dropped_turns", "INT32", [1], False),
+)
+# TensorRT-LLM's raw logits (tensorrtllm_backend's tensorrt_llm and ensemble configs): context_logits
+# [prompt tokens, vocab] and generation_logits [beam, tokens, vocab], FP32 as the engine computes them.
+# The torch core and the fused ensemble honour the flags (both models; the upstream ensemble hands them
+# to the torch core, whose outputs it returns as they are).
+LOGITS_INPUTS: tuple[Tensor, ...] = (
+    ("return_context_logits", "BOOL", [1], True),
+    ("return_generation_logits", "BOOL", [1], True),
+)
+LOGITS_OUTPUTS: tuple[Tensor, ...] = (
+    ("context_logits", "FP32", [-1, -1], False),
+    ("generation_logits", "FP32", [-1, -1, -1], False),
 )
 # Each returned sequence comes in its own responses, with its sequence_index (both models).
 SEQUENCES_INPUT: Tensor = ("num_return_sequences", "INT32", [1], True)
@@ -97,10 +107,12 @@ ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     ("messages", "STRING", [1], True),  # JSON chat, used instead of text_input (send it empty)
     *RETENTION_INPUTS,  # TensorRT-LLM's names; the upstream layout hands them to the core as they are
     *FUSED_ONLY_INPUTS,
+    *LOGITS_INPUTS,
 ) + UNSUPPORTED_INPUTS
 ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
     ("text_output", "STRING", [-1], False),
     *SEQUENCE_OUTPUTS,
+    *LOGITS_OUTPUTS,
 ) + PERF_OUTPUTS
 TOKEN_INPUTS: tuple[Tensor, ...] = (
     ("input_ids", "INT32", [-1], False),
@@ -131,11 +143,13 @@ TOKEN_INPUTS: tuple[Tensor, ...] = (
     ("prompt_truncated_tokens", "INT32", [1], True),
     ("dropped_turns", "INT32", [1], True),
     *RETENTION_INPUTS,
+    *LOGITS_INPUTS,
 ) + UNSUPPORTED_INPUTS
 TOKEN_OUTPUTS: tuple[Tensor, ...] = (
     ("output_ids", "INT32", [-1, -1], False),
     ("sequence_length", "INT32", [-1], False),
     *SEQUENCE_OUTPUTS,
+    *LOGITS_OUTPUTS,
 ) + PERF_OUTPUTS
 PRE_INPUTS: tuple[Tensor, ...] = (
     ("QUERY", "STRING", [1], False),
@@ -197,6 +211,10 @@ class RepoContext:
     @property
     def max_batch_size(self) -> int:
         return self.options.max_batch_size or int(self.engine.build_config["max_batch_size"])
+
+
+def _names(tensors: Iterable[Tensor]) -> tuple[str, ...]:
+    return tuple(name for name, *_ in tensors)
 
 
 def _add_tensors(field, tensors: Iterable[Tensor]) -> None:  # type: ignore[no-untyped-def]
@@ -392,8 +410,8 @@ def _core_step(cfg: mc.ModelConfig, ctx: RepoContext) -> None:
     outputs = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
     outputs |= {name: name for name, *_ in PERF_OUTPUTS} | {name: name for name in COUNT_OUTPUTS}
     if ctx.engine.target != "trtllm":  # preprocessing's counts, handed back by the core on every response
-        inputs |= {name: f"_{name}" for name in PROMPT_OUTPUTS}
-        outputs |= {name: name for name in PROMPT_OUTPUTS + LOGPROB_OUTPUTS}
+        inputs |= {name: f"_{name}" for name in PROMPT_OUTPUTS} | {name: name for name, *_ in LOGITS_INPUTS}
+        outputs |= {name: name for name in PROMPT_OUTPUTS + LOGPROB_OUTPUTS + _names(LOGITS_OUTPUTS)}
     _step(cfg, "tensorrt_llm", inputs, outputs)
 
 
@@ -403,12 +421,14 @@ def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
     Client cancellation does not cross a Triton ensemble (docs/design.md, "Triton facts"); this
     layout exists for the GPU target, whose core is the C++ backend.
     """
+    torch_core = ctx.engine.target != "trtllm"  # the C++ backend cannot hand the counts back
     supported = [t for t in ENSEMBLE_INPUTS if t not in UNSUPPORTED_INPUTS + FUSED_ONLY_INPUTS and t[0] not in
                  ("min_length", "random_seed", "perf_metrics_final_only")
-                 and (core_takes_retention(ctx) or t not in RETENTION_INPUTS)]
-    torch_core = ctx.engine.target != "trtllm"  # the C++ backend cannot hand the counts back
+                 and (core_takes_retention(ctx) or t not in RETENTION_INPUTS)
+                 and (torch_core or t not in LOGITS_INPUTS)]  # the C++ core's logits: its engine's build flags
+    from_core = PROMPT_OUTPUTS + LOGPROB_OUTPUTS + _names(LOGITS_OUTPUTS)  # the torch core's, as they are
     outputs = [t for t in ENSEMBLE_OUTPUTS if t[0] in ("text_output", *COUNT_OUTPUTS)
-               or (torch_core and t[0] in PROMPT_OUTPUTS + LOGPROB_OUTPUTS)] + list(PERF_OUTPUTS)
+               or (torch_core and t[0] in from_core)] + list(PERF_OUTPUTS)
     cfg = _base("ensemble", ctx.max_batch_size, supported, outputs, {}, backend=None)
     cfg.platform = "ensemble"
     _preprocessing_step(cfg, ctx)
@@ -433,11 +453,11 @@ def _write_model(root: Path, cfg: mc.ModelConfig, source: str | None) -> None:
 
 def model_configs(ctx: RepoContext) -> list[tuple[mc.ModelConfig, str | None]]:
     """(config, python model file or None) for every model of the layout."""
-    if ctx.engine.target == "trtllm":  # upstream layout around the tensorrtllm C++ backend
-        from trtprompt.serve.launch.trtllm_model_config import params_for, tensorrt_llm_model_config
+    if ctx.engine.target == "trtllm":  # upstream layout around the tensorrtllm C++ backend, 1.2's tensors added
+        from trtprompt.serve.launch.trtllm_model_config import params_for, trtllm_model_configs
 
-        return [(preprocessing_config(ctx), "preprocessing.py"), (tensorrt_llm_model_config(params_for(ctx)), None),
-                (postprocessing_config(ctx), "postprocessing.py"), (upstream_ensemble_config(ctx), None)]
+        return trtllm_model_configs(params_for(ctx), preprocessing_config(ctx), postprocessing_config(ctx),
+                                    upstream_ensemble_config(ctx))
     core = (tensorrt_llm_python_config(ctx), "tensorrt_llm.py")
     if ctx.options.layout == "fused":
         return [core, (fused_ensemble_config(ctx), "ensemble.py")]

@@ -254,6 +254,10 @@ ENSEMBLE_EXTRA_OUTPUTS: tuple[Tensor, ...] = (("cum_log_probs", "FP32", [-1], Fa
                                               ("output_log_probs", "FP32", [-1, -1], False),
                                               ("batch_index", "INT32", [1], False),
                                               ("sequence_index", "INT32", [1], False))
+# Not in the 1.2 postprocessing template (it decodes every chunk on its own): ours streams one detokenizer per
+# request id, and with num_return_sequences > 1 the core interleaves the sequences' chunks, told apart only by
+# sequence_index (which the backend sends only then: optional, and a response without it still reaches the step).
+POST_SEQUENCE_INPUT: Tensor = ("SEQUENCE_INDEX", "INT32", [1], True)
 
 
 def _tensors(field: Any, tensors: Sequence[Tensor]) -> None:
@@ -276,6 +280,13 @@ def trtllm_preprocessing_config(base: mc.ModelConfig) -> mc.ModelConfig:
     return cfg
 
 
+def trtllm_postprocessing_config(base: mc.ModelConfig) -> mc.ModelConfig:
+    """repository.postprocessing_config's message plus the sequence index that keys its detokenizers."""
+    cfg = _copy(base)
+    _tensors(cfg.input, (POST_SEQUENCE_INPUT,))
+    return cfg
+
+
 def trtllm_ensemble_config(base: mc.ModelConfig, p: TrtllmModelParams) -> mc.ModelConfig:
     """repository.upstream_ensemble_config's message plus what the 1.2 ensemble template routes for issue 37:
     sequences, the embedding bias (through preprocessing), log probabilities, indices and the engine's logits."""
@@ -294,17 +305,16 @@ def trtllm_ensemble_config(base: mc.ModelConfig, p: TrtllmModelParams) -> mc.Mod
                            **{flag: flag for flag, _, _ in logits}})
     core.output_map.update({name: name for name, *_ in ENSEMBLE_EXTRA_OUTPUTS})
     core.output_map.update({output: output for _, output, _ in logits})
+    steps["postprocessing"].input_map[POST_SEQUENCE_INPUT[0]] = "sequence_index"  # also an ensemble output
     return cfg
 
 
 def trtllm_model_configs(p: TrtllmModelParams, pre: mc.ModelConfig, post: mc.ModelConfig,
                          ensemble: mc.ModelConfig) -> list[tuple[mc.ModelConfig, str | None]]:
     """The trtllm target's four models as tensorrtllm_backend 1.2 lays them out, issue 37's tensors included,
-    from repository's preprocessing / postprocessing / upstream ensemble configs.
-
-    Not yet what repository.model_configs writes: it needs preprocessing (serve/triton_models/pre_post.py)
-    to answer EMBEDDING_BIAS on every request and postprocessing to keep one detokenizer per
-    (request id, sequence_index); until then the written repository declares the core's tensors only.
+    from repository's preprocessing / postprocessing / upstream ensemble configs (repository.model_configs
+    writes these). Preprocessing (serve/triton_models/pre_post.py) answers EMBEDDING_BIAS on every request
+    and postprocessing keeps one detokenizer per (request id, sequence_index).
     """
     return [(trtllm_preprocessing_config(pre), "preprocessing.py"), (tensorrt_llm_model_config(p), None),
-            (post, "postprocessing.py"), (trtllm_ensemble_config(ensemble, p), None)]
+            (trtllm_postprocessing_config(post), "postprocessing.py"), (trtllm_ensemble_config(ensemble, p), None)]

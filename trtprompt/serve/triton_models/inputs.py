@@ -54,23 +54,14 @@ def flag(tensors: Tensors, name: str, i: int, default: bool = False) -> bool:
     return default if value is None else value
 
 
-# The logits outputs TensorRT-LLM can return and what each would weigh: the torch target keeps no
-# logits past the step that samples from them, and one such tensor is vocab_size floats per position.
-LOGITS_FLAGS = {
-    "return_context_logits": "a [prompt tokens, vocab_size] FP32 tensor per request (the logits of every "
-                             "prompt position, 4 x prompt length x vocab_size bytes)",
-    "return_generation_logits": "a [beam_width, output tokens, vocab_size] FP32 tensor per request (the logits "
-                                "of every generated position, 4 x output length x vocab_size bytes)",
-}
+# TensorRT-LLM's raw logits flags; SamplingParams names its fields alike. The engine returns the logits
+# (float32, before any processing) and refuses a request whose logits would pass MAX_LOGITS_BYTES, naming
+# the flag; it refuses both with beam search.
+LOGITS_FLAGS: tuple[str, ...] = ("return_context_logits", "return_generation_logits")
 
 
 def check_unsupported(tensors: Tensors, i: int) -> None:
     """Inputs the torch target cannot honour: refuse rather than ignore."""
-    for name, size in LOGITS_FLAGS.items():
-        if flag(tensors, name, i):
-            raise BadRequestError(f"{name}=true is not supported by the torch target (for now): it would return "
-                                  f"{size}, and the engine keeps no logits past the step that samples from them; "
-                                  "return_log_probs gives the chosen tokens' log probabilities", name)
     for name in ("prompt_embedding_table", "prompt_vocab_size"):
         if name in tensors:
             raise BadRequestError(f"'{name}' is not supported by the torch target (no prompt tables)")
@@ -180,7 +171,7 @@ def _no_tokenizer(word: str) -> list[int]:
 def sequence_controls(tensors: Tensors, i: int, max_beam_width: int) -> dict[str, tuple[Any, str]]:
     """SamplingParams fields of the inputs both models share: num_return_sequences (each sequence comes back
     in its own responses, with its sequence_index; with beams, how many of the best come back together),
-    return_log_probs (the chosen tokens' only: 0 top) and the beam search inputs."""
+    return_log_probs (the chosen tokens' only: 0 top), the logits flags and the beam search inputs."""
     extra: dict[str, tuple[Any, str]] = {}
     n = scalar(tensors, "num_return_sequences", i, int)
     if n is not None:
@@ -191,6 +182,7 @@ def sequence_controls(tensors: Tensors, i: int, max_beam_width: int) -> dict[str
     # A beam's cum_log_probs comes without asking the engine for per-token values (it gives none with beams).
     if flag(tensors, "return_log_probs", i) and not beams:
         extra["logprobs"] = (0, "return_log_probs")
+    extra |= {name: (True, name) for name in LOGITS_FLAGS if flag(tensors, name, i)}
     return extra | beams
 
 

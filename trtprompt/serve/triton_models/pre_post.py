@@ -4,8 +4,9 @@ Used by the GPU target's Triton ensemble and tested on CPU over the torch
 `tensorrt_llm` model. Unlike tensorrtllm_backend's postprocessing, which
 decodes every streamed chunk on its own (losing Metaspace spaces and
 splitting UTF-8 characters), this one keeps a streaming detokenizer per
-request id; it must run as ONE instance (two could reorder chunks). On the
-trtllm target postprocessing also publishes the request metrics the C++
+request id and returned sequence; it must run as ONE instance (two could
+reorder chunks). On the trtllm target preprocessing also answers the core's
+EMBEDDING_BIAS, and postprocessing publishes the request metrics the C++
 backend does not export (RequestMetrics; docs/gpu.md, "Metrics").
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -32,6 +33,15 @@ from trtprompt.serve.wire.refusals import refusal_reason, report_refused
 from trtprompt.serve.wire.requests import check_text_or_messages
 from trtprompt.tokenizer import StreamDetokenizer, Tokenizer
 
+# The trtllm target's preprocessing (trtllm_model_config.PRE_BIAS_INPUTS / PRE_BIAS_OUTPUT): the ensemble's
+# embedding_bias_words / _weights under tensorrtllm_backend's names, the core's embedding_bias out.
+BIAS_IN: tuple[tuple[str, str], ...] = (("EMBEDDING_BIAS_WORDS", inputs.BIAS_WORDS),
+                                        ("EMBEDDING_BIAS_WEIGHTS", inputs.BIAS_WEIGHTS))
+BIAS_OUT = "EMBEDDING_BIAS"
+# The trtllm target's postprocessing input (trtllm_model_config.POST_SEQUENCE_INPUT): the core's sequence_index.
+SEQUENCE_INDEX = "SEQUENCE_INDEX"
+Bias = tuple[tuple[int, float], ...]  # (token id, summed weight), as inputs.bias_from_words gives it
+
 
 def words_tensor(words: list[list[int]]) -> Array:
     """TensorRT-LLM's [2, L] words list (ids, end offsets), padded to L >= 1."""
@@ -42,6 +52,32 @@ def words_tensor(words: list[list[int]]) -> Array:
     out[1, :] = -1
     out[0, :len(ids)] = ids
     out[1, :len(offsets)] = offsets
+    return out
+
+
+def row_bias(tensors: dict[str, Array], i: int, encode: Callable[[str], list[int]], vocab_size: int) -> Bias:
+    """Row i's embedding bias words and weights as (token, weight) pairs, built by the torch target's own
+    helper (each word tokenized alone, every token given the word's weight, summed where words share one);
+    a token past the engine's vocabulary would fail the request inside TensorRT-LLM, so it is refused here."""
+    renamed = {ours: tensors[theirs] for theirs, ours in BIAS_IN if theirs in tensors}
+    bias = inputs.bias_from_words(renamed, i, encode)
+    bad = next((t for t, _ in bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadRequestError(f"input '{inputs.BIAS_WORDS}' has token {bad}, outside the engine's vocabulary "
+                              f"({vocab_size} entries)", inputs.BIAS_WORDS)
+    return bias
+
+
+def bias_tensor(rows: list[Bias], vocab_size: int) -> Array:
+    """EMBEDDING_BIAS: [rows, vocab_size] FP32 (TensorRT-LLM checks the length against its vocabulary), or
+    [rows, 0] when no row has a bias: the backend reads an empty one as none, as tensorrtllm_backend's
+    preprocessing sends it. A row without words beside one with words gets zeros, which change nothing."""
+    if not any(rows):
+        return np.zeros((len(rows), 0), dtype=np.float32)
+    out = np.zeros((len(rows), vocab_size), dtype=np.float32)
+    for r, bias in enumerate(rows):
+        for token, weight in bias:
+            out[r, token] = weight
     return out
 
 
@@ -64,6 +100,14 @@ class PreprocessingModel:
         # needs the core's perf outputs on every request (docs/gpu.md, "Metrics").
         self.perf_flag = PERF_FLAG in {t["name"] for t in cfg["output"]}
         self.force_perf = io.param_bool(params, "force_perf_metrics", False)
+        # EMBEDDING_BIAS where declared (trtllm target): as long as the engine's vocabulary, the length
+        # TensorRT-LLM checks it against (the torch upstream layout declares none).
+        declared = BIAS_OUT in {t["name"] for t in cfg["output"]}
+        self.bias_size = int(engine.pretrained_config["vocab_size"]) if declared else None
+
+    def _encode_word(self, word: str) -> list[int]:
+        """A stop / bad / bias word's ids: tokenized alone, without special tokens (tensorrtllm_backend's)."""
+        return self.tokenizer.encode(word, add_special_tokens=False)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
@@ -85,8 +129,11 @@ class PreprocessingModel:
         if salt and not self.salt_reaches_core:
             raise BadRequestError("input 'cache_salt' cannot be honoured: Triton's tensorrtllm backend has no "
                                   "per-request cache salt input, so KV blocks could not be kept apart", "cache_salt")
-        words = {name: [tok.encode(w, add_special_tokens=False) for w in inputs.words(tensors, name, i)]
+        # A word of no tokens is dropped, as tensorrtllm_backend's preprocessing does: its empty entry would
+        # repeat an offset, which TensorRT-LLM's word-list parser refuses.
+        words = {name: [list(ids) for ids in inputs.word_ids(tensors, name, i, self._encode_word)]
                  for name in ("STOP_WORDS_DICT", "BAD_WORDS_DICT")}
+        bias = () if self.bias_size is None else row_bias(tensors, i, self._encode_word, self.bias_size)
         end_id = inputs.scalar(tensors, "END_ID", i, int)
         pad_id = inputs.scalar(tensors, "PAD_ID", i, int)
         eos = tok.eos_token_id if tok.eos_token_id is not None else 0
@@ -94,7 +141,7 @@ class PreprocessingModel:
         # budget, chat window, salt requirement: the fused ensemble's code (trtprompt.prompt.edge)
         prompt = self.edge.prepare(text, messages, overflow, salt, out_len)
         return {"ids": prompt.ids, "out_len": out_len, "truncated": prompt.prompt_truncated_tokens,
-                "dropped": prompt.dropped_turns,
+                "dropped": prompt.dropped_turns, "bias": bias,
                 "stop": words_tensor(words["STOP_WORDS_DICT"]), "bad": words_tensor(words["BAD_WORDS_DICT"]),
                 "end_id": eos if end_id is None else end_id,
                 "pad_id": (tok.pad_token_id if tok.pad_token_id is not None else eos) if pad_id is None else pad_id}
@@ -117,15 +164,20 @@ class PreprocessingModel:
         def col(key: str, dtype: type[np.int32]) -> Array:
             return np.array([[r[key]] for r in rows], dtype=dtype)
 
-        return [pb_utils.Tensor("INPUT_ID", ids),
-                pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[len(r["ids"])] for r in rows], dtype=np.int32)),
-                pb_utils.Tensor("REQUEST_OUTPUT_LEN", col("out_len", np.int32)),
-                pb_utils.Tensor("STOP_WORDS_IDS", stack("stop")),
-                pb_utils.Tensor("BAD_WORDS_IDS", stack("bad")),
-                pb_utils.Tensor("OUT_END_ID", col("end_id", np.int32)),
-                pb_utils.Tensor("OUT_PAD_ID", col("pad_id", np.int32)),
-                pb_utils.Tensor("PROMPT_TRUNCATED_TOKENS", col("truncated", np.int32)),
-                pb_utils.Tensor("DROPPED_TURNS", col("dropped", np.int32))] + self._perf_flag(tensors, len(rows))
+        fixed = [pb_utils.Tensor("INPUT_ID", ids),
+                 pb_utils.Tensor("REQUEST_INPUT_LEN", np.array([[len(r["ids"])] for r in rows], dtype=np.int32)),
+                 pb_utils.Tensor("REQUEST_OUTPUT_LEN", col("out_len", np.int32)),
+                 pb_utils.Tensor("STOP_WORDS_IDS", stack("stop")),
+                 pb_utils.Tensor("BAD_WORDS_IDS", stack("bad")),
+                 pb_utils.Tensor("OUT_END_ID", col("end_id", np.int32)),
+                 pb_utils.Tensor("OUT_PAD_ID", col("pad_id", np.int32)),
+                 pb_utils.Tensor("PROMPT_TRUNCATED_TOKENS", col("truncated", np.int32)),
+                 pb_utils.Tensor("DROPPED_TURNS", col("dropped", np.int32))]
+        return fixed + self._perf_flag(tensors, len(rows)) + self._bias([r["bias"] for r in rows])
+
+    def _bias(self, rows: list[Bias]) -> list[Any]:
+        """EMBEDDING_BIAS for the core where declared (the trtllm target), on every request."""
+        return [] if self.bias_size is None else [pb_utils.Tensor(BIAS_OUT, bias_tensor(rows, self.bias_size))]
 
     def _perf_flag(self, tensors: dict[str, Array], n: int) -> list[Any]:
         """RETURN_PERF_METRICS for the core where declared: forced true, else the client's (default false)."""
@@ -136,11 +188,14 @@ class PreprocessingModel:
 
 
 class PostprocessingModel:
-    """TOKENS_BATCH -> OUTPUT text, incrementally per request id.
+    """TOKENS_BATCH -> OUTPUT text, incrementally per (request id, SEQUENCE_INDEX).
 
     The ensemble hands each composing model the client's request id; a
     request without one is decoded chunk by chunk on its own (tensorrtllm_
-    backend's behaviour). Triton lets this step see only tensorrt_llm's
+    backend's behaviour). With num_return_sequences > 1 the core interleaves
+    the sequences' chunks under one request id, each response naming its
+    sequence_index (absent: sequence 0), so each sequence has its own
+    detokenizer. Triton lets this step see only tensorrt_llm's
     outputs, so the end of a stream is unknown: state is dropped least
     recently used or after stream_idle_timeout_s, and a partial character
     dangling at the very end of a stream is not flushed.
@@ -153,7 +208,7 @@ class PostprocessingModel:
         self.skip_special_tokens = io.param_bool(params, "skip_special_tokens", True)
         self.max_open = int(params.get("max_open_streams") or 4096)
         self.idle_timeout_s = float(params.get("stream_idle_timeout_s") or 600)
-        self.streams: OrderedDict[str, tuple[StreamDetokenizer, float]] = OrderedDict()
+        self.streams: OrderedDict[tuple[str, int], tuple[StreamDetokenizer, float]] = OrderedDict()
         self.metrics: RequestMetrics | None = None
         if io.param_bool(params, "publish_request_metrics", False):  # trtllm target (docs/gpu.md, "Metrics")
             tokens_per_block = read_engine_dir(params["gpt_model_path"], params["tokenizer_dir"]).tokens_per_block
@@ -194,10 +249,11 @@ class PostprocessingModel:
         tokens = [int(t) for t in np.asarray(tensors["TOKENS_BATCH"][i]).reshape(-1)[:length]]
         if not key:
             return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
-        return self._stream(key).step(tokens)
+        sequence = inputs.scalar(tensors, SEQUENCE_INDEX, i, int)
+        return self._stream((key, sequence or 0)).step(tokens)
 
-    def _stream(self, key: str) -> StreamDetokenizer:
-        """This request's detokenizer; expire idle ones (execute runs on one thread)."""
+    def _stream(self, key: tuple[str, int]) -> StreamDetokenizer:
+        """This (request, sequence)'s detokenizer; expire idle ones (execute runs on one thread)."""
         now = time.monotonic()
         entry = self.streams.pop(key, None)
         detok = entry[0] if entry else self.tokenizer.stream(skip_special_tokens=self.skip_special_tokens)

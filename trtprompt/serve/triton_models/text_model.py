@@ -20,7 +20,7 @@ from trtprompt.serve.triton_models.sequences import (
     Sequences,
     beam_counts,
     beam_logprob_arrays,
-    logprob_arrays,
+    token_arrays,
 )
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.outputs import seq_finished
@@ -69,9 +69,12 @@ class _TextRow:
         else:
             text = self._whole(index, seq)
         out = [io.text_tensor("text_output", text)] if "text_output" in self.wanted else []
-        if self.outputs.return_log_probs:
-            out += [io.tensor(name, arr, "float32") for name, arr in logprob_arrays(seq, self.wanted).items()]
-        return out + self._scalars(frame, index, self.outputs.counts(frame))
+        return out + self._per_token(seq) + self._scalars(frame, index, self.outputs.counts(frame))
+
+    def _per_token(self, seq: SeqOutput) -> list[Any]:
+        """The log probabilities and logits of the tokens this response brings, where asked for."""
+        arrays = token_arrays(seq, self.outputs.return_log_probs, self.request.sampling, self.wanted)
+        return [io.tensor(name, arr, "float32") for name, arr in arrays.items()]
 
     def _whole(self, index: int, seq: SeqOutput) -> str:
         """A sequence's whole text: its output alone, or (TensorRT-LLM's default) prompt + output decoded

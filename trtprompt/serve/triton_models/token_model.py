@@ -18,7 +18,13 @@ from trtprompt.serve.triton_models import inputs
 from trtprompt.serve.triton_models import stub as io
 from trtprompt.serve.triton_models.inputs import Array
 from trtprompt.serve.triton_models.metrics_publisher import MetricsPublisher
-from trtprompt.serve.triton_models.sequences import Sequences, beam_counts, beam_logprob_arrays, logprob_arrays
+from trtprompt.serve.triton_models.sequences import (
+    SeqOutput,
+    Sequences,
+    beam_counts,
+    beam_logprob_arrays,
+    token_arrays,
+)
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.outputs import seq_finished
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
@@ -54,10 +60,13 @@ class _TokenRow:
                 return None
             ids = seq.ids if self.req.outputs.exclude_input_in_output else list(self.req.prompt_token_ids) + seq.ids
         out = [pb_utils.Tensor("output_ids", _ids_array(ids))] if "output_ids" in self.wanted else []
-        if self.req.outputs.return_log_probs:
-            out += [io.tensor(name, arr, "float32") for name, arr in logprob_arrays(seq, self.wanted).items()]
         values = {"sequence_length": (len(ids), "int32")}
-        return out + self._scalars(frame, index, values, self.req.outputs.counts(frame))
+        return out + self._per_token(seq) + self._scalars(frame, index, values, self.req.outputs.counts(frame))
+
+    def _per_token(self, seq: SeqOutput) -> list[Any]:
+        """The log probabilities and logits of the tokens this response brings, where asked for."""
+        arrays = token_arrays(seq, self.req.outputs.return_log_probs, self.req.sampling, self.wanted)
+        return [io.tensor(name, arr, "float32") for name, arr in arrays.items()]
 
     def _beams(self, frame: dict[str, Any]) -> list[Any]:
         """A beam search's one response (TensorRT-LLM's shapes): output_ids [1, beams, longest] padded

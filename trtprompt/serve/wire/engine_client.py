@@ -13,6 +13,7 @@ Stdlib only (no Triton), so it runs and is tested outside the stub.
 
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
 import select
@@ -23,6 +24,7 @@ from typing import Any, Callable, Iterable
 
 from trtprompt.error_codes import ErrorCode
 from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.wire.outputs import logits_of
 from trtprompt.serve.wire.requests import TokenRequest
 
 log = logging.getLogger("trtprompt.relay")
@@ -127,7 +129,8 @@ def coalesce(steps: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     on 2 cores the stub read the engine's output 3-8 s late, so a client
     that cancelled after seeing 60 tokens cancelled a request the engine had
     already run to max_tokens. Merged, a request's tokens of all the frames
-    cost one handler call, and the lag cannot grow. A later entry's counts,
+    cost one handler call, and the lag cannot grow. A sequence's tokens, log
+    probabilities and generation logits join; a later entry's counts,
     stats and finish fields supersede the earlier ones; an error entry
     replaces the request's tokens (the request ends with the error anyway).
     """
@@ -142,10 +145,20 @@ def coalesce(steps: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 prev["new_token_ids"].extend(entry["new_token_ids"])
                 if "logprobs" in entry:
                     prev.setdefault("logprobs", []).extend(entry["logprobs"])
+                if "generation_logits" in entry and "generation_logits" in prev:
+                    entry = entry | {"generation_logits": _joined_logits(prev, entry)}
                 prev.update((k, v) for k, v in entry.items()
                             if k not in ("new_token_ids", "logprobs") and not (k == "prompt_logprobs" and v is None))
     # A request's finishing entry comes after its other sequences' (its handler is dropped there).
     return sorted(merged.values(), key=lambda e: bool(e.get("finished")))
+
+
+def _joined_logits(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two entries' generation_logits as one, their rows in order (base64 texts do not concatenate)."""
+    a, b = logits_of(first, "generation_logits"), logits_of(then, "generation_logits")
+    if a is None or b is None or a.cols != b.cols:  # a malformed frame, as the reader treats any (ValueError)
+        raise ValueError(f"generation_logits of one sequence do not join: {a and a.cols} and {b and b.cols} columns")
+    return {"rows": a.rows + b.rows, "cols": a.cols, "f32": base64.b64encode(a.data + b.data).decode("ascii")}
 
 
 def _call(handler: Handler, entry: dict[str, Any]) -> None:
