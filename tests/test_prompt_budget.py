@@ -166,7 +166,7 @@ def test_prompt_edge(tiny_engine_dir: Path) -> None:
     text = " ".join(f"x{i}" for i in range(30))
     out = edge.prepare(text, None, None, "t", 4)
     assert len(out.ids) == 12 and out.prompt_truncated_tokens == len(tok.encode(text)) - 12
-    chat = json.dumps([{"role": "user", "content": "a"}])
+    chat = [{"role": "user", "content": "a"}]  # objects: parsed where the request came in
     assert edge.prepare("", chat, None, "t", 4).ids == tok.encode_chat([{"role": "user", "content": "a"}])
     with pytest.raises(PromptError, match="give either 'text_input' or 'messages'"):
         edge.prepare("text", chat, None, "t", 4)

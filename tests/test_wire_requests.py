@@ -51,7 +51,8 @@ def test_requests_refuse_what_cannot_be_generated() -> None:
     with pytest.raises(BadRequestError, match="input 'text_input' is empty") as err:
         TextRequest("", SamplingParams(), stream=False)
     assert err.value.field == "text_input"
-    assert TextRequest("", SamplingParams(), stream=False, messages="[]").messages == "[]"  # the chat is the prompt
+    chat = ({"role": "user", "content": "hi"},)
+    assert TextRequest("", SamplingParams(), stream=False, messages=chat).messages == chat  # the chat is the prompt
     with pytest.raises(BadRequestError, match="input 'input_ids' is empty"):
         TokenRequest((), SamplingParams(), stream=False)
     assert not isinstance(BadRequestError("x"), ValueError)  # a ValueError from a bug stays internal

@@ -13,11 +13,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from trtprompt.error_codes import ErrorCode
 from trtprompt.prompt.budget import PromptBudget, PromptError, PromptPolicy
-from trtprompt.prompt.chat import fit_chat, parse_messages
+from trtprompt.prompt.chat import Message, fit_chat
 from trtprompt.rules import max_input_len
 
 if TYPE_CHECKING:
@@ -51,8 +51,10 @@ class PromptEdge:
                 self._budget = PromptBudget.for_engine(self.policy, max_input_len, max_seq_len, self._tokenizer)
             return self._budget
 
-    def prepare(self, text: str | None, messages: str | bytes | None, overflow: str | None,
+    def prepare(self, text: str | None, messages: Sequence[Message] | None, overflow: str | None,
                 cache_salt: str | None, max_tokens: int | None) -> EdgePrompt:
+        """messages: the chat as objects, parsed once where the request came in (chat.parse_messages
+        for a Triton `messages` input, the OpenAI body's own list)."""
         self.policy.check_salt(cache_salt)
         budget = self.budget()
         overflow = overflow or None
@@ -60,7 +62,7 @@ class PromptEdge:
             if text:
                 raise PromptError("give either 'text_input' or 'messages': with 'messages', send "
                                   "'text_input' empty")
-            fitted = fit_chat(parse_messages(messages), self._tokenizer, budget, max_tokens, overflow)
+            fitted = fit_chat(messages, self._tokenizer, budget, max_tokens, overflow)
             return EdgePrompt(fitted.ids, 0, fitted.dropped_turns)
         return self.fit_text(text or "", max_tokens, overflow)
 

@@ -18,6 +18,7 @@ from typing import Any, Literal, Mapping, cast
 
 from trtprompt.engine.request import RetentionConfig, SamplingParams
 from trtprompt.error_codes import FieldError
+from trtprompt.prompt.chat import Message
 from trtprompt.serve.openai import extensions
 from trtprompt.serve.openai.answer_params import Shape, Vocabulary, parse_shape, parse_vocabulary
 from trtprompt.serve.openai.errors import APIError, bad_request
@@ -72,7 +73,7 @@ class Generation:
 
     kind: str  # "completion" | "chat"
     prompts: tuple[Prompt, ...]  # completions: one per choice; chat: none
-    messages_json: str | None
+    messages: tuple[Message, ...] | None  # the chat as objects, checked
     sampling: SamplingParams
     stop: tuple[str, ...]
     cache_salt: str | None
@@ -199,15 +200,14 @@ def _token_ids(ids: list[Any], where: str, param: str, limits: ModelLimits) -> t
     return tuple(ids)
 
 
-def _messages(body: Mapping[str, Any]) -> tuple[str, tuple[CacheMark, ...]]:
-    """The chat as the ensemble's `messages` input (JSON list of {role, content}), and its parts'
-    cache_control marks."""
+def _messages(body: Mapping[str, Any]) -> tuple[tuple[Message, ...], tuple[CacheMark, ...]]:
+    """The chat as {role, content} objects (checked here, once), and its parts' cache_control marks."""
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' is required and must be a non-empty list", "messages")
     messages = [_message(m, i) for i, m in enumerate(raw)]
     marks = tuple(mark for i, m in enumerate(raw) for mark in _marks(m.get("content"), i))
-    return json.dumps(messages, ensure_ascii=False), marks
+    return tuple(messages), marks
 
 
 def _marks(content: Any, i: int) -> list[CacheMark]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator
@@ -97,7 +96,7 @@ class EnginePath:
                 prepared = prepare_ids(ids, gen.stop, self.edge, self.tokenizer)
             else:
                 text = TextRequest(text=prompt or "", sampling=sampling, stream=gen.stream,
-                                   messages=gen.messages_json, cache_salt=gen.cache_salt, stop_words=gen.stop,
+                                   messages=gen.messages, cache_salt=gen.cache_salt, stop_words=gen.stop,
                                    retention=gen.retention)
                 prepared = prepare(text, self.edge, self.tokenizer)
             return EngineInputs(self._marked(gen, prepared), gen.skip_special_tokens, gen.shape,
@@ -128,9 +127,9 @@ class EnginePath:
     def _marked(self, gen: Generation, prepared: Prepared) -> TokenRequest:
         """The request with its chat's cache_control marks as token ranges over the fitted prompt
         (serve/openai/retention.py), beside the body's decode retention if any."""
-        if not gen.cache_marks or gen.messages_json is None:
+        if not gen.cache_marks or gen.messages is None:
             return prepared.request
-        ranges = mark_ranges(gen.cache_marks, json.loads(gen.messages_json), prepared.prompt.dropped_turns,
+        ranges = mark_ranges(gen.cache_marks, list(gen.messages), prepared.prompt.dropped_turns,
                              self._prefix_tokens)
         base = gen.retention or RetentionConfig()
         return dataclasses.replace(prepared.request, retention=dataclasses.replace(base, token_ranges=ranges))

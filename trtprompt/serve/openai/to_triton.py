@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, AsyncIterator, Sequence
@@ -177,7 +178,7 @@ class TritonEnsemble:
 
     async def inputs_for(self, gen: Generation, prompt: Prompt | None) -> list[InferInput]:
         declared = await self.declared_inputs()
-        if gen.messages_json is not None and "messages" not in declared:
+        if gen.messages is not None and "messages" not in declared:
             raise APIError(400, f"this server's {self.model!r} model has no 'messages' input (the upstream "
                            "layout or the trtllm target): use /v1/completions", "invalid_request_error",
                            "messages", "unsupported_parameter")
@@ -188,7 +189,9 @@ class TritonEnsemble:
         optional: dict[str, Any] = ensemble_sampling(gen.sampling)
         _refuse_undeclared(gen, prompt, optional, declared, self.model)
         optional.update(self._retention(gen, declared))
-        optional.update(exclude_input_in_output=True, messages=gen.messages_json, cache_salt=gen.cache_salt)
+        # The chat becomes the `messages` input's JSON here, at the Triton edge, and nowhere else.
+        chat = None if gen.messages is None else json.dumps(list(gen.messages), ensure_ascii=False)
+        optional.update(exclude_input_in_output=True, messages=chat, cache_salt=gen.cache_salt)
         optional.update({name: True for name in REPORTING_INPUTS})
         # stop_words unfiltered: a server without the input must refuse it, not ignore the stops
         text = prompt if isinstance(prompt, str) else ""

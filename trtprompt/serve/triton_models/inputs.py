@@ -16,6 +16,7 @@ import numpy as np
 from trtprompt.engine.request import FLOAT_BOUNDS, RetentionConfig, SamplingParams
 from trtprompt.error_codes import BadRequestError, FieldError, OverBoundError
 from trtprompt.interface import PERF_OUTPUTS
+from trtprompt.prompt.chat import parse_messages
 from trtprompt.serve.wire.requests import Outputs, TextRequest, TokenRequest, check_text_or_messages
 from trtprompt.serve.wire.retention_inputs import DECODE_INPUTS, RANGE_INPUTS, retention_from_inputs
 
@@ -276,8 +277,9 @@ def parse_text_item(tensors: Tensors, i: int, exclude_default: bool, encode: Enc
     embedding_bias_words (stop_words are tokenized later, by prepare)."""
     check_unsupported(tensors, i)
     text = utf8(scalar(tensors, "text_input", i, lambda v: v), "text_input")
-    messages, overflow, salt = (text_scalar(tensors, name, i) for name in ("messages", "overflow", "cache_salt"))
-    check_text_or_messages(text, messages)
+    raw_messages, overflow, salt = (text_scalar(tensors, name, i) for name in ("messages", "overflow", "cache_salt"))
+    check_text_or_messages(text, raw_messages)
+    messages = None if raw_messages is None else tuple(parse_messages(raw_messages))  # parsed once, here
     extra = sequence_controls(tensors, i, max_beam_width)
     if words(tensors, "bad_words", i):
         extra["bad_words"] = (word_ids(tensors, "bad_words", i, encode), "bad_words")

@@ -23,6 +23,7 @@ from trtprompt.engine.engine_dir import read_engine_dir
 from trtprompt.error_codes import BadRequestError
 from trtprompt.interface import PERF_FLAG, PERF_OUTPUTS
 from trtprompt.prompt.budget import PromptPolicy
+from trtprompt.prompt.chat import parse_messages
 from trtprompt.prompt.edge import PromptEdge, engine_dir_limits
 from trtprompt.serve import metrics_catalog as C
 from trtprompt.serve.triton_models import inputs
@@ -139,7 +140,8 @@ class PreprocessingModel:
         eos = tok.eos_token_id if tok.eos_token_id is not None else 0
         out_len = inputs.scalar(tensors, "REQUEST_OUTPUT_LEN", i, int)
         # budget, chat window, salt requirement: the fused ensemble's code (trtprompt.prompt.edge)
-        prompt = self.edge.prepare(text, messages, overflow, salt, out_len)
+        chat = None if messages is None else parse_messages(messages)  # parsed once, here
+        prompt = self.edge.prepare(text, chat, overflow, salt, out_len)
         return {"ids": prompt.ids, "out_len": out_len, "truncated": prompt.prompt_truncated_tokens,
                 "dropped": prompt.dropped_turns, "bias": bias,
                 "stop": words_tensor(words["STOP_WORDS_DICT"]), "bad": words_tensor(words["BAD_WORDS_DICT"]),

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from trtprompt.engine.request import RetentionConfig, SamplingParams, TokenRangeRetention
 from trtprompt.error_codes import BadRequestError
+from trtprompt.prompt.chat import Message
 from trtprompt.prompt.edge import EdgePrompt, PromptEdge
 from trtprompt.tokenizer import Tokenizer
 
@@ -47,7 +48,7 @@ class Outputs:
         return {name: int(frame[name]) for name, wanted in asked.items() if wanted}
 
 
-def check_text_or_messages(text: str, messages: str | None) -> None:
+def check_text_or_messages(text: str, messages: object | None) -> None:
     """text_input may be empty only when `messages` carries the prompt (on every layout)."""
     if not text and messages is None:
         raise BadRequestError("input 'text_input' is empty: at least one character is required", "text_input")
@@ -61,7 +62,7 @@ class TextRequest:
     sampling: SamplingParams
     stream: bool
     outputs: Outputs = Outputs()
-    messages: str | None = None  # JSON chat (trtprompt.prompt.chat), instead of text
+    messages: tuple[Message, ...] | None = None  # the chat as objects (trtprompt.prompt.chat), instead of text
     overflow: str | None = None
     cache_salt: str | None = None
     stop_words: tuple[str, ...] = ()
