@@ -40,8 +40,9 @@ from trtprompt.serve.engine_process.counters import (
     process_usage,
 )
 from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.wire.frames import StepEntry
 from trtprompt.serve.wire.model_config import read_parameters
-from trtprompt.serve.wire.outputs import sequence_fields
+from trtprompt.serve.wire.outputs import add_sequence_fields
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
 from trtprompt.serve.wire.refusals import error_reason
 from trtprompt.serve.wire.requests import retention_from_wire, sampling_from_wire
@@ -56,7 +57,7 @@ def engine_overrides(params: Mapping[str, str]) -> dict[str, Any]:
     return knobs.from_parameters(params, knobs.ENGINE_KEYS)
 
 
-def output_entry(out: RequestOutput, request_id: str, perf: bool) -> dict[str, Any]:
+def output_entry(out: RequestOutput, request_id: str, perf: bool) -> StepEntry:
     """One request's share of a step frame (docs/design.md, "Request path and engine process protocol").
 
     Request stats travel on the final output and, for a request that asked
@@ -65,10 +66,10 @@ def output_entry(out: RequestOutput, request_id: str, perf: bool) -> dict[str, A
     if out.error:
         return {"id": request_id, "finished": True, "error": out.error,
                 "code": out.error_code or ErrorCode.INTERNAL}
-    entry: dict[str, Any] = {"id": request_id, "new_token_ids": out.new_token_ids, "finished": out.finished,
+    entry: StepEntry = {"id": request_id, "new_token_ids": out.new_token_ids, "finished": out.finished,
                              "num_input_tokens": out.num_input_tokens,
                              "num_output_tokens": out.num_output_tokens}
-    entry.update(sequence_fields(out))
+    add_sequence_fields(entry, out)
     if out.sequence_finished or out.finished:
         entry["finish_reason"] = out.finish_reason.value if out.finish_reason else None
         entry["warning"] = out.warning
@@ -162,7 +163,7 @@ class Connection:
             for frame in self._step_frames(entries, time.monotonic()):
                 self._outbox.put(frame)
 
-    def _step_frames(self, entries: list[dict[str, Any]], made: float) -> list[bytes]:
+    def _step_frames(self, entries: list[StepEntry], made: float) -> list[bytes]:
         """The step's entries as one frame; past the protocol's MAX_FRAME (raw logits are large) one frame
         per entry, and an entry too large alone fails its request (aborted here), not the step's others."""
         try:

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator
+from typing import AsyncGenerator
 
 from trtprompt.engine.engine_dir import read_engine_dir
 from trtprompt.engine.request import RetentionConfig, SamplingParams
@@ -34,6 +34,7 @@ from trtprompt.serve.openai.retention import mark_ranges
 from trtprompt.serve.openai.to_triton import Piece
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.engine_client import EngineClient
+from trtprompt.serve.wire.frames import StepEntry
 from trtprompt.serve.wire.refusals import refusal_reason, report_refused
 from trtprompt.serve.wire.requests import (
     ADD_SPECIAL_TOKENS,
@@ -148,9 +149,9 @@ class EnginePath:
         """Pieces until the final one; APIError on an error. Leaving early aborts the engine request."""
         req = inputs.request
         loop = asyncio.get_running_loop()
-        entries: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        entries: asyncio.Queue[StepEntry] = asyncio.Queue()
 
-        def handle(entry: dict[str, Any]) -> None:  # on the engine client's reader thread
+        def handle(entry: StepEntry) -> None:  # on the engine client's reader thread
             loop.call_soon_threadsafe(entries.put_nowait, entry)
 
         try:

@@ -29,6 +29,7 @@ from trtprompt.knobs import KNOBS
 from trtprompt.serve.triton_models.cancel_watch import CancelWatcher, watch_client
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.engine_client import EngineClient
+from trtprompt.serve.wire.frames import StepEntry
 from trtprompt.serve.wire.process import SOCKET_ENV
 from trtprompt.serve.wire.refusals import refusal_reason, report_refused
 from trtprompt.serve.wire.requests import TokenRequest
@@ -108,7 +109,7 @@ class Row(Protocol):
 
     def engine_request(self) -> TokenRequest: ...
 
-    def response(self, frame: dict[str, Any]) -> list[Any] | None: ...
+    def response(self, frame: StepEntry) -> list[Any] | None: ...
 
 
 class Job:
@@ -140,7 +141,7 @@ class Job:
         except BaseException as exc:  # noqa: BLE001 - every request ends with a final response
             self.fail(exc)
 
-    def on_entry(self, i: int, entry: dict[str, Any]) -> None:
+    def on_entry(self, i: int, entry: StepEntry) -> None:
         with self._lock:
             if self._done:
                 return
@@ -149,7 +150,7 @@ class Job:
             except BaseException as exc:  # noqa: BLE001 - reported to the client
                 self._fail_locked(exc)
 
-    def _on_entry(self, i: int, entry: dict[str, Any]) -> None:
+    def _on_entry(self, i: int, entry: StepEntry) -> None:
         error = P.entry_error(entry)
         if error is not None:
             self._finished[i] = True

@@ -23,6 +23,7 @@ from trtprompt.serve.triton_models.sequences import (
     token_arrays,
 )
 from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.wire.frames import StepEntry
 from trtprompt.serve.wire.outputs import seq_finished
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
 from trtprompt.serve.wire.requests import TextRequest, TokenRequest, prepare
@@ -53,7 +54,7 @@ class _TextRow:
                                                              skip_special_tokens=self.model.skip_special_tokens)
         return self.detoks[index]
 
-    def response(self, frame: dict[str, Any]) -> list[Any] | None:
+    def response(self, frame: StepEntry) -> list[Any] | None:
         """Output tensors for this frame, or None when it adds nothing to send: streamed, the text it
         brings; otherwise a sequence's whole text once it ends (each sequence in its own response)."""
         index, seq = self.sequences.add(frame)
@@ -85,7 +86,7 @@ class _TextRow:
         skip = self.model.skip_special_tokens
         return self.model.tokenizer.decode(self.prompt_ids + seq.ids, skip_special_tokens=skip)
 
-    def _beams(self, frame: dict[str, Any]) -> list[Any]:
+    def _beams(self, frame: StepEntry) -> list[Any]:
         """A beam search's one response: text_output [1, beams], best first (docs/triton-inputs.md)."""
         beams = self.sequences.ranked()
         texts = [self._whole(k, beam).encode("utf-8") for k, beam in enumerate(beams)]
@@ -94,7 +95,7 @@ class _TextRow:
             out += [io.tensor(name, arr, "float32") for name, arr in beam_logprob_arrays(beams, self.wanted).items()]
         return out + self._scalars(frame, 0, beam_counts(self.outputs.counts(frame), beams))
 
-    def _scalars(self, frame: dict[str, Any], index: int, counts: dict[str, int]) -> list[Any]:
+    def _scalars(self, frame: StepEntry, index: int, counts: dict[str, int]) -> list[Any]:
         values = {"batch_index": (self.index, "int32"), "sequence_index": (index, "int32"),
                   "prompt_truncated_tokens": (self.prompt.prompt_truncated_tokens, "int32"),
                   "dropped_turns": (self.prompt.dropped_turns, "int32")}

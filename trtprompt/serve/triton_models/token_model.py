@@ -26,6 +26,7 @@ from trtprompt.serve.triton_models.sequences import (
     token_arrays,
 )
 from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.wire.frames import StepEntry
 from trtprompt.serve.wire.outputs import seq_finished
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
 from trtprompt.serve.wire.requests import TokenRequest
@@ -44,7 +45,7 @@ class _TokenRow:
     def engine_request(self) -> TokenRequest:
         return self.req
 
-    def response(self, frame: dict[str, Any]) -> list[Any] | None:
+    def response(self, frame: StepEntry) -> list[Any] | None:
         """A streamed response per entry with new ids; otherwise one per sequence, when it ends
         (TensorRT-LLM's decoupled model answers each returned sequence apart)."""
         index, seq = self.sequences.add(frame)
@@ -68,7 +69,7 @@ class _TokenRow:
         arrays = token_arrays(seq, self.req.outputs.return_log_probs, self.req.sampling, self.wanted)
         return [io.tensor(name, arr, "float32") for name, arr in arrays.items()]
 
-    def _beams(self, frame: dict[str, Any]) -> list[Any]:
+    def _beams(self, frame: StepEntry) -> list[Any]:
         """A beam search's one response (TensorRT-LLM's shapes): output_ids [1, beams, longest] padded
         with end_id past each beam's sequence_length [1, beams], best first; streamed, outputs alone."""
         prompt = [] if self.req.outputs.exclude_input_in_output or self.req.stream else list(self.req.prompt_token_ids)
@@ -86,7 +87,7 @@ class _TokenRow:
             out += [io.tensor(name, arr, "float32") for name, arr in beam_logprob_arrays(beams, self.wanted).items()]
         return out + self._scalars(frame, 0, {}, beam_counts(self.req.outputs.counts(frame), beams))
 
-    def _scalars(self, frame: dict[str, Any], index: int, values: dict[str, tuple[int, str]],
+    def _scalars(self, frame: StepEntry, index: int, values: dict[str, tuple[int, str]],
                  counts: dict[str, int]) -> list[Any]:
         values = values | {"batch_index": (self.index, "int32"), "sequence_index": (index, "int32")}
         values |= {name: (value, "int32") for name, value in self.echo.items()}

@@ -20,10 +20,11 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 from trtprompt.error_codes import ErrorCode
 from trtprompt.serve.wire import protocol as P
+from trtprompt.serve.wire.frames import LogitsBlob, StepEntry, StepFrame
 from trtprompt.serve.wire.outputs import logits_of
 from trtprompt.serve.wire.requests import TokenRequest
 
@@ -32,7 +33,7 @@ log = logging.getLogger("trtprompt.relay")
 # Called on the reader thread with each output entry of its request; the
 # entry with "finished" true is the last call. Must not block for long:
 # every other request of the stub waits behind it.
-Handler = Callable[[dict[str, Any]], None]
+Handler = Callable[[StepEntry], None]
 # A step frame read this long after the engine made it (its "t", time.monotonic(), a clock every
 # process shares): the reader is behind, and merges the frames it read together (`coalesce`).
 # Less behind, they are handled one by one: one token per entry, as TensorRT-LLM streams.
@@ -92,7 +93,8 @@ class _Session:
         reader = P.FrameReader()
         try:
             while not reader.closed:
-                steps = [frame for frame in reader.feed(self.sock) if frame.get("type") == "step"]
+                # JSON from the engine process, typed once here; values are checked where they are used
+                steps = [cast(StepFrame, frame) for frame in reader.feed(self.sock) if frame.get("type") == "step"]
                 for _ in steps:
                     self._on_step()
                 if len(steps) > 1 and behind(steps[0]):
@@ -105,7 +107,7 @@ class _Session:
         self.kill(P.LOST_MESSAGE)
         self.sock.close()
 
-    def _dispatch(self, entries: Iterable[dict[str, Any]]) -> None:
+    def _dispatch(self, entries: Iterable[StepEntry]) -> None:
         for entry in entries:
             with self._lock:
                 rid = entry["id"]
@@ -114,13 +116,13 @@ class _Session:
                 _call(handler, entry)
 
 
-def behind(step: dict[str, Any], now: float | None = None) -> bool:
+def behind(step: StepFrame, now: float | None = None) -> bool:
     """True when the step frame was made more than BEHIND_S ago (a frame without "t": never)."""
     made = step.get("t")
     return made is not None and (time.monotonic() if now is None else now) - float(made) > BEHIND_S
 
 
-def coalesce(steps: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def coalesce(steps: Iterable[StepFrame]) -> list[StepEntry]:
     """The entries of step frames that were read together, one per request, in first-seen order.
 
     Frames pile up only when this reader is behind the engine (BEHIND_S); each entry
@@ -134,7 +136,7 @@ def coalesce(steps: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     stats and finish fields supersede the earlier ones; an error entry
     replaces the request's tokens (the request ends with the error anyway).
     """
-    merged: dict[tuple[str, int], dict[str, Any]] = {}
+    merged: dict[tuple[str, int], StepEntry] = {}
     for step in steps:
         for entry in step["outputs"]:
             key = (entry["id"], int(entry.get("seq", 0)))  # a request's sequences (n > 1) merge apart
@@ -142,18 +144,27 @@ def coalesce(steps: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             if prev is None or entry.get("error") is not None:
                 merged[key] = entry
             elif prev.get("error") is None:
-                prev["new_token_ids"].extend(entry["new_token_ids"])
-                if "logprobs" in entry:
-                    prev.setdefault("logprobs", []).extend(entry["logprobs"])
-                if "generation_logits" in entry and "generation_logits" in prev:
-                    entry = entry | {"generation_logits": _joined_logits(prev, entry)}
-                prev.update((k, v) for k, v in entry.items()
-                            if k not in ("new_token_ids", "logprobs") and not (k == "prompt_logprobs" and v is None))
+                _merge(prev, entry)
     # A request's finishing entry comes after its other sequences' (its handler is dropped there).
     return sorted(merged.values(), key=lambda e: bool(e.get("finished")))
 
 
-def _joined_logits(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+def _merge(prev: StepEntry, entry: StepEntry) -> None:
+    """Fold a later entry of the same sequence into prev: tokens, log probabilities and generation
+    logits join; every other key the later entry carries supersedes (a null prompt_logprobs never)."""
+    joined = _joined_logits(prev, entry) if "generation_logits" in entry and "generation_logits" in prev else None
+    prev["new_token_ids"].extend(entry["new_token_ids"])
+    if "logprobs" in entry:
+        prev.setdefault("logprobs", []).extend(entry["logprobs"])
+    raw = cast(dict[str, Any], prev)  # the keys below are any of StepEntry's
+    for key, value in entry.items():
+        if key not in ("new_token_ids", "logprobs") and not (key == "prompt_logprobs" and value is None):
+            raw[key] = value
+    if joined is not None:
+        prev["generation_logits"] = joined
+
+
+def _joined_logits(first: StepEntry, then: StepEntry) -> LogitsBlob:
     """Two entries' generation_logits as one, their rows in order (base64 texts do not concatenate)."""
     a, b = logits_of(first, "generation_logits"), logits_of(then, "generation_logits")
     if a is None or b is None or a.cols != b.cols:  # a malformed frame, as the reader treats any (ValueError)
@@ -161,7 +172,7 @@ def _joined_logits(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any
     return {"rows": a.rows + b.rows, "cols": a.cols, "f32": base64.b64encode(a.data + b.data).decode("ascii")}
 
 
-def _call(handler: Handler, entry: dict[str, Any]) -> None:
+def _call(handler: Handler, entry: StepEntry) -> None:
     try:
         handler(entry)
     except Exception:  # noqa: BLE001 - a failing handler must not stop the reader

@@ -22,6 +22,8 @@ from __future__ import annotations
 import base64
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
+from trtprompt.serve.wire.frames import LogitsBlob, StepEntry
+
 if TYPE_CHECKING:  # the writing side runs in the engine process only
     from trtprompt.engine.request import RequestOutput, TokenLogprob
 
@@ -36,9 +38,8 @@ class Logprob(NamedTuple):
     top: Top
 
 
-def sequence_fields(out: "RequestOutput") -> dict[str, Any]:
-    """The entry keys above that apply to out."""
-    fields: dict[str, Any] = {}
+def add_sequence_fields(fields: StepEntry, out: "RequestOutput") -> None:
+    """Put the keys above that apply to out into its entry."""
     if out.sequence_index:
         fields["seq"] = out.sequence_index
     if out.sequence_finished and not out.finished:
@@ -49,15 +50,15 @@ def sequence_fields(out: "RequestOutput") -> dict[str, Any]:
         fields["cum_logprob"] = out.cum_logprob
     if out.end_logprob is not None:
         fields["end_logprob"] = _prompt_entry(out.end_logprob)
-    for name, logits in (("context_logits", out.context_logits), ("generation_logits", out.generation_logits)):
-        if logits is not None:
-            fields[name] = _logits_entry(logits)
+    if out.context_logits is not None:
+        fields["context_logits"] = _logits_entry(out.context_logits)
+    if out.generation_logits is not None:
+        fields["generation_logits"] = _logits_entry(out.generation_logits)
     if out.prompt_logprobs is not None:
         fields["prompt_logprobs"] = [None if lp is None else _prompt_entry(lp) for lp in out.prompt_logprobs]
-    return fields
 
 
-def _logits_entry(logits: Any) -> dict[str, Any]:
+def _logits_entry(logits: Any) -> LogitsBlob:
     """Raw float32 rows (a torch tensor: wire imports no torch) as bytes: JSON numbers would take five
     times the room and the time."""
     import numpy as np

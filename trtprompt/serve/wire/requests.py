@@ -18,6 +18,7 @@ from trtprompt.engine.request import RetentionConfig, SamplingParams, TokenRange
 from trtprompt.error_codes import BadRequestError
 from trtprompt.prompt.chat import Message
 from trtprompt.prompt.edge import EdgePrompt, PromptEdge
+from trtprompt.serve.wire.frames import SubmitFrame
 from trtprompt.tokenizer import Tokenizer
 
 # How the text paths tokenize prompts and detokenize outputs: the fused ensemble's parameters
@@ -87,9 +88,9 @@ class TokenRequest:
         if not self.prompt_token_ids:
             raise BadRequestError("input 'input_ids' is empty: at least one token id is required", "input_ids")
 
-    def to_wire(self, request_id: str) -> dict[str, Any]:
+    def to_wire(self, request_id: str) -> SubmitFrame:
         """The submit frame (JSON); `retention` only when the request has one."""
-        frame: dict[str, Any] = {"op": "submit", "id": request_id, "prompt_token_ids": list(self.prompt_token_ids),
+        frame: SubmitFrame = {"op": "submit", "id": request_id, "prompt_token_ids": list(self.prompt_token_ids),
                                  "params": sampling_to_wire(self.sampling), "cache_salt": self.cache_salt,
                                  "perf": self.outputs.perf_every_step}
         if self.retention is not None:
