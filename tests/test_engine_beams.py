@@ -122,3 +122,13 @@ def test_beam_search_refuses_what_it_does_not_combine_with():
         SamplingParams(beam_width=2, logit_bias=((3, 1.0),))
     with pytest.raises(FieldError, match="early_stopping must be true, false or \"never\""):
         SamplingParams(beam_width=2, early_stopping="sometimes")  # type: ignore[arg-type]
+
+
+def test_an_aborted_beam_search_sends_one_empty_final_output(path):
+    engine = make_engine(path)
+    engine.add_request("b", prompt_of(1), SamplingParams(max_tokens=30, beam_width=3, n=3))
+    for _ in range(4):
+        engine.step()
+    engine.abort("b")
+    outs = engine.step()
+    assert [(o.new_token_ids, o.finished, o.finish_reason.value) for o in outs] == [([], True, "aborted")]

@@ -130,3 +130,40 @@ def test_include_stop_in_output_keeps_the_stop_word(path):
     kept = greedy_with(engine, stop_token_ids=(stop,), include_stop_in_output=True)
     assert trimmed == plain[:2] and kept == plain[:4]
     assert EOS not in kept
+
+
+def test_a_sequence_failing_beside_its_sibling_ends_the_request_once(path, monkeypatch):
+    """Sequence 0 fails sampling in the step its fork samples too: the request ends once, with the
+    error, and the fork's token of that step is dropped (it ran on, or ended twice, before)."""
+    from trtprompt.engine import engine as engine_mod
+    from trtprompt.engine.sampler import SampleFailure
+
+    real = engine_mod.sample
+
+    def failing(logits, reqs):
+        tokens = real(logits, reqs)
+        return [SampleFailure("forced") if r.request_id == "r" and r.num_output == 1 else t
+                for r, t in zip(reqs, tokens)]
+
+    monkeypatch.setattr(engine_mod, "sample", failing)
+    engine = make_engine(path)
+    engine.add_request("r", PROMPT, sampled(n=2))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    finals = [o for o in outs if o.finished]
+    assert len(finals) == 1 and finals[0].error is not None and "forced" in finals[0].error
+    assert outs[-1] is finals[0] and engine.kv.num_held_blocks == 0 and not engine.groups
+
+
+def test_forks_are_not_counted_as_prefix_cache_hits(path):
+    engine = make_engine(path, reuse=True)
+    outs = collect(engine, {"r": (PROMPT, sampled(n=3))})["r"]
+    assert sum(o.stats.kv_cache_reused_blocks for o in outs if o.sequence_finished) == 0
+    assert engine.stats().reused_blocks == 0  # a cold prompt: nothing came from the cache
+
+
+def test_beam_width_is_bounded_by_max_batch_size(path):
+    engine = make_engine(path, max_batch_size=2)
+    with pytest.raises(FieldError, match=r"beam_width \(3\) exceeds the engine's max_batch_size \(2\)"):
+        engine.add_request("b", PROMPT, SamplingParams(max_tokens=4, beam_width=3))

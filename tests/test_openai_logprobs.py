@@ -100,6 +100,7 @@ def test_bad_words_are_encoded_as_vllm_encodes_them() -> None:
     (completion(logit_bias={"3": 1}), "logit_bias"), (completion(allowed_token_ids=[3]), "allowed_token_ids"),
     (completion(bad_words=["x"]), "bad_words"), (completion(include_stop_str_in_output=True),
                                                  "include_stop_str_in_output"),
+    (completion(use_beam_search=True, n=2, temperature=0), "n"),
 ])
 def test_the_triton_path_refuses_what_it_cannot_carry(body: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as info:

@@ -63,6 +63,8 @@ def test_best_of_returns_the_most_likely_sequence(served: Served) -> None:
     (choice,) = best.choices
     assert choice.index == 0 and choice.logprobs is None  # logprobs computed to choose, not shown
     assert choice.text == every[sums.index(max(sums))].text
+    # Usage counts every sequence generated, the two best_of dropped too (OpenAI bills them).
+    assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in every)
     two = sampled(served, n=2, best_of=3, logprobs=0)
     ranked = sorted(range(3), key=lambda i: sums[i], reverse=True)[:2]
     assert [c.text for c in two.choices] == [every[i].text for i in ranked]

@@ -222,10 +222,13 @@ class LLMEngine:
         group = self.groups.get(request_id)
         if group is None:
             return False
+        beams = self.beams.owns(group[0])
         for req in group:
             if not req.is_finished:
                 self._finish(req, FinishReason.ABORTED)
-                self._pending.append(self._output(req))
+                out = self._output(req)
+                if not beams or out.finished:  # a beam search's running beams are no sequences: one final only
+                    self._pending.append(dataclasses.replace(out, new_token_ids=[]) if beams else out)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -378,6 +381,8 @@ class LLMEngine:
             if not s.samples or self.beams.owns(req):
                 continue
             token, logprob, raw_row = next(it)
+            if req.is_finished:  # a sibling's failure earlier in this step ended its whole request
+                continue
             if isinstance(token, SampleFailure):
                 log.warning("request %s failed sampling: %s", req.request_id, token.reason)
                 outputs.append(self._fail(req, f"engine error: sampling failed for this request "
@@ -439,7 +444,9 @@ class LLMEngine:
             if req.is_finished and req.end_logprob is not None:
                 fields["end_logprob"] = req.end_logprob
         if req.params.return_generation_logits and end > start:
-            fields["generation_logits"] = torch.stack(req.generation_logits[start:end])
+            # Only rows not yet sent are kept (those of tokens a possible stop word holds back stay).
+            fields["generation_logits"] = torch.stack(req.generation_logits[:end - start])
+            req.generation_logits = req.generation_logits[end - start:]
         fields.update(LLMEngine._prompt_extras(req))
         return fields
 

@@ -100,7 +100,7 @@ class KVCacheManager:
         """Give req the shared blocks and one new block for its last prompt token (the copy of its
         parent's), leaving that token to compute: its logits are needed to sample. Returns the new
         block's id. The caller checked that the blocks fit (allocate would say so)."""
-        if not self.allocate(req, req.num_tokens - len(shared) * self.tokens_per_block, shared):
+        if not self.allocate(req, req.num_tokens - len(shared) * self.tokens_per_block, shared, shared=True):
             raise RuntimeError(f"fork of request {req.request_id}: no free block for its copy")
         req.num_computed_tokens = req.num_tokens - 1
         self._note_computed(req)
@@ -116,7 +116,7 @@ class KVCacheManager:
         upto = parent.num_computed_tokens
         full, partial = divmod(upto, self.tokens_per_block)
         table = self.block_tables[parent.request_id]
-        if not self.allocate(req, partial, table[:full]):
+        if not self.allocate(req, partial, table[:full], shared=True):
             raise RuntimeError(f"request {req.request_id}: no free KV block for a beam's copy")
         req.num_computed_tokens = upto
         req.block_hashes = list(parent.block_hashes)
@@ -128,8 +128,12 @@ class KVCacheManager:
         """Free-queue blocks consumed: new blocks plus hits revived from the free queue."""
         return num_new_blocks + sum(1 for b in hits if b.ref_cnt == 0)
 
-    def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] | None = None) -> bool:
-        """Give req blocks for num_new_tokens more tokens; False (and no change) if they don't fit."""
+    def allocate(self, req: Request, num_new_tokens: int, hits: list[Block] | None = None,
+                 shared: bool = False) -> bool:
+        """Give req blocks for num_new_tokens more tokens; False (and no change) if they don't fit.
+
+        hits: cached blocks req starts with; shared: they are another sequence's of the same request
+        (a fork, a beam), taken by reference and not counted as prefix-cache hits."""
         table = self.block_tables.get(req.request_id, [])
         held = len(table)
         hits = hits or []
@@ -138,13 +142,14 @@ class KVCacheManager:
         if self.free_blocks_needed(hits, max(n_new, 0)) > self.pool.num_free_blocks:
             return False
         if hits:
-            if self.tiers is not None:
+            if self.tiers is not None and not shared:
                 self.tiers.reused(hits)
             self.pool.touch(hits)
             table = table + hits
             req.num_computed_tokens = computed
-            self.reused_blocks += len(hits)
-            req.stats.kv_cache_reused_blocks += len(hits)
+            if not shared:
+                self.reused_blocks += len(hits)
+                req.stats.kv_cache_reused_blocks += len(hits)
         if n_new > 0:
             table = table + self.pool.allocate(n_new)
             req.stats.kv_cache_alloc_new_blocks += n_new

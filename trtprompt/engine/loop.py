@@ -199,7 +199,7 @@ class EngineLoop:
 
     def _fail_all(self, exc: BaseException) -> None:
         log.exception("engine step failed; failing all in-flight requests")
-        for rid in list(self.engine.requests):
+        for rid in {r.group_id for r in self.engine.requests.values()}:  # by request: n > 1 has several sequences
             self.engine.abort(rid)
         self.engine.step()  # flush the aborts so the blocks are released
         self._fail_owned(f"engine error: {exc}", ErrorCode.INTERNAL)

@@ -399,6 +399,8 @@ class Request:
         # A sequence forked from another's prompt (engine.py): admitted on that request's blocks.
         self.fork_of: Request | None = None
         self.held_fork = False  # a sequence 1.. waiting for sequence 0's prompt, not yet scheduled
+        # sampler.vocabulary_tensors: (bias ids, biases, allowed ids), made once
+        self.vocabulary: tuple[torch.Tensor | None, ...] | None = None
         self.token_logprobs: list[TokenLogprob] = []  # params.logprobs: one per output token
         self.cum_emitted = 0.0  # the sum of the emitted tokens' log probabilities
         self.stopped_by_word = False  # finished by a stop word (kept in the output or not)

@@ -47,17 +47,30 @@ def apply_vocabulary_controls(row: torch.Tensor, req: Request) -> None:
     """In-place on one logits row: logit_bias added, then bad words and ids outside allowed_token_ids
     set to -inf (a bias never revives a banned token)."""
     p = req.params
-    if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=row.device)
-        row[ids] += torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=row.device)
+    bias_ids, bias, allowed = vocabulary_tensors(req, row)
+    if bias_ids is not None and bias is not None:
+        row[bias_ids] += bias
     if p.bad_words:
         banned = banned_tokens(req.output_token_ids, p.bad_words)
         if banned:
             row[banned] = float("-inf")
-    if p.allowed_token_ids is not None:
-        keep = row[list(p.allowed_token_ids)].clone()
+    if allowed is not None:
+        keep = row[allowed].clone()
         row.fill_(float("-inf"))
-        row[list(p.allowed_token_ids)] = keep
+        row[allowed] = keep
+
+
+def vocabulary_tensors(req: Request, row: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """(bias ids, biases, allowed ids) as tensors, made on the request's first step and kept: an
+    embedding bias may name the whole vocabulary, too much to rebuild from Python every token."""
+    if req.vocabulary is None:
+        p = req.params
+        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=row.device) if p.logit_bias else None
+        bias = torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=row.device) if p.logit_bias else None
+        allowed = None if p.allowed_token_ids is None else \
+            torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
+        req.vocabulary = (ids, bias, allowed)
+    return req.vocabulary
 
 
 def banned_tokens(output: list[int], bad_words: tuple[tuple[int, ...], ...]) -> list[int]:

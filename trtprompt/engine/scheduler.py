@@ -231,9 +231,12 @@ class Scheduler:
 
     def _admit(self, req: Request, step: _Step) -> bool:
         source = self.kv.fork_source(req) if req.fork_of is not None else None
-        req.fork_of = None  # once: after a preemption it recomputes as any request does
         if source is not None:
-            return self._admit_fork(req, source[0], source[1].block_id, step)
+            admitted = self._admit_fork(req, source[0], source[1].block_id, step)
+            if admitted:
+                req.fork_of = None  # once: after a preemption it recomputes as any request does
+            return admitted
+        req.fork_of = None  # its parent no longer holds the prompt: admitted as any request is
         hits = self.kv.find_prefix(req)
         if self.kv.next_block_in_flight(req, len(hits)):
             # A running request is computing this prefix now: wait a step and reuse it

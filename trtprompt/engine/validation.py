@@ -86,9 +86,11 @@ def _check_beams_fit(tokens: int, params: SamplingParams, limits: RequestLimits)
 
 def _check_sequences(params: SamplingParams, limits: RequestLimits) -> None:
     """n within max_batch_size, and every token id the parameters name inside the vocabulary."""
-    if limits.max_batch_size is not None and params.n > limits.max_batch_size:
-        raise FieldError("n", f"({params.n}) exceeds the engine's max_batch_size ({limits.max_batch_size}): "
-                              "a request's sequences run side by side")
+    for name in ("n", "beam_width"):
+        value = getattr(params, name)
+        if limits.max_batch_size is not None and value > limits.max_batch_size:
+            raise FieldError(name, f"({value}) exceeds the engine's max_batch_size ({limits.max_batch_size}): "
+                                   "a request's sequences run side by side")
     if params.n > 1 and params.max_tokens == 0:
         raise FieldError("n", "must be 1 when max_tokens is 0 (prompt scoring generates no sequence)")
     bad = next((t for t in params.token_ids_named() if t >= limits.vocab_size), None)
@@ -99,9 +101,10 @@ def _check_sequences(params: SamplingParams, limits: RequestLimits) -> None:
 
 def _check_logits_size(prompt: int, output: int, params: SamplingParams, limits: RequestLimits) -> None:
     """Raw logits travel whole: refuse what would pass MAX_LOGITS_BYTES, naming the input and the bound."""
+    # Context logits come once (sequence 0); generation logits for each of the n sequences.
     for name, asked, rows, shorter in (("return_context_logits", params.return_context_logits, prompt, "prompt"),
-                                       ("return_generation_logits", params.return_generation_logits, output,
-                                        "max_tokens")):
+                                       ("return_generation_logits", params.return_generation_logits,
+                                        output * params.n, "max_tokens or n")):
         size = rows * limits.vocab_size * 4
         if asked and size > MAX_LOGITS_BYTES:
             raise FieldError(name, f"asks for {rows} x {limits.vocab_size} float32 logits ({size} bytes), more than "

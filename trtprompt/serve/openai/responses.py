@@ -129,7 +129,9 @@ def full_response(env: Envelope, gen: Generation, grid: Grid, tokens_per_block: 
     obj = "text_completion" if env.kind == "completion" else "chat.completion"
     picked = [chosen(seqs, gen.shape) for seqs in grid]
     choices = [_choice(env, gen, t, p * gen.shape.n + i) for p, seqs in enumerate(picked) for i, t in enumerate(seqs)]
-    out = env.head(obj) | {"choices": choices, "usage": usage(picked, tokens_per_block)}
+    # Usage over every sequence generated, best_of's dropped ones too (OpenAI bills them); the cached
+    # tokens ride on the request's last entry, whichever sequence it belongs to.
+    out = env.head(obj) | {"choices": choices, "usage": usage(grid, tokens_per_block)}
     if env.kind == "chat" and gen.shape.prompt_logprobs is not None:  # vLLM puts the chat's on the response
         out["prompt_logprobs"] = _prompt_logprobs(gen, grid[0][0])
     return out

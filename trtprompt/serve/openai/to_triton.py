@@ -102,7 +102,8 @@ def _answer_fields(gen: Generation) -> dict[str, bool]:
     return {"n": shape.n > 1, "best_of": shape.best_of is not None, "logprobs": shape.logprobs is not None,
             "echo": shape.echo, "prompt_logprobs": shape.prompt_logprobs is not None,
             "logit_bias": bool(sampling.logit_bias), "allowed_token_ids": sampling.allowed_token_ids is not None,
-            "bad_words": bool(gen.bad_words), "include_stop_str_in_output": sampling.include_stop_in_output}
+            "bad_words": bool(gen.bad_words), "include_stop_str_in_output": sampling.include_stop_in_output,
+            "use_beam_search": sampling.beam_width > 1}
 
 
 def _refuse_answer_fields(gen: Generation) -> None:

@@ -146,7 +146,22 @@ def coalesce(steps: Iterable[StepFrame]) -> list[StepEntry]:
             elif prev.get("error") is None:
                 _merge(prev, entry)
     # A request's finishing entry comes after its other sequences' (its handler is dropped there).
-    return sorted(merged.values(), key=lambda e: bool(e.get("finished")))
+    ordered = sorted(merged.values(), key=lambda e: bool(e.get("finished")))
+    _prompt_extras_first(ordered)
+    return ordered
+
+
+def _prompt_extras_first(entries: list[StepEntry]) -> None:
+    """Move the prompt's log probabilities to their request's first entry: sequence 0 carries them, but
+    its merged entry may be the finishing one, sorted after its forks' entries, whose first pieces (echo)
+    need them. (Context logits stay: they are sequence 0's output.)"""
+    first: dict[str, StepEntry] = {}
+    for entry in entries:
+        head = first.setdefault(entry["id"], entry)
+        if head is entry:
+            continue
+        if "prompt_logprobs" in entry and "prompt_logprobs" not in head:
+            head["prompt_logprobs"] = entry.pop("prompt_logprobs")
 
 
 def _merge(prev: StepEntry, entry: StepEntry) -> None:
