@@ -430,7 +430,7 @@ class LLMEngine:
             error_code=None if error is None else ErrorCode.INTERNAL,  # a step or sampling fault
             stopped_by_end_id=req.finish_reason is FinishReason.STOP and not req.stopped_by_word,
             sequence_index=req.sequence_index, sequence_finished=req.is_finished,
-            **self._logprob_fields(req, start, req.num_emitted),
+            **(self._logprob_fields(req, start, req.num_emitted) if req.reports_extras else {}),
         )
 
     @staticmethod

@@ -399,6 +399,9 @@ class Request:
         # A sequence forked from another's prompt (engine.py): admitted on that request's blocks.
         self.fork_of: Request | None = None
         self.held_fork = False  # a sequence 1.. waiting for sequence 0's prompt, not yet scheduled
+        # Its outputs carry log probabilities or logits (decided once: a plain request's output skips them).
+        self.reports_extras = (params.logprobs is not None or params.prompt_logprobs is not None
+                               or params.return_context_logits or params.return_generation_logits)
         # sampler.vocabulary_tensors: (bias ids, biases, allowed ids), made once
         self.vocabulary: tuple[torch.Tensor | None, ...] | None = None
         self.token_logprobs: list[TokenLogprob] = []  # params.logprobs: one per output token

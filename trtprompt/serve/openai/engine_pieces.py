@@ -50,6 +50,8 @@ class PieceReader:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], shape: Shape, stream: bool,
                  skip_special_tokens: bool, echo: Echo | None) -> None:
         self._tok, self._prompt_ids, self._shape = tokenizer, list(prompt_ids), shape
+        # Log probabilities shown in the answer (best_of only ranks by the entries' cum_logprob)
+        self._logprobs = shape.logprobs is not None or shape.prompt_logprobs is not None
         self._stream, self._skip, self._echo = stream, skip_special_tokens, echo
         self._seqs: dict[int, _Sequence] = {}
         self._prompt: tuple[TokenLogprob, ...] | None = None
@@ -58,15 +60,10 @@ class PieceReader:
     def read(self, entry: Mapping[str, Any]) -> Piece | None:
         """The piece this entry makes, if any (a held-back text makes none until released)."""
         state = self._sequence(seq_of(entry))
-        if (raw := prompt_logprobs(entry)) is not None and self._prompt is None:
-            self._prompt = self._prompt_logprobs(raw)  # once per request; every sequence's echo shows it
         done = seq_finished(entry)
         state.pending += entry.get("new_token_ids") or []
-        state.held += [self._named(lp) for lp in token_logprobs(entry) or []]
-        if (end := end_logprob(entry)) is not None:
-            # The end token is no output text, but its log probability is listed last, as vLLM lists it:
-            # lm-evaluation-harness drops the last entry as the generated token's.
-            state.held.append(self._named(end))
+        if self._logprobs:  # a request that asked for none skips the readers (one per streamed token)
+            self._read_logprobs(entry, state)
         if not (self._stream or done):
             return None
         text = state.detok.step(state.pending) + (state.detok.flush() if done else "")
@@ -76,6 +73,15 @@ class PieceReader:
             return None
         state.started = True
         return self._piece(entry, state, text, first, done)
+
+    def _read_logprobs(self, entry: Mapping[str, Any], state: _Sequence) -> None:
+        if (raw := prompt_logprobs(entry)) is not None and self._prompt is None:
+            self._prompt = self._prompt_logprobs(raw)  # once per request; every sequence's echo shows it
+        state.held += [self._named(lp) for lp in token_logprobs(entry) or []]
+        if (end := end_logprob(entry)) is not None:
+            # The end token is no output text, but its log probability is listed last, as vLLM lists it:
+            # lm-evaluation-harness drops the last entry as the generated token's.
+            state.held.append(self._named(end))
 
     def _sequence(self, seq: int) -> _Sequence:
         if seq not in self._seqs:
