@@ -6,36 +6,14 @@ log probabilities equal the whole answer's."""
 
 from __future__ import annotations
 
-import http.client
-import json
 from typing import Any
 
-import openai
 import pytest
 from serve_fixtures import Served
-
-from trtprompt.serve.openai.config import FrontendConfig
+from test_openai_token_prompts import client, model, post  # the same client helpers
 
 pytestmark = pytest.mark.server
 PROMPT = "Once upon a time"
-
-
-def client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0)
-
-
-def model(served: Served) -> str:
-    return FrontendConfig.for_engine(served.engine_dir, "127.0.0.1:1").limits.name
-
-
-def post(served: Served, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    conn = http.client.HTTPConnection("127.0.0.1", served.openai, timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    out = resp.status, json.loads(resp.read())
-    conn.close()
-    return out
-
 
 def sampled(served: Served, **extra: Any) -> Any:
     return client(served).completions.create(model=model(served), prompt=PROMPT, max_tokens=10, temperature=1,

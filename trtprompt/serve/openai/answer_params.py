@@ -53,10 +53,10 @@ class Shape:
 
 def parse_shape(kind: str, body: Mapping[str, Any]) -> Shape:
     n = _count(body, "n", 1)
-    beams = _flag(body, "use_beam_search", False)
+    beams = flag(body, "use_beam_search", False)
     best_of = _best_of(kind, body, n, beams)
     logprobs = _chat_logprobs(body) if kind == "chat" else _completion_logprobs(body)
-    echo = kind == "completion" and _flag(body, "echo", False)
+    echo = kind == "completion" and flag(body, "echo", False)
     prompt_logprobs = _top_k(body, "prompt_logprobs")
     if prompt_logprobs is not None and body.get("stream"):
         raise bad_request("prompt_logprobs is not supported with stream: true (the prompt's log probabilities "
@@ -71,7 +71,7 @@ def _count(body: Mapping[str, Any], name: str, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SEQUENCES:
-        raise bad_request(f"{name} must be an integer in [1, {MAX_SEQUENCES}], got {_shown(value)}", name)
+        raise bad_request(f"{name} must be an integer in [1, {MAX_SEQUENCES}], got {shown(value)}", name)
     return value
 
 
@@ -94,7 +94,7 @@ def _best_of(kind: str, body: Mapping[str, Any], n: int, beams: bool) -> int | N
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     """Chat: `logprobs` true asks for the chosen tokens', `top_logprobs` (0..20) for the most likely too."""
-    on = _flag(body, "logprobs", False)
+    on = flag(body, "logprobs", False)
     top = _top_k(body, "top_logprobs")
     if top is not None and not on:
         raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
@@ -111,16 +111,17 @@ def _top_k(body: Mapping[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
-        raise bad_request(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {_shown(value)}", name)
+        raise bad_request(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {shown(value)}", name)
     return value
 
 
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+def flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    """body[name] as a bool (default when absent); 400 naming it otherwise."""
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"{name} must be true or false, got {_shown(value)}", name)
+        raise bad_request(f"{name} must be true or false, got {shown(value)}", name)
     return value
 
 
@@ -141,7 +142,7 @@ class Vocabulary:
 
 def parse_vocabulary(body: Mapping[str, Any], vocab_size: int | None) -> Vocabulary:
     return Vocabulary(_logit_bias(body, vocab_size), _allowed(body, vocab_size), _bad_words(body),
-                      _flag(body, "include_stop_str_in_output", False))
+                      flag(body, "include_stop_str_in_output", False))
 
 
 def _logit_bias(body: Mapping[str, Any], vocab_size: int | None) -> tuple[tuple[int, float], ...]:
@@ -150,7 +151,7 @@ def _logit_bias(body: Mapping[str, Any], vocab_size: int | None) -> tuple[tuple[
     if raw is None:
         return ()
     if not isinstance(raw, dict):
-        raise bad_request(f"logit_bias must be an object mapping token ids to biases, got {_shown(raw)}",
+        raise bad_request(f"logit_bias must be an object mapping token ids to biases, got {shown(raw)}",
                           "logit_bias")
     pairs = {_bias_id(key, vocab_size): _bias(key, value) for key, value in raw.items()}
     return tuple(sorted(pairs.items()))
@@ -160,7 +161,7 @@ def _bias_id(key: str, vocab_size: int | None) -> int:
     try:
         token = int(key)
     except ValueError:
-        raise bad_request(f"logit_bias: key {_shown(key)} is not a token id", "logit_bias") from None
+        raise bad_request(f"logit_bias: key {shown(key)} is not a token id", "logit_bias") from None
     _check_id(token, "logit_bias", vocab_size)
     return token
 
@@ -168,7 +169,7 @@ def _bias_id(key: str, vocab_size: int | None) -> int:
 def _bias(key: str, value: Any) -> float:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not number or not -LOGIT_BIAS_BOUND <= value <= LOGIT_BIAS_BOUND:
-        raise bad_request(f"logit_bias[{key}] must be a number in [-100, 100], got {_shown(value)}", "logit_bias")
+        raise bad_request(f"logit_bias[{key}] must be a number in [-100, 100], got {shown(value)}", "logit_bias")
     return float(value)
 
 
@@ -186,7 +187,7 @@ def _allowed(body: Mapping[str, Any], vocab_size: int | None) -> tuple[int, ...]
         raise bad_request("allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")
     for t in raw:
         if isinstance(t, bool) or not isinstance(t, int):
-            raise bad_request(f"allowed_token_ids: {_shown(t)} is not a token id", "allowed_token_ids")
+            raise bad_request(f"allowed_token_ids: {shown(t)} is not a token id", "allowed_token_ids")
         _check_id(t, "allowed_token_ids", vocab_size)
     return tuple(sorted(set(raw)))
 
@@ -200,7 +201,7 @@ def _bad_words(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(raw)
 
 
-def _shown(value: Any, limit: int = 200) -> str:
+def shown(value: Any, limit: int = 200) -> str:
     text = json.dumps(value)
     return text if len(text) <= limit else text[:limit] + "..."
 

@@ -11,7 +11,6 @@ Bounds are OpenAI's documented ones where OpenAI defines the parameter.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, cast
@@ -20,7 +19,7 @@ from trtprompt.engine.request import RetentionConfig, SamplingParams
 from trtprompt.error_codes import FieldError
 from trtprompt.prompt.chat import Message
 from trtprompt.serve.openai import extensions
-from trtprompt.serve.openai.answer_params import Shape, Vocabulary, parse_shape, parse_vocabulary
+from trtprompt.serve.openai.answer_params import Shape, Vocabulary, flag, parse_shape, parse_vocabulary, shown
 from trtprompt.serve.openai.errors import APIError, bad_request
 from trtprompt.serve.openai.retention import CacheMark, cache_mark, parse_retention, with_marks
 
@@ -112,14 +111,14 @@ def parse_request(kind: str, body: Any, limits: ModelLimits) -> Generation:
         else ((), _messages(body))
     shape, vocabulary = parse_shape(kind, body), parse_vocabulary(body, limits.vocab_size)
     max_tokens = _max_tokens(kind, body, limits, shape)
-    stream = _bool(body, "stream", False)
+    stream = flag(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     sampling = _sampling_params(body, max_tokens, limits, shape, vocabulary)
     notes += _beam_notes(body, shape)
     return Generation(kind, prompts, messages, sampling, _stop(body), _salt(body), stream, _include_usage(options),
-                      _bool(body, "skip_special_tokens", True), notes, with_marks(parse_retention(body), marks),
+                      flag(body, "skip_special_tokens", True), notes, with_marks(parse_retention(body), marks),
                       marks, shape, vocabulary.bad_words)
 
 
@@ -136,12 +135,12 @@ def _check_model(body: Mapping[str, Any], limits: ModelLimits) -> None:
     if not isinstance(model, str) or not model:
         raise bad_request(f"'model' is required: this server serves {limits.name!r}", "model")
     if not limits.serves(model):
-        raise APIError(404, f"the model {_shown(model)} does not exist; this server serves {limits.name!r}",
+        raise APIError(404, f"the model {shown(model)} does not exist; this server serves {limits.name!r}",
                        "invalid_request_error", "model", "model_not_found")
 
 
 def _unsupported(param: str, value: Any, why: str) -> None:
-    raise bad_request(f"{param}={_shown(value)} is not supported: {why}", param, "unsupported_parameter")
+    raise bad_request(f"{param}={shown(value)} is not supported: {why}", param, "unsupported_parameter")
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
@@ -193,7 +192,7 @@ def _token_ids(ids: list[Any], where: str, param: str, limits: ModelLimits) -> t
     """ids as a tuple, each an integer inside the vocabulary (400 naming param otherwise)."""
     for i, t in enumerate(ids):
         if not _is_id(t):
-            raise bad_request(f"{where}[{i}] must be a token id (an integer), got {_shown(t)}", param)
+            raise bad_request(f"{where}[{i}] must be a token id (an integer), got {shown(t)}", param)
         if t < 0 or (limits.vocab_size is not None and t >= limits.vocab_size):
             bound = f"[0, {limits.vocab_size})" if limits.vocab_size is not None else ">= 0"
             raise bad_request(f"{where}[{i}]: token id {t} is outside the vocabulary {bound}", param)
@@ -226,7 +225,7 @@ def _message(m: Any, i: int) -> dict[str, str]:
     raw_role = m.get("role")
     role = CHAT_ROLES.get(raw_role) if isinstance(raw_role, str) else None  # a list is not hashable
     if role is None:
-        raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {_shown(raw_role)}",
+        raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {shown(raw_role)}",
                           f"{where}.role")
     if m.get("tool_calls") or m.get("function_call"):
         raise bad_request(f"{where}: tool calls are not supported", f"{where}.tool_calls",
@@ -253,7 +252,7 @@ def _int(body: Mapping[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{name} must be an integer, got {_shown(value)}", name)
+        raise bad_request(f"{name} must be an integer, got {shown(value)}", name)
     return value
 
 
@@ -262,7 +261,7 @@ def _float(body: Mapping[str, Any], name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-        raise bad_request(f"{name} must be a number, got {_shown(value)}", name)
+        raise bad_request(f"{name} must be a number, got {shown(value)}", name)
     if name in BOUNDS:
         low, high = BOUNDS[name]
         if not low <= value <= high:
@@ -275,21 +274,6 @@ def _finite(value: float) -> bool:
         return math.isfinite(value)
     except OverflowError:  # an int too large for a float
         return False
-
-
-def _shown(value: Any, limit: int = 200) -> str:
-    """value as JSON for an error message, cut: a refused value may be as large as the body."""
-    text = json.dumps(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"{name} must be true or false, got {_shown(value)}", name)
-    return value
 
 
 def _max_tokens(kind: str, body: Mapping[str, Any], limits: ModelLimits, shape: Shape) -> int:
@@ -352,7 +336,7 @@ def _beam_search(body: Mapping[str, Any], shape: Shape, max_tokens: int) -> dict
     for name, neutral in BEAM_EXCLUDED.items():
         value = body.get(name)
         if not _asks_nothing(value, neutral):
-            raise bad_request(f"{name}={_shown(value)} is not supported with use_beam_search (beam search takes "
+            raise bad_request(f"{name}={shown(value)} is not supported with use_beam_search (beam search takes "
                               "no sampling controls yet)", name, "unsupported_parameter")
     return {"temperature": 0.0, "beam_width": shape.beam_width, "early_stopping": early_stopping,
             "length_penalty": 1.0 if length_penalty is None else length_penalty}
@@ -371,7 +355,7 @@ def _early_stopping(body: Mapping[str, Any]) -> bool | Literal["never"]:
         return False
     if value is True or value is False or value == "never":
         return cast(bool | Literal["never"], value)
-    raise bad_request(f"early_stopping must be true, false or \"never\", got {_shown(value)}", "early_stopping")
+    raise bad_request(f"early_stopping must be true, false or \"never\", got {shown(value)}", "early_stopping")
 
 
 def _beam_notes(body: Mapping[str, Any], shape: Shape) -> tuple[str, ...]:
@@ -380,7 +364,7 @@ def _beam_notes(body: Mapping[str, Any], shape: Shape) -> tuple[str, ...]:
         return ()
     asked = {"length_penalty": body.get("length_penalty") not in (None, 1, 1.0),
              "early_stopping": body.get("early_stopping") not in (None, False)}
-    return tuple(f"{name}={_shown(body[name])} (used by beam search only: use_beam_search)"
+    return tuple(f"{name}={shown(body[name])} (used by beam search only: use_beam_search)"
                  for name, on in asked.items() if on)
 
 
@@ -421,11 +405,11 @@ def _extensions(body: Mapping[str, Any], max_tokens: int, limits: ModelLimits) -
         if not 0 <= min_tokens <= max_tokens:
             raise bad_request(f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}", "min_tokens")
         out["min_tokens"] = min_tokens
-    out["ignore_eos"] = _bool(body, "ignore_eos", False)
+    out["ignore_eos"] = flag(body, "ignore_eos", False)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list):
-            raise bad_request(f"stop_token_ids must be a list of token ids, got {_shown(stop_ids)}", "stop_token_ids")
+            raise bad_request(f"stop_token_ids must be a list of token ids, got {shown(stop_ids)}", "stop_token_ids")
         out["extra_end_ids"] = _token_ids(stop_ids, "stop_token_ids", "stop_token_ids", limits)
     return out
 
