@@ -13,6 +13,8 @@ import pytest
 from serve_fixtures import Oracle, Served, _alive, check_stopped_cleanly, start_server
 from trtprompt.serve.launch.process_group import descendants
 
+from test_triton_logits import BOTH, PROMPT, _check, _ok, checkpoint  # noqa: F401 - checkpoint is a fixture
+
 pytestmark = pytest.mark.server
 
 
@@ -23,6 +25,16 @@ def upstream(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     yield server
     if server.proc.poll() is None:  # the last test stops it by killing the engine
         check_stopped_cleanly(server)
+
+
+# The upstream layout's server of this module carries the torch core's logits (tests/test_triton_logits.py's checks).
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_upstream_ensemble_returns_the_torch_cores_logits(upstream: Served, oracle: Oracle, checkpoint: Path,
+                                                          stream: bool) -> None:
+    gen = oracle.run(PROMPT, 8)
+    result = _ok(upstream.text(PROMPT, 8, stream=stream, temperature=0.0, **BOTH))
+    assert result.text
+    _check(result.responses, checkpoint, gen.prompt_ids, gen.output_ids)
 
 
 def test_streams_whole_characters_per_request_id(upstream: Served, oracle: Oracle) -> None:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import base64
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pytest
 import torch
 
 from engine_helpers import _hf_model
-from serve_fixtures import Oracle, Served, check_stopped_cleanly, start_server
+from serve_fixtures import Oracle, Served
 from trtprompt.client import LLMClient, StreamResult, make_input, token_inputs
 from trtprompt.error_codes import BadRequestError
 from trtprompt.serve.triton_models.inputs import parse_token_item
@@ -188,20 +188,3 @@ def test_a_behind_reader_joins_each_sequences_generation_logits() -> None:
     assert np.array_equal(_rows(first, "generation_logits"), rows[:4])
     assert np.array_equal(_rows(first, "context_logits"), context)
     assert np.array_equal(_rows(second, "generation_logits"), rows[4:]) and "context_logits" not in second
-
-
-@pytest.fixture(scope="module")
-def upstream(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    server = start_server(tiny_engine_dir, tmp_path_factory.mktemp("logits-upstream") / "run",
-                          "--layout", "upstream", "--engine-threads", "1")
-    yield server
-    check_stopped_cleanly(server)
-
-
-@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
-def test_upstream_ensemble_returns_the_torch_cores_logits(upstream: Served, oracle: Oracle, checkpoint: Path,
-                                                          stream: bool) -> None:
-    gen = oracle.run(PROMPT, 8)
-    result = _ok(upstream.text(PROMPT, 8, stream=stream, temperature=0.0, **BOTH))
-    assert result.text
-    _check(result.responses, checkpoint, gen.prompt_ids, gen.output_ids)
