@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -30,6 +29,7 @@ from trtprompt.bench.router_overhead import overhead_table, router_overhead
 from trtprompt.bench.runner import LoadSpec, RunResult, resolve_model, run_load, send_once
 from trtprompt.bench.starts import check_start, run_started
 from trtprompt.bench.workloads import Workload, WorkloadSpec, make_workload
+from trtprompt.serve.ports import free_ports
 
 _BOOL = {"on": True, "off": False, "true": True, "false": False}
 COMPARE_KEYS: dict[str, tuple[str, Callable[[str], Any]]] = {
@@ -81,17 +81,6 @@ def parse_compare(spec: str | None) -> list[Variant]:
     return variants
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @contextlib.contextmanager
 def served(engine_dir: Path, overrides: Mapping[str, Any], log: Callable[[str], None],
            ready_timeout_s: float = 180.0, api: str = "triton") -> Iterator[tuple[str, str]]:
@@ -102,7 +91,7 @@ def served(engine_dir: Path, overrides: Mapping[str, Any], log: Callable[[str], 
 
     engine = EngineInfo.read(engine_dir)
     options = resolve_options(engine, overrides)
-    grpc, http, metrics, openai_port = _free_ports(4)
+    grpc, http, metrics, openai_port = free_ports(4)
     openai = OpenAIOptions(openai_port) if api == "openai" else None
     server = Server(engine, options, Ports("127.0.0.1", grpc, http, metrics), ready_timeout_s=ready_timeout_s,
                     restart_engine=False, log=log, openai=openai)
