@@ -287,7 +287,7 @@ class LLMEngine:
             samplers = [s.request for s in sched.scheduled if s.samples]
             plain = [j for j, r in enumerate(samplers) if not self.beams.owns(r)]
             rows = logits.sampled if len(plain) == len(samplers) else logits.sampled[plain]
-            tokens, logprobs, raw_rows = self._sample(StepLogits(rows), [samplers[j] for j in plain])
+            tokens, logprobs, raw_rows = self._sample(rows, [samplers[j] for j in plain])
             outputs.extend(self._update(sched, tokens, logprobs, raw_rows))
             for j, req in enumerate(samplers):
                 if self.beams.owns(req) and not req.is_finished:
@@ -309,9 +309,7 @@ class LLMEngine:
         now = time.time_ns()
         first.stats.first_token_time_ns = first.stats.first_token_time_ns or now
         first.stats.last_token_time_ns = now
-        for member in self.groups[group_id]:
-            if not member.is_finished:
-                self._finish(member, FinishReason.STOP)
+        self._finish_unfinished(self.groups[group_id], FinishReason.STOP)
         outputs = []
         for rank, hyp in enumerate(best):
             tokens = output_tokens(hyp)
@@ -324,16 +322,16 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _sample(logits: StepLogits, reqs: list[Request]) -> tuple[list[int | SampleFailure],
+    def _sample(rows: torch.Tensor, reqs: list[Request]) -> tuple[list[int | SampleFailure],
                                                                  list[TokenLogprob | None],
                                                                  list[torch.Tensor | None]]:
-        """Each request's token, its log probabilities and its raw logits row where asked for (both
-        taken from the logits before sample() processes them in place)."""
+        """Each request's token (rows: one logits row each), its log probabilities and its raw logits
+        row where asked for (both taken before sample() processes the rows in place)."""
         if not reqs:
             return [], [], []
-        raw = raw_logprobs(logits.sampled, reqs)
-        kept = [logits.sampled[i].clone() if r.params.return_generation_logits else None for i, r in enumerate(reqs)]
-        tokens = sample(logits.sampled, reqs)
+        raw = raw_logprobs(rows, reqs)
+        kept = [rows[i].clone() if r.params.return_generation_logits else None for i, r in enumerate(reqs)]
+        tokens = sample(rows, reqs)
         return tokens, attach_logprobs(raw, reqs, tokens), kept
 
     @staticmethod
@@ -362,10 +360,13 @@ class LLMEngine:
 
     def _fail(self, req: Request, message: str) -> RequestOutput:
         """Finish req's whole request (every sequence) with an error: its one final output."""
-        for member in self.groups.get(req.group_id, [req]):
-            if not member.is_finished:
-                self._finish(member, FinishReason.ERROR)
+        self._finish_unfinished(self.groups.get(req.group_id, [req]), FinishReason.ERROR)
         return self._output(req, error=message)
+
+    def _finish_unfinished(self, members: list[Request], reason: FinishReason) -> None:
+        for member in members:
+            if not member.is_finished:
+                self._finish(member, reason)
 
     def _update(self, sched: SchedulerOutput, tokens: list[int | SampleFailure],
                 logprobs: list[TokenLogprob | None], raw_rows: list[torch.Tensor | None]) -> list[RequestOutput]:
