@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from trtprompt.engine.guide import check_guide
 from trtprompt.error_codes import ErrorCode, FieldError
 
 if TYPE_CHECKING:  # for one annotation only: nothing else here needs torch loaded
@@ -61,7 +62,7 @@ BEAM_SEARCH_EXCLUDES: tuple[tuple[str, object], ...] = (
     ("top_k", None), ("top_p", None), ("min_p", 0.0), ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
     ("frequency_penalty", 0.0), ("min_tokens", 0), ("stop_token_ids", ()), ("logprobs", None),
     ("prompt_logprobs", None), ("logit_bias", ()), ("bad_words", ()), ("allowed_token_ids", None),
-    ("return_context_logits", False), ("return_generation_logits", False))
+    ("return_context_logits", False), ("return_generation_logits", False), ("guide_type", None))
 
 
 def check_bound(field_name: str, value: float) -> None:
@@ -128,6 +129,12 @@ class SamplingParams:
     # MAX_LOGITS_BYTES per request (validation.py).
     return_context_logits: bool = False
     return_generation_logits: bool = False
+    # Guided decoding (engine/guide.py, docs/structured-outputs.md): the output matches the guide of this
+    # type (tensorrtllm_backend's guided_decoding_guide_type / guided_decoding_guide); guide_after holds it
+    # only after that text (a reasoning model's end-of-thinking tag), anything before.
+    guide_type: str | None = None
+    guide: str | None = None
+    guide_after: str | None = None
 
     def __post_init__(self) -> None:
         scoring_only = self.max_tokens == 0 and self.prompt_logprobs is not None
@@ -135,6 +142,7 @@ class SamplingParams:
             raise FieldError("max_tokens", f"must be a positive integer (0 only with prompt_logprobs), "
                                            f"got {self.max_tokens!r}")
         self._check_vocabulary_controls()
+        check_guide(self.guide_type, self.guide, self.guide_after)
         for name in ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             check_bound(name, getattr(self, name))
         if self.top_p is not None:
