@@ -64,7 +64,8 @@ def make_engine(path: Path, *, reuse: bool = True, chunked: bool = True, max_num
                 max_batch_size: int = 8, max_seq_len: int = 256, max_queue_size: int | None = None,
                 linear_backend: str = "reference",
                 attention_backend: str = DEFAULT_ATTENTION_BACKEND,
-                eviction_policy: str = KvCacheConfig.eviction_policy) -> LLMEngine:
+                eviction_policy: str = KvCacheConfig.eviction_policy, end_ids: tuple[int, ...] = (EOS,),
+                tokenizer_dir: Path | None = None, jump_forward: bool = True) -> LLMEngine:
     mc = model_config(path)
     cfg = EngineConfig(
         model=mc,
@@ -75,10 +76,11 @@ def make_engine(path: Path, *, reuse: bool = True, chunked: bool = True, max_num
                                   batch_scheduler_policy=policy, max_queue_size=max_queue_size),
         linear_backend=linear_backend,
         attention_backend=attention_backend,
+        guided_jump_forward=jump_forward,
     )
     model = load_model_from_safetensors(path / "model.safetensors", mc, torch.float32,
                                         torch.device("cpu"), linear_backend)
-    return LLMEngine(cfg, model, [EOS])
+    return LLMEngine(cfg, model, list(end_ids), tokenizer_dir=tokenizer_dir)
 
 
 @lru_cache(maxsize=None)

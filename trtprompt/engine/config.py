@@ -170,6 +170,9 @@ class EngineConfig:
     tiers: TierConfig = field(default_factory=TierConfig)
     # KV events for routers (engine/kv_events.py, docs/kv-events.md); None: off.
     kv_events: KvEventsConfig | None = None
+    # Guided decoding's jump-forward (engine/guided.py): tokens a grammar forces are appended and computed as
+    # one chunk. False: one step per token, as the peers do (the benchmark's baseline).
+    guided_jump_forward: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def kv_num_blocks(self, bytes_per_token: int) -> int:

@@ -18,6 +18,7 @@ from trtprompt.engine.beams import BeamSearches, finish_reason, output_tokens
 from trtprompt.engine.config import EngineConfig
 from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.engine.errors import DuplicateRequestError, QueueFullError
+from trtprompt.engine.guided import GuideCompiler, guide_rows
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.kv_events import KvEventPublisher, kv_events_config
 from trtprompt.engine.loader import engine_config, read_engine_files
@@ -82,9 +83,11 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: DecoderModel, end_ids: Sequence[int],
-                 fingerprint: bytes | None = None, tier_stores: Sequence[BlockStore] | None = None) -> None:
+                 fingerprint: bytes | None = None, tier_stores: Sequence[BlockStore] | None = None,
+                 tokenizer_dir: Path | None = None) -> None:
         """fingerprint: the engine's (tiers/fingerprint.py), needed with tiers; tier_stores: stores to use
-        instead of those config.tiers names."""
+        instead of those config.tiers names; tokenizer_dir: the checkpoint's tokenizer (guided decoding
+        reads it; an engine without one refuses guided requests)."""
         self.config = config
         self.model_config = config.model
         self.scheduler_config = config.scheduler
@@ -116,6 +119,7 @@ class LLMEngine:
         self.beams = BeamSearches(self.kv, self.scheduler, self.runner.copy_blocks)
         self.kv_events = self._open_kv_events(config)
         self.end_ids = frozenset(end_ids)
+        self.guides = GuideCompiler(tokenizer_dir, sorted(self.end_ids), config.model.vocab_size)
         self.limits = RequestLimits(config.scheduler.max_input_len, config.scheduler.max_seq_len,
                                     config.model.vocab_size, num_blocks, tpb, config.scheduler.max_batch_size)
         self.requests: dict[str, Request] = {}  # by engine id: a request's sequences each have one
@@ -167,7 +171,7 @@ class LLMEngine:
         if config.tiers.enabled:
             layout = kv_layout(config.model, config.kv_cache.tokens_per_block, dtype, config.kv_cache.kv_cache_dtype)
             fingerprint = fingerprint_engine_files(files.weights_path, files.tokenizer_dir, layout, config.dtype)
-        engine = cls(config, model, end_ids, fingerprint)
+        engine = cls(config, model, end_ids, fingerprint, tokenizer_dir=files.tokenizer_dir)
         engine.files = files
         return engine
 
@@ -180,8 +184,12 @@ class LLMEngine:
         return self.end_ids
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> ValidatedRequest:
-        """Validate without touching engine state (safe from any thread); add_validated admits the result."""
-        return validate_request(prompt_token_ids, params, self.limits)
+        """Validate without touching engine state (safe from any thread); add_validated admits the result.
+        A guided request's grammar compiles here, in the caller's thread: the step loop never waits for one."""
+        checked = validate_request(prompt_token_ids, params, self.limits)
+        if params.guide_type is None:
+            return checked
+        return dataclasses.replace(checked, matcher=self.guides.matcher(params))
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time_ns: int | None = None,
@@ -205,6 +213,9 @@ class LLMEngine:
                          request_id, i) for i in range(max(params.n, params.beam_width))]
         for req in group:
             self.requests[req.request_id] = req
+        if checked.matcher is not None:  # each sequence follows the grammar on its own
+            for req in group:
+                req.matcher = checked.matcher if req is group[0] else checked.matcher.deep_copy()
         self.groups[request_id] = group
         for fork in group[1:]:
             fork.held_fork = True
@@ -249,6 +260,7 @@ class LLMEngine:
             self.kv.tiers.close()
         if self.kv_events is not None:
             self.kv_events.close()
+        self.guides.close()
 
     def step(self) -> list[RequestOutput]:
         try:
@@ -321,16 +333,16 @@ class LLMEngine:
                 cum_logprob=hyp.sum_logprob))
         return outputs
 
-    @staticmethod
-    def _sample(rows: torch.Tensor, reqs: list[Request]) -> tuple[list[int | SampleFailure],
-                                                                 list[TokenLogprob | None],
-                                                                 list[torch.Tensor | None]]:
+    def _sample(self, rows: torch.Tensor, reqs: list[Request]) -> tuple[list[int | SampleFailure],
+                                                                       list[TokenLogprob | None],
+                                                                       list[torch.Tensor | None]]:
         """Each request's token (rows: one logits row each), its log probabilities and its raw logits
-        row where asked for (both taken before sample() processes the rows in place)."""
+        row where asked for (both taken before the rows are masked and processed in place)."""
         if not reqs:
             return [], [], []
         raw = raw_logprobs(rows, reqs)
         kept = [rows[i].clone() if r.params.return_generation_logits else None for i, r in enumerate(reqs)]
+        guide_rows(rows, reqs, self.guides)  # a guided row may only choose what its grammar allows
         tokens = sample(rows, reqs)
         return tokens, attach_logprobs(raw, reqs, tokens), kept
 
@@ -395,9 +407,15 @@ class LLMEngine:
             req.stats.last_token_time_ns = now
             # max_tokens 0 (prompt scoring): the prompt is computed, nothing is generated.
             before = req.num_output
+            if req.matcher is not None and not self._advance_guide(req, token):
+                outputs.append(self._fail(req, "engine error: guided decoding: the grammar refused the sampled "
+                                               f"token {token}: {req.matcher.get_error()}"))
+                continue
             reason = FinishReason.LENGTH if req.max_output_tokens == 0 else check_stop(req, token, logprob)
             if raw_row is not None and req.num_output > before:
                 req.generation_logits.append(raw_row)
+            if reason is None and req.matcher is not None:
+                reason = self._guide_end_or_jump(req)
             if reason is not None:
                 self._finish(req, reason)
             out = self._output(req)
@@ -405,6 +423,29 @@ class LLMEngine:
                     or out.context_logits is not None:
                 outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _advance_guide(req: Request, token: int) -> bool:
+        """The matcher takes the sampled token (an end token is no text: check_stop ends the request)."""
+        assert req.matcher is not None
+        return token in req.end_ids or req.matcher.consume_token(token)
+
+    def _guide_end_or_jump(self, req: Request) -> FinishReason | None:
+        """STOP once the grammar is complete; else append the tokens it forces (jump-forward), which the
+        next step computes as one chunk instead of one step each. Not for a request reporting log
+        probabilities or logits: forced tokens have no model row of their own."""
+        matcher = req.matcher
+        assert matcher is not None
+        if matcher.is_stopped():
+            return FinishReason.STOP
+        if not self.config.guided_jump_forward or req.reports_extras:
+            return None
+        for token in matcher.compute_ff_tokens():
+            matcher.consume_token(token)
+            reason = check_stop(req, token)
+            if reason is not None:
+                return reason
+        return FinishReason.STOP if matcher.is_stopped() else None
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason

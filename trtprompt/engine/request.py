@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Literal
 from trtprompt.engine.guide import check_guide
 from trtprompt.error_codes import ErrorCode, FieldError
 
-if TYPE_CHECKING:  # for one annotation only: nothing else here needs torch loaded
+if TYPE_CHECKING:  # for annotations only: nothing else here needs torch or llguidance loaded
     import torch
+    from llguidance import LLMatcher
 
 
 @dataclass(frozen=True)
@@ -422,6 +423,7 @@ class Request:
         self.prompt_extras_sent = False  # prompt log probabilities / context logits, sent once
         self.context_logits: list[torch.Tensor] = []  # params.return_context_logits: per chunk
         self.generation_logits: list[torch.Tensor] = []  # params.return_generation_logits: per token
+        self.matcher: LLMatcher | None = None  # params.guide_type: this sequence's grammar state (engine/guided.py)
 
     @property
     def reuses_prefix(self) -> bool:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from trtprompt.engine.errors import EngineRequestError, InputTooLongError
 from trtprompt.engine.request import MAX_LOGITS_BYTES, SamplingParams
 from trtprompt.error_codes import FieldError
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class ValidatedRequest:
     params: SamplingParams
     max_output_tokens: int
     warning: str | None
+    matcher: LLMatcher | None = None  # a guided request's, compiled at admission (engine/guided.py)
 
 
 def validate_request(prompt: Sequence[int], params: SamplingParams, limits: RequestLimits) -> ValidatedRequest:

@@ -1,0 +1,229 @@
+"""Guided decoding in the engine (engine/guided.py, docs/structured-outputs.md): outputs hold to their
+guides, greedy tokens equal transformers' under the same grammar, jump-forward keeps the text in fewer
+steps, a guided row leaves the batch's other rows alone, and bad guides are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import jsonschema
+import pytest
+import torch
+import transformers
+from engine_helpers import make_engine, run_to_completion
+
+from trtprompt.engine.engine import LLMEngine
+from trtprompt.engine.guide import MAX_GUIDE_BYTES, grammar_of
+from trtprompt.engine.guided import apply_masks, apply_masks_reference
+from trtprompt.engine.request import SamplingParams
+from trtprompt.error_codes import FieldError
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "kind", "ok"],
+          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "kind": {"enum": ["ab", "cde"]},
+                         "ok": {"type": "boolean"}}}
+REGEX = r"[a-c]{2,5}-[0-9]{1,3}"
+GBNF = 'root ::= "yes" | "no" | "maybe " [0-9]'
+LARK = 'start: "x=" NUM\nNUM: /[0-9]{1,2}/'
+PROMPT = [5, 17, 33, 120, 64, 9]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint_factory: Callable[..., Path]) -> Path:
+    return tiny_checkpoint_factory("llama")
+
+
+def engine_of(checkpoint: Path, **kwargs: Any) -> LLMEngine:
+    eos = json.loads((checkpoint / "config.json").read_text())["eos_token_id"]
+    return make_engine(checkpoint, end_ids=(eos,), tokenizer_dir=checkpoint, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Path) -> LLMEngine:
+    return engine_of(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint: Path) -> Any:
+    return transformers.AutoTokenizer.from_pretrained(checkpoint)
+
+
+def run(engine: LLMEngine, params: SamplingParams, prompt: list[int] = PROMPT) -> list[int]:
+    return run_to_completion(engine, {"r": prompt}, params)["r"]
+
+
+def guided(guide_type: str, guide: str | None, **more: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=48, temperature=0.0, guide_type=guide_type, guide=guide, **more)
+
+
+def test_mask_fast_path_equals_the_reference_rule() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 100, [0, 2, 3]
+    masks = torch.randint(-2**31, 2**31 - 1, (3, 4), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(5, vocab, generator=gen)
+    fast, slow = logits.clone(), logits.clone()
+    apply_masks(fast, rows, masks)
+    apply_masks_reference(slow, rows, masks)
+    assert torch.equal(fast, slow)
+    assert torch.equal(fast[1], logits[1]) and torch.equal(fast[4], logits[4])  # unguided rows untouched
+
+
+@pytest.mark.parametrize("guide_type, guide, holds", [
+    ("json_schema", json.dumps(SCHEMA), lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+    ("regex", REGEX, lambda text: re.fullmatch(REGEX, text) is not None),
+    ("choice", json.dumps(["red", "green", "blue"]), lambda text: text in ("red", "green", "blue")),
+    ("ebnf_grammar", GBNF, lambda text: re.fullmatch(r"yes|no|maybe [0-9]", text) is not None),
+    ("lark_grammar", LARK, lambda text: re.fullmatch(r"x=[0-9]{1,2}", text) is not None),
+])
+def test_greedy_guided_tokens_equal_transformers_under_the_same_grammar(
+        checkpoint: Path, tokenizer: Any, guide_type: str, guide: str, holds: Callable[[str], bool]) -> None:
+    plain = engine_of(checkpoint, jump_forward=False)
+    params = guided(guide_type, guide)
+    tokens = run(plain, params)
+    assert tokens == hf_guided_greedy(checkpoint, plain, params)
+    text = tokenizer.decode(tokens)
+    assert holds(text), text
+    # Jump-forward: the same text, and the request asks the model for fewer tokens (forced ones are a chunk).
+    jumping = engine_of(checkpoint)
+    assert tokenizer.decode(run(jumping, params)) == text
+    assert jumping.iteration_counter <= plain.iteration_counter
+    if guide_type == "json_schema":  # its keys and punctuation are forced
+        assert jumping.iteration_counter < plain.iteration_counter
+
+
+def hf_guided_greedy(checkpoint: Path, engine: LLMEngine, params: SamplingParams) -> list[int]:
+    """transformers' greedy generate() with the same grammar's mask applied by a logits processor."""
+    matcher = engine.guides.matcher(params)
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    class Grammar(transformers.LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if input_ids.shape[1] > len(PROMPT):
+                assert matcher.consume_token(int(input_ids[0, -1]))
+            mask = allocate_token_bitmask(1, engine.guides.tokenizer().vocab_size)
+            fill_next_token_bitmask(matcher, mask)
+            apply_masks_reference(scores, [0], mask)
+            return scores
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    eos = sorted(engine.end_ids)[0]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=params.max_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long), pad_token_id=0,
+                             eos_token_id=eos, logits_processor=transformers.LogitsProcessorList([Grammar()]))
+    new = out[0, len(PROMPT):].tolist()
+    return new[: new.index(eos)] if eos in new else new
+
+
+def test_a_guided_row_leaves_the_rest_of_its_batch_alone(engine: LLMEngine, tokenizer: Any) -> None:
+    free = SamplingParams(max_tokens=12, temperature=0.0)
+    alone = run(engine, free)
+    for rid, params in (("free", free), ("json", guided("json_schema", json.dumps(SCHEMA))),
+                        ("re", guided("regex", REGEX))):
+        engine.add_request(rid, PROMPT, params)
+    outs = drain(engine)
+    assert outs["free"] == alone
+    jsonschema.validate(json.loads(tokenizer.decode(outs["json"])), SCHEMA)
+    assert re.fullmatch(REGEX, tokenizer.decode(outs["re"]))
+
+
+def drain(engine: LLMEngine) -> dict[str, list[int]]:
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None, out.error
+            outs.setdefault(f"{out.request_id}/{out.sequence_index}", []).extend(out.new_token_ids)
+    return {k.removesuffix("/0"): v for k, v in outs.items()}
+
+
+def test_every_sampled_sequence_holds_to_the_guide(engine: LLMEngine, tokenizer: Any) -> None:
+    params = SamplingParams(max_tokens=48, temperature=1.0, top_k=50, seed=7, n=3, guide_type="json_schema",
+                            guide=json.dumps(SCHEMA))
+    engine.add_request("n3", PROMPT, params)
+    outs = drain(engine)
+    texts = [tokenizer.decode(outs[k]) for k in ("n3", "n3/1", "n3/2")]
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_preempted_guided_requests_resume_their_grammar(checkpoint: Path, engine: LLMEngine) -> None:
+    """Recompute-style preemption drops the KV, not the output: each matcher goes on where it was."""
+    prompts = {f"p{i}": PROMPT + [40 + i] * 20 for i in range(4)}
+    params = guided("json_schema", json.dumps(SCHEMA))
+    roomy = run_to_completion(engine, prompts, params)
+    tight = engine_of(checkpoint, policy="max_utilization", kv_tokens=96)
+    assert run_to_completion(tight, prompts, params) == roomy
+    assert tight.scheduler.num_preemptions > 0
+
+
+def test_log_probabilities_of_a_guided_request_are_raw_and_one_per_token(engine: LLMEngine) -> None:
+    params = guided("regex", REGEX, logprobs=2)
+    engine.add_request("lp", PROMPT, params)
+    tokens, entries = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            entries += out.logprobs or []
+    assert [e.token_id for e in entries] == tokens  # no forced token goes without its own row
+    free = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2)
+    engine.add_request("first", PROMPT, free)
+    first = [e for out in iter_outputs(engine) for e in out.logprobs or []][0]
+    assert first.top == entries[0].top  # raw: the grammar's mask is applied after they are taken
+
+
+def iter_outputs(engine: LLMEngine) -> list[Any]:
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs
+
+
+def test_a_guide_compiles_once_and_is_served_from_the_cache(engine: LLMEngine) -> None:
+    params = guided("regex", "(cached|hit)[0-9]")
+    before = engine.guides.compiles
+    engine.guides.matcher(params)
+    engine.guides.matcher(params)
+    assert engine.guides.compiles == before + 1
+
+
+@pytest.mark.parametrize("params, field, words", [
+    (dict(guide_type="regex", guide="["), "guide", "not a valid regex"),
+    (dict(guide_type="json_schema", guide='{"type": "foo"}'), "guide", "not a valid json_schema"),
+    (dict(guide_type="json_schema", guide="[1]"), "guide", "JSON schema"),
+    (dict(guide_type="choice", guide="[]"), "guide", "non-empty JSON array"),
+    (dict(guide_type="ebnf_grammar", guide="root ::= (\"a\" | "), "guide", "GBNF"),
+    (dict(guide_type="regex", guide="a" * (MAX_GUIDE_BYTES + 1)), "guide", "MAX_GUIDE_BYTES"),
+    (dict(guide_type="xml", guide="<a/>"), "guide_type", "must be one of"),
+    (dict(guide_type="regex", guide=None), "guide", "non-empty string"),
+    (dict(guide=".*"), "guide_type", "must be set"),
+    (dict(guide_type="regex", guide="a", beam_width=2), "guide_type", "beam search"),
+])
+def test_bad_guides_are_refused_naming_the_field(engine: LLMEngine, params: dict[str, Any], field: str,
+                                                 words: str) -> None:
+    with pytest.raises(FieldError) as info:
+        engine.add_request("bad", PROMPT, SamplingParams(max_tokens=4, **params))
+    assert info.value.field == field and words in str(info.value)
+    assert "bad" not in engine.groups
+
+
+def test_guide_after_holds_the_grammar_only_after_the_marker(engine: LLMEngine, tokenizer: Any) -> None:
+    from llguidance import LLMatcher
+
+    grammar = grammar_of("json_schema", json.dumps(SCHEMA), "</think>")
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+
+    def accepts(text: str) -> bool:
+        matcher = LLMatcher(engine.guides.tokenizer(), grammar, log_level=0)
+        return matcher.consume_tokens(encode(text)) and matcher.is_accepting()
+
+    assert accepts('Any {thinking} at all, "quoted".</think>{"n": 5, "kind": "ab", "ok": true}')
+    assert not accepts('thinking</think>{"n": 500, "kind": "ab", "ok": true}')
+    assert not accepts('{"n": 5, "kind": "ab", "ok": true}')  # the answer only follows the marker
+
+
+def test_an_engine_without_a_tokenizer_refuses_guided_requests(checkpoint: Path) -> None:
+    bare = make_engine(checkpoint)
+    with pytest.raises(FieldError, match="needs the engine's tokenizer"):
+        bare.add_request("g", PROMPT, guided("regex", "a+"))

@@ -1,0 +1,184 @@
+"""Guided decoding in the engine (docs/structured-outputs.md), on llguidance.
+
+- GuideCompiler: a request's guide becomes a matcher at admission (LLMEngine.check_request runs in the
+  submitting thread, never the step loop), from a cache keyed by the guide's digest; a compile runs in a
+  worker thread (llguidance drops the GIL while it builds) and is bounded in time.
+- guide_masks: each step, every guided row's allowed tokens in one parallel pass (llguidance's executor),
+  applied to the logits in one vectorized operation; `apply_masks_reference` is the plain per-token rule
+  tests compare it with.
+- The engine advances each matcher on the token it accepted (engine.py) and appends the tokens the grammar
+  forces (jump-forward) as one chunk computed on the next step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from trtprompt.engine.guide import grammar_of
+from trtprompt.engine.request import Request, SamplingParams
+from trtprompt.error_codes import FieldError
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+log = logging.getLogger(__name__)
+
+# Compiled grammars kept (least recently used dropped first): a service sends a few schemas many times.
+GRAMMAR_CACHE_SIZE = 256
+# A guide that does not compile in this long is refused (an adversarial or runaway schema); its compile
+# may still finish in its worker, and then serves the next identical guide from the cache.
+COMPILE_TIMEOUT_S = 10.0
+
+
+class GuideCompiler:
+    """The engine's guides: its llguidance tokenizer (made once, on the first guided request), the
+    compile cache and the mask executor. Thread-safe: check_request may run in any thread."""
+
+    def __init__(self, tokenizer_dir: Path | None, end_ids: Sequence[int], vocab_size: int) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.end_ids = sorted(end_ids)
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[bytes, Future[LLMatcher]] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+        self._tokenizer: LLTokenizer | None = None
+        self._executor: LLExecutor | None = None
+        self.compiles = 0  # grammars compiled (not served from the cache), for tests and stats
+
+    def matcher(self, params: SamplingParams) -> LLMatcher:
+        """A fresh matcher for a guided request, or FieldError('guide') naming what is wrong."""
+        assert params.guide_type is not None  # callers check; the guide itself was checked by SamplingParams
+        key = hashlib.sha256("\0".join([params.guide_type, params.guide or "", params.guide_after or ""])
+                             .encode()).digest()
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._pool_now().submit(self._compile, params)
+                self._cache[key] = future
+                while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        try:
+            template = future.result(timeout=COMPILE_TIMEOUT_S)
+        except FutureTimeout:
+            raise FieldError("guide", f"did not compile within {COMPILE_TIMEOUT_S:g} s (COMPILE_TIMEOUT_S): "
+                                      "simplify the schema or grammar") from None
+        return template.deep_copy()
+
+    def _pool_now(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="guide-compile")
+        return self._pool
+
+    def _compile(self, params: SamplingParams) -> LLMatcher:
+        from llguidance import LLMatcher, LLParserLimits
+
+        assert params.guide_type is not None
+        grammar = grammar_of(params.guide_type, params.guide, params.guide_after)
+        # llguidance's own bounds on grammar size and per-step work (a guide past them ends its request);
+        # errors without the grammar's text, which is the client's and may be large.
+        limits = LLParserLimits(verbose_errors=False)
+        matcher = LLMatcher(self.tokenizer(), grammar, log_level=0, limits=limits)
+        if matcher.is_error():
+            raise FieldError("guide", f"is not a valid {params.guide_type} guide: {_first_line(matcher.get_error())}")
+        self.compiles += 1
+        return matcher
+
+    def tokenizer(self) -> LLTokenizer:
+        """The llguidance view of the engine's tokenizer (about 0.5 s to make, once)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._load_tokenizer()
+            return self._tokenizer
+
+    def _load_tokenizer(self) -> LLTokenizer:
+        if self.tokenizer_dir is None:
+            raise FieldError("guide_type", "guided decoding needs the engine's tokenizer, and this engine has none")
+        import llguidance.hf
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        hf = AutoTokenizer.from_pretrained(str(self.tokenizer_dir), local_files_only=True)
+        if not isinstance(hf, PreTrainedTokenizerFast):
+            raise FieldError("guide_type", "guided decoding needs a fast (tokenizer.json) tokenizer; this engine's "
+                                           f"is {type(hf).__name__}")
+        # The model's vocabulary may be padded past the tokenizer's: those ids are never allowed.
+        return llguidance.hf.from_tokenizer(hf, n_vocab=max(self.vocab_size, len(hf)),
+                                            eos_token=self.end_ids or None)
+
+    def executor(self) -> LLExecutor:
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        return self._executor
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _first_line(message: str) -> str:
+    """llguidance's error, on one line and bounded (its later lines quote the client's own grammar)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return " ".join(lines[:3])[:400] if lines else "unknown error"
+
+
+# byte value -> its 8 bits, low bit first: a bitmask word's bytes unpack by one lookup (little-endian words).
+def _bit_table() -> torch.Tensor:
+    values = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+    return ((values >> torch.arange(8, dtype=torch.int32)) & 1).bool()
+
+
+def fill_masks(compiler: GuideCompiler, reqs: Sequence[Request]) -> torch.Tensor:
+    """[len(reqs), words] int32 bitmasks of each matcher's allowed tokens, filled in one parallel pass;
+    a matcher that accepts the output so far also allows the request's own end tokens."""
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+
+    masks = allocate_token_bitmask(len(reqs), compiler.tokenizer().vocab_size)
+    matchers = [(r.matcher, i) for i, r in enumerate(reqs) if r.matcher is not None]
+    fill_next_token_bitmask_par(compiler.executor(), matchers, masks)
+    for i, req in enumerate(reqs):
+        if req.end_ids and req.matcher is not None and req.matcher.is_accepting():
+            for t in req.end_ids:
+                word = int(masks[i, t // 32]) | 1 << (t % 32)
+                masks[i, t // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32's bit 31 is its sign
+    return masks
+
+
+def unpack_masks(masks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 bitmasks -> [rows, vocab] bool allowed."""
+    as_bytes = masks.contiguous().view(torch.uint8).long()  # [rows, words * 4], little-endian
+    return _bit_table()[as_bytes].reshape(masks.shape[0], -1)[:, :vocab]
+
+
+def apply_masks(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> None:
+    """In place: every token a row's mask disallows gets -inf (one masked_fill over the guided rows)."""
+    index = torch.tensor(list(rows), dtype=torch.long)
+    allowed = unpack_masks(masks, logits.shape[1])
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def apply_masks_reference(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> None:
+    """The rule apply_masks implements, token by token: bit t % 32 of word t // 32 allows token t."""
+    words = masks.tolist()
+    for r, row in enumerate(rows):
+        for t in range(logits.shape[1]):
+            if not (words[r][t // 32] >> (t % 32)) & 1:
+                logits[row, t] = float("-inf")
+
+
+def guide_rows(logits: torch.Tensor, reqs: Sequence[Request], compiler: GuideCompiler) -> None:
+    """Mask every guided row of a step's logits (rows: one per request, reqs' order)."""
+    guided = [i for i, r in enumerate(reqs) if r.matcher is not None]
+    if guided:
+        apply_masks(logits, guided, fill_masks(compiler, [reqs[i] for i in guided]))
