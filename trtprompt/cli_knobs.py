@@ -21,7 +21,7 @@ SERVE_OPTIONS: tuple[str, ...] = (*RUNTIME_POLICY, "max_batch_size", "max_num_to
                                   "layout",
                                   "disk_cache_path", "disk_cache_size", "kv_remote_url", "kv_remote_password_file",
                                   "kv_tier_write_policy", "replicas",
-                                  "kv_cache_eviction_policy",
+                                  "kv_cache_eviction_policy", "guided_jump_forward",
                                   "kv_cache_host_memory_bytes", "kv_cache_onboard_blocks",
                                   "secondary_offload_min_priority", "cold_tier_offload_min_priority",
                                   "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",

@@ -228,6 +228,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _k("kv_cache_eviction_policy", "serve", str, "s3fifo",
        "Which cached KV block the torch engine evicts first: lru, or scan-resistant 2q / s3fifo.",
        choices=EVICTION_POLICIES, engine=True, serve=True),
+    # The torch target's guided decoding (engine/guided.py, docs/structured-outputs.md "Jump-forward").
+    _k("guided_jump_forward", "serve", bool, True, "Append the tokens a guided request's grammar forces (keys, "
+       "punctuation, enum tails) as one chunk instead of one model step each (torch target).", engine=True,
+       serve=True, flag="--guided-jump-forward/--no-guided-jump-forward"),
     _k("cancellation_check_period_ms", "serve", int, 100, "How often cancelled requests are looked for.",
        low=1, high=BIG, trtllm="cancellation_check_period_ms", serve=True),
     _k("stats_check_period_ms", "serve", int, 100, "How often engine statistics are published.", low=1,

@@ -107,7 +107,13 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
         dtype=compute.dtype, device=device,
         linear_backend=overrides.get("linear_backend") or "onednn",
         attention_backend=overrides.get("attention_backend") or DEFAULT_ATTENTION_BACKEND,
+        guided_jump_forward=_chosen(overrides.get("guided_jump_forward"), knobs.KNOBS["guided_jump_forward"].default),
     )
+
+
+def _chosen(value: bool | None, default: bool) -> bool:
+    """A boolean override where given (False is a choice, not unset)."""
+    return default if value is None else bool(value)
 
 
 def kv_cache_dtype_of(pretrained_config: Mapping[str, Any]) -> str:

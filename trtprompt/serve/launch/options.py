@@ -52,6 +52,7 @@ class ServeOptions(knobs.BackendParams):
     kv_remote_password_file: str | None = knobs.runtime_default("kv_remote_password_file")
     kv_tier_write_policy: str = knobs.runtime_default("kv_tier_write_policy")
     kv_cache_eviction_policy: str = knobs.runtime_default("kv_cache_eviction_policy")
+    guided_jump_forward: bool = knobs.runtime_default("guided_jump_forward")  # the torch engine's (engine/guided.py)
     # KV events for routers (trtprompt/engine/kv_events.py, docs/kv-events.md): read by the engine process.
     kv_events_endpoint: str | None = knobs.runtime_default("kv_events_endpoint")
     kv_events_replay_endpoint: str | None = knobs.runtime_default("kv_events_replay_endpoint")
