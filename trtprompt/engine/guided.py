@@ -119,7 +119,9 @@ class GuideCompiler:
         if self._executor is None:
             from llguidance import LLExecutor
 
-            self._executor = LLExecutor()
+            # As many threads as torch's: the model is idle while masks fill (llguidance's default, 80 % of
+            # the CPUs, is one thread on two cores).
+            self._executor = LLExecutor(num_threads=max(1, torch.get_num_threads()))
         return self._executor
 
     def close(self) -> None:
