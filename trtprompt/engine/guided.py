@@ -102,18 +102,20 @@ class GuideCompiler:
             return self._tokenizer
 
     def _load_tokenizer(self) -> LLTokenizer:
-        if self.tokenizer_dir is None:
-            raise FieldError("guide_type", "guided decoding needs the engine's tokenizer, and this engine has none")
-        import llguidance.hf
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        """From the checkpoint's tokenizer.json directly (transformers is not imported: it took seconds in the
+        engine process); a model vocabulary padded past the tokenizer's leaves those ids never allowed."""
+        from llguidance import LLTokenizer
 
-        hf = AutoTokenizer.from_pretrained(str(self.tokenizer_dir), local_files_only=True)
-        if not isinstance(hf, PreTrainedTokenizerFast):
-            raise FieldError("guide_type", "guided decoding needs a fast (tokenizer.json) tokenizer; this engine's "
-                                           f"is {type(hf).__name__}")
-        # The model's vocabulary may be padded past the tokenizer's: those ids are never allowed.
-        return llguidance.hf.from_tokenizer(hf, n_vocab=max(self.vocab_size, len(hf)),
-                                            eos_token=self.end_ids or None)
+        path = None if self.tokenizer_dir is None else self.tokenizer_dir / "tokenizer.json"
+        if path is None or not path.is_file():
+            raise FieldError("guide_type", "guided decoding needs the engine's tokenizer (tokenizer.json), and "
+                                           "this engine has none")
+        text = path.read_text(encoding="utf-8")
+        eos = self.end_ids or None
+        tokenizer = LLTokenizer(text, eos_token=eos)
+        if tokenizer.vocab_size < self.vocab_size:
+            tokenizer = LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
+        return tokenizer
 
     def executor(self) -> LLExecutor:
         if self._executor is None:
