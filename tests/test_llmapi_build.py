@@ -41,6 +41,7 @@ def test_model_yaml_carries_bounds_reuse_and_chunked_prefill(tmp_path: Path) -> 
     assert args == {
         "model": str(tmp_path / "checkpoint"), "tokenizer": str(tmp_path / "tokenizer"), "backend": "pytorch",
         "tensor_parallel_size": 2, "pipeline_parallel_size": 1, "dtype": "bfloat16",
+        "guided_decoding_backend": "xgrammar",  # TensorRT-LLM leaves guided decoding off without it
         "max_batch_size": 64, "max_num_tokens": 8192, "max_seq_len": 8192, "max_input_len": 1024,
         "max_beam_width": 1,
         "kv_cache_config": {"tokens_per_block": 32, "enable_block_reuse": True, "free_gpu_memory_fraction": 0.9},
@@ -116,7 +117,7 @@ class _StandInArgs:
 
     FIELDS = {"model", "tokenizer", "backend", "tensor_parallel_size", "pipeline_parallel_size", "dtype",
               "max_batch_size", "max_num_tokens", "max_seq_len", "max_input_len", "max_beam_width",
-              "kv_cache_config", "enable_chunked_prefill", "scheduler_config"}
+              "kv_cache_config", "enable_chunked_prefill", "scheduler_config", "guided_decoding_backend"}
 
     def __init__(self, **kwargs: Any) -> None:
         unknown = set(kwargs) - self.FIELDS

@@ -62,9 +62,9 @@ def test_fused_repository_parameters_and_interface(tiny_engine_dir: Path, tmp_pa
         "batch_scheduler_policy": "guaranteed_no_evict", "kv_cache_free_gpu_mem_fraction": "0.9",
         "max_tokens_in_paged_kv_cache": "32768", "max_queue_size": "8", "max_beam_width": "1",
         "exclude_input_in_output": "false", "cancellation_check_period_ms": "100",
-        "stats_check_period_ms": "100", "engine_threads": "3", "kv_cache_eviction_policy": "s3fifo",
+        "stats_check_period_ms": "100", "engine_threads": "3", "kv_cache_eviction_policy": "s3fifo", "guided_jump_forward": "true",
         "compute_dtype": "float32", "engine_socket": str(tmp_path / "repo" / "engine.sock"),
-        "triton_max_batch_size": "16",
+        "triton_max_batch_size": "16", "guided_decoding_backend": "llguidance",
     }
     ens = configs["ensemble"]
     declared = {t.name: (t.data_type, list(t.dims), t.optional) for t in ens.input}  # type: ignore[attr-defined]

@@ -100,6 +100,15 @@ def test_openai_chat_and_usage_through_the_upstream_ensemble(upstream: Served, o
     assert reply.usage.completion_tokens == 6 if done == "length" else 1 <= reply.usage.completion_tokens < 6
 
 
+def test_guided_decoding_through_preprocessing(upstream: Served) -> None:
+    """guided_decoding_guide_type / guided_decoding_guide travel ensemble -> preprocessing (checked) -> the torch
+    core, on gRPC and HTTP generate (tests/test_triton_guided_served.py's checks)."""
+    from test_triton_guided_served import check_ensemble, check_http_generate
+
+    check_ensemble(upstream, stream=False)
+    check_http_generate(upstream)
+
+
 def test_errors_reach_the_client_and_the_server_keeps_serving(upstream: Served) -> None:
     assert "input 'text_input' is empty" in (upstream.text("", 4).error or "")
     assert "input 'beam_width' (2) exceeds max_beam_width (1)" in (upstream.text("hi", 4, beam_width=2).error or "")

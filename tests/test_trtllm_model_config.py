@@ -67,6 +67,7 @@ def test_core_model_values(good_repo: Path) -> None:
         "multi_block_mode": "true", "enable_context_fmha_fp32_acc": "false", "cuda_graph_mode": "false",
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
         "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
+        "guided_decoding_backend": "xgrammar",  # no xgrammar_tokenizer_info_path: the engine has no such file
     }
     inputs = {t.name: t for t in cfg.input}
     assert not inputs["input_ids"].optional and inputs["input_ids"].allow_ragged_batch

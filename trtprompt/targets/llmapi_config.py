@@ -30,6 +30,9 @@ BACKEND = "pytorch"
 # The llmapi Triton model's own section: batching is the LLM API's (0), streaming needs decoupled.
 TRITON_CONFIG: Mapping[str, Any] = MappingProxyType({"max_batch_size": 0, "decoupled": True})
 NOT_LLM_ARGS: tuple[str, ...] = ("triton_config",)
+# TensorRT-LLM leaves guided decoding off unless the LLM args name a backend (and then ignores an OpenAI
+# response_format): xgrammar, which both of its backends implement and the only one with structural tags.
+GUIDED_DECODING_BACKEND = "xgrammar"
 # The runtime knobs model.yaml carries (their LLM API names come from the registry).
 RUNTIME_KNOBS: tuple[str, ...] = ("enable_chunked_context", "enable_kv_cache_reuse", "batch_scheduler_policy",
                                   "kv_cache_free_gpu_mem_fraction", "max_tokens_in_paged_kv_cache",
@@ -74,7 +77,8 @@ def llm_args(plan: BuildPlan, runtime: Mapping[str, Any], paths: LlmapiPaths, tp
              pp_size: int = 1) -> dict[str, Any]:
     """model.yaml's content: bounds from the plan, runtime policy from the profile, under LLM API names."""
     args: dict[str, Any] = {"model": str(paths.model), "tokenizer": str(paths.tokenizer), "backend": BACKEND,
-                            "tensor_parallel_size": tp_size, "pipeline_parallel_size": pp_size, "dtype": plan.dtype}
+                            "tensor_parallel_size": tp_size, "pipeline_parallel_size": pp_size, "dtype": plan.dtype,
+                            "guided_decoding_backend": GUIDED_DECODING_BACKEND}
     bounds = vars(plan.bounds)
     values = {**{k: bounds.get(k) for k in BOUND_KNOBS},
               **{k: runtime.get(k, KNOBS[k].default) for k in RUNTIME_KNOBS}}

@@ -35,7 +35,14 @@ from trtprompt.serve.launch.options import EngineInfo, ServeOptions
 from trtprompt.serve.launch.repository import ENSEMBLE_INPUTS, _base, _write_model
 from trtprompt.serve.wire import requests as wire
 from trtprompt.targets.kv_offload import llmapi_offload_args
-from trtprompt.targets.llmapi_config import TRITON_CONFIG, from_yaml, llmapi_value, put_arg, to_yaml
+from trtprompt.targets.llmapi_config import (
+    GUIDED_DECODING_BACKEND,
+    TRITON_CONFIG,
+    from_yaml,
+    llmapi_value,
+    put_arg,
+    to_yaml,
+)
 
 MODEL_DIR_ENV = "TRTPROMPT_LLMAPI_MODEL_DIR"  # a folder holding config.pbtxt and 1/model.py
 LLMAPI_MODEL = Path("all_models") / "llmapi" / "tensorrt_llm"
@@ -69,7 +76,8 @@ CORE_OUTPUTS: tuple[Tensor, ...] = (
 # What TensorRT-LLM's llmapi model cannot carry (launch/ does not import triton_models/, so the names are
 # repeated from llmapi_edge.UNCARRIED; tests/test_llmapi_repository.py keeps the two equal).
 UNCARRIED_INPUTS: tuple[str, ...] = ("num_return_sequences", "beam_width", "bad_words", "embedding_bias_words",
-                                     "embedding_bias_weights", "return_context_logits", "return_generation_logits")
+                                     "embedding_bias_weights", "return_context_logits", "return_generation_logits",
+                                     "guided_decoding_guide_type", "guided_decoding_guide")
 # cache_salt, the retention inputs and the uncarried ones are declared so the edge can refuse them clearly.
 EDGE_INPUTS: tuple[str, ...] = ("text_input", "max_tokens", "stop_words", "temperature", "top_k", "top_p",
                                 "presence_penalty", "frequency_penalty", "seed", "stream", "exclude_input_in_output",
@@ -95,6 +103,7 @@ def serve_model_yaml(engine: EngineInfo, options: ServeOptions, trtllm_version: 
     and disk tier fields only where TensorRT-LLM trtllm_version (None: the newest release read) has them."""
     args = from_yaml((engine.path / "model.yaml").read_text(encoding="utf-8"))
     args["model"], args["tokenizer"] = str(engine.path / "checkpoint"), str(engine.tokenizer_dir)
+    args.setdefault("guided_decoding_backend", GUIDED_DECODING_BACKEND)  # a directory built before it was written
     for name in YAML_OPTIONS:
         value = llmapi_value(name, getattr(options, name))
         if value is not None:

@@ -74,6 +74,19 @@ BIAS_WORD_INPUTS: tuple[Tensor, ...] = (
     ("embedding_bias_words", "STRING", [-1], True),
     ("embedding_bias_weights", "FP32", [-1], True),
 )
+# tensorrtllm_backend's guided decoding inputs (both models; serve/triton_models/guided.py). The upstream
+# ensemble hands them to preprocessing, which checks them and answers the core's pair on every request
+# (empty strings: no guide), so the trtllm target's C++ core never sees a guide it would drop silently.
+GUIDE_INPUTS: tuple[Tensor, ...] = (
+    ("guided_decoding_guide_type", "STRING", [1], True),
+    ("guided_decoding_guide", "STRING", [1], True),
+)
+PRE_GUIDE: tuple[Tensor, ...] = tuple((name.upper(), dtype, dims, True) for name, dtype, dims, _ in GUIDE_INPUTS)
+# The guide types each target's core serves (preprocessing refuses the others, naming the input): the torch
+# engine every tensorrtllm_backend type and structural_tag; the trtllm target's in trtllm_model_config.
+TORCH_GUIDE_TYPES: tuple[str, ...] = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
+# The torch target's tensorrt_llm model: llguidance serves every guide (xgrammar is accepted as a synonym).
+GUIDED_DECODING_BACKEND = "llguidance"
 # The fused ensemble's inputs the upstream layout's ensemble does not declare: its preprocessing and
 # postprocessing (tensorrtllm_backend's contract) have no step that would take them.
 # TensorRT-LLM's tensorrt_llm model takes early_stopping (BOOL) with beam_width; its ensemble does not.
@@ -108,6 +121,7 @@ ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     *RETENTION_INPUTS,  # TensorRT-LLM's names; the upstream layout hands them to the core as they are
     *FUSED_ONLY_INPUTS,
     *LOGITS_INPUTS,
+    *GUIDE_INPUTS,
 ) + UNSUPPORTED_INPUTS
 ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
     ("text_output", "STRING", [-1], False),
@@ -144,6 +158,7 @@ TOKEN_INPUTS: tuple[Tensor, ...] = (
     ("dropped_turns", "INT32", [1], True),
     *RETENTION_INPUTS,
     *LOGITS_INPUTS,
+    *GUIDE_INPUTS,
 ) + UNSUPPORTED_INPUTS
 TOKEN_OUTPUTS: tuple[Tensor, ...] = (
     ("output_ids", "INT32", [-1, -1], False),
@@ -162,6 +177,7 @@ PRE_INPUTS: tuple[Tensor, ...] = (
     ("MESSAGES", "STRING", [1], True),
     ("OVERFLOW", "STRING", [1], True),
     ("CACHE_SALT", "STRING", [1], True),
+    *PRE_GUIDE,
 )
 PRE_OUTPUTS: tuple[Tensor, ...] = (
     ("INPUT_ID", "INT32", [-1], False),
@@ -173,6 +189,7 @@ PRE_OUTPUTS: tuple[Tensor, ...] = (
     ("OUT_PAD_ID", "INT32", [1], False),
     ("PROMPT_TRUNCATED_TOKENS", "INT32", [1], False),
     ("DROPPED_TURNS", "INT32", [1], False),
+    *((name, dtype, dims, False) for name, dtype, dims, _ in PRE_GUIDE),  # checked, "" when none
 )
 # Only tensorrt_llm's outputs: Triton refuses a step after a decoupled model
 # that also takes tensors of other origins ("inputs originated from
@@ -287,6 +304,8 @@ def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
         **tier_parameters(o),
         **kv_event_parameters(o),
         "kv_cache_eviction_policy": o.kv_cache_eviction_policy,  # the engine process's pool (engine_overrides)
+        "guided_jump_forward": o.guided_jump_forward,  # the engine process's (engine_overrides)
+        "guided_decoding_backend": GUIDED_DECODING_BACKEND,  # checked when the model loads (guided.check_backend)
     }
 
 
@@ -335,6 +354,16 @@ def core_takes_retention(ctx: RepoContext) -> bool:
     return ctx.engine.target in ("torch", "trtllm")
 
 
+def core_guide_types(ctx: RepoContext) -> tuple[str, ...]:
+    """The guide types the upstream layout's core serves: the torch engine's, or the trtllm target's (none
+    where its engine directory has no xgrammar tokenizer info: TensorRT-LLM then has guided decoding off)."""
+    if ctx.engine.target != "trtllm":
+        return TORCH_GUIDE_TYPES
+    from trtprompt.serve.launch.trtllm_model_config import trtllm_guide_types
+
+    return trtllm_guide_types(ctx.engine.path)
+
+
 def publishes_request_metrics(ctx: RepoContext) -> bool:
     """The trtllm target's postprocessing publishes request metrics from the core's perf outputs;
     the torch core's engine process publishes its own (the same families: do not count twice)."""
@@ -347,7 +376,8 @@ def preprocessing_config(ctx: RepoContext) -> mc.ModelConfig:
               "gpt_model_path": str(ctx.engine.path),  # its prompt policy and bounds (issue 5)
               "enable_chunked_context": ctx.options.enable_chunked_context,  # decides max_input_len
               "salt_reaches_core": core_takes_salt(ctx),
-              "force_perf_metrics": True if perf else None}
+              "force_perf_metrics": True if perf else None,
+              "guided_decoding_guide_types": ",".join(core_guide_types(ctx))}  # none: guided decoding is off
     flag_in, flag_out = ((PERF_FLAG, "BOOL", [1], True),), ((PERF_FLAG, "BOOL", [1], False),)
     return _base("preprocessing", ctx.max_batch_size, PRE_INPUTS + (flag_in if perf else ()),
                  PRE_OUTPUTS + (flag_out if perf else ()), params)
@@ -376,11 +406,12 @@ def _step(cfg: mc.ModelConfig, model: str, inputs: Mapping[str, str], outputs: M
 def _preprocessing_step(cfg: mc.ModelConfig, ctx: RepoContext) -> None:
     inputs = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
               "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id",
-              "MESSAGES": "messages", "OVERFLOW": "overflow", "CACHE_SALT": "cache_salt"}
+              "MESSAGES": "messages", "OVERFLOW": "overflow", "CACHE_SALT": "cache_salt",
+              **{pre: name for (name, *_), (pre, *_) in zip(GUIDE_INPUTS, PRE_GUIDE)}}
     outputs = {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
                "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "BAD_WORDS_IDS": "_BAD_WORDS_IDS",
                "STOP_WORDS_IDS": "_STOP_WORDS_IDS", "OUT_END_ID": "_PREPROCESSOR_END_ID",
-               "OUT_PAD_ID": "_PREPROCESSOR_PAD_ID"}
+               "OUT_PAD_ID": "_PREPROCESSOR_PAD_ID", **{pre: f"_{pre}" for pre, *_ in PRE_GUIDE}}
     if ctx.engine.target != "trtllm":  # the torch core echoes the prompt edge's counts
         outputs |= {name.upper(): f"_{name}" for name in PROMPT_OUTPUTS}
     if publishes_request_metrics(ctx):
@@ -401,6 +432,7 @@ def _core_step(cfg: mc.ModelConfig, ctx: RepoContext) -> None:
         "beam_width": "beam_width", "exclude_input_in_output": "exclude_input_in_output",
         "return_log_probs": "return_log_probs", "return_perf_metrics": "return_perf_metrics",
     } | {f"return_{name}": f"return_{name}" for name in COUNT_OUTPUTS}
+    inputs |= {name: f"_{pre}" for (name, *_), (pre, *_) in zip(GUIDE_INPUTS, PRE_GUIDE)}  # as preprocessing checked
     if publishes_request_metrics(ctx):
         inputs["return_perf_metrics"] = f"_{PERF_FLAG}"
     if core_takes_salt(ctx):

@@ -6,6 +6,11 @@ unfilled `${...}` can remain. Tensor names and parameter names are those of
 tensorrtllm_backend's inflight_batcher_llm/tensorrt_llm model (TensorRT-LLM
 1.2.x): clients and ensembles written for it work unchanged.
 
+Guided decoding: `guided_decoding_backend: xgrammar` always, and `xgrammar_tokenizer_info_path` where the
+engine directory holds the tokenizer info TensorRT-LLM's C++ backend needs (made by TensorRT-LLM's own
+examples/generate_xgrammar_tokenizer_info.py; docs/gpu.md, "Guided decoding"): without that file the
+backend leaves guided decoding off, so preprocessing refuses a guided request instead of letting it pass.
+
 One parameter is left out when unset on purpose: `max_tokens_in_paged_kv_cache`
 ("no cap" has no value; the pool is then sized by kv_cache_free_gpu_mem_fraction). The host tier's parameters
 (kv_cache_host_memory_bytes, kv_cache_onboard_blocks) and the six retention inputs:
@@ -41,12 +46,21 @@ SCALAR_INPUTS: tuple[tuple[str, str], ...] = (
     ("exclude_input_in_output", "BOOL"), ("stop", "BOOL"), ("streaming", "BOOL"),
     ("num_return_sequences", "INT32"), ("prompt_vocab_size", "INT32"), ("lora_task_id", "UINT64"),
 )
+# The C++ backend's guided decoding (tensorrtllm_backend 1.2's utils map these four guide types; it drops any
+# other silently, so preprocessing refuses them first) and the file its xgrammar backend reads the
+# tokenizer from, in the engine directory.
+GUIDED_DECODING_BACKEND = "xgrammar"  # the only value the 1.2 C++ backend accepts
+XGRAMMAR_TOKENIZER_INFO = "xgrammar_tokenizer_info.json"  # the name generate_xgrammar_tokenizer_info.py writes
+TRTLLM_GUIDE_TYPES: tuple[str, ...] = ("json", "json_schema", "regex", "ebnf_grammar")
+GUIDE_INPUTS: tuple[Tensor, ...] = (("guided_decoding_guide_type", "STRING", [1], True),
+                                    ("guided_decoding_guide", "STRING", [1], True))
 RAGGED_INPUTS: tuple[Tensor, ...] = (
     ("stop_words_list", "INT32", [2, -1], True),
     ("bad_words_list", "INT32", [2, -1], True),
     ("embedding_bias", "FP32", [-1], True),
     ("lora_weights", "FP16", [-1, -1], True),
     ("lora_config", "INT32", [-1, 3], True),
+    *GUIDE_INPUTS,  # declared as the template declares them (ragged, no reshape)
 )
 OUTPUTS: tuple[Tensor, ...] = (
     ("output_ids", "INT32", [-1, -1], False),
@@ -99,6 +113,8 @@ class TrtllmModelParams(knobs.BackendParams):
     gather_context_logits: bool = False
     gather_generation_logits: bool = False
     logits_dtype: str = "float32"
+    # The C++ backend's xgrammar tokenizer info (None: guided decoding stays off in TensorRT-LLM).
+    xgrammar_tokenizer_info_path: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("dtype", "logits_dtype"):
@@ -124,7 +140,8 @@ class TrtllmModelParams(knobs.BackendParams):
                    max_attention_window_size=int(build_config["max_seq_len"]),
                    gather_context_logits=bool(build_config.get("gather_context_logits")),
                    gather_generation_logits=bool(build_config.get("gather_generation_logits")),
-                   logits_dtype=str(pretrained_config.get("logits_dtype") or "float32"), **given)
+                   logits_dtype=str(pretrained_config.get("logits_dtype") or "float32"),
+                   xgrammar_tokenizer_info_path=tokenizer_info(Path(engine_dir)), **given)
 
     def logits(self) -> list[tuple[str, str, list[int]]]:
         """(request flag, output, dims) of each logits output this engine computes."""
@@ -146,8 +163,21 @@ class TrtllmModelParams(knobs.BackendParams):
             "cuda_graph_mode": False,
             "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
             "executor_worker_path": EXECUTOR_WORKER,
+            "guided_decoding_backend": GUIDED_DECODING_BACKEND,
+            "xgrammar_tokenizer_info_path": self.xgrammar_tokenizer_info_path,  # left out when absent: off
         }
         return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in params.items() if v is not None}
+
+
+def tokenizer_info(engine_dir: Path) -> Path | None:
+    """The engine directory's xgrammar tokenizer info, or None where it has none."""
+    path = Path(engine_dir) / XGRAMMAR_TOKENIZER_INFO
+    return path.resolve() if path.is_file() else None
+
+
+def trtllm_guide_types(engine_dir: Path) -> tuple[str, ...]:
+    """The guide types the C++ backend serves for this engine directory: none without the tokenizer info."""
+    return TRTLLM_GUIDE_TYPES if tokenizer_info(engine_dir) is not None else ()
 
 
 def beam_width(build_config: Mapping[str, Any], serve_value: int | None) -> int:

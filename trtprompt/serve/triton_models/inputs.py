@@ -17,6 +17,7 @@ from trtprompt.engine.request import FLOAT_BOUNDS, RetentionConfig, SamplingPara
 from trtprompt.error_codes import BadRequestError, FieldError, OverBoundError
 from trtprompt.interface import PERF_OUTPUTS
 from trtprompt.prompt.chat import parse_messages
+from trtprompt.serve.triton_models import guided
 from trtprompt.serve.wire.requests import Outputs, TextRequest, TokenRequest, check_text_or_messages
 from trtprompt.serve.wire.retention_inputs import DECODE_INPUTS, RANGE_INPUTS, retention_from_inputs
 
@@ -207,6 +208,13 @@ def beam_controls(tensors: Tensors, i: int, max_beam_width: int, n: int | None) 
             "n": (width if n is None else n, "num_return_sequences")}
 
 
+def guide_controls(tensors: Tensors, i: int) -> dict[str, tuple[Any, str]]:
+    """SamplingParams.guide_type / guide from guided_decoding_guide_type / guided_decoding_guide (guided.py);
+    empty without a guide."""
+    kind, text = (text_scalar(tensors, name, i) for name in (guided.GUIDE_TYPE_INPUT, guided.GUIDE_INPUT))
+    return guided.guide_fields(guided.guide_of(kind, text))
+
+
 def word_ids(tensors: Tensors, name: str, i: int, encode: Encode) -> tuple[tuple[int, ...], ...]:
     """A words input as token sequences, each word tokenized alone without special tokens (tensorrtllm_backend's
     preprocessing, as for stop_words); a word of no tokens is dropped, as there."""
@@ -280,7 +288,7 @@ def parse_text_item(tensors: Tensors, i: int, exclude_default: bool, encode: Enc
     raw_messages, overflow, salt = (text_scalar(tensors, name, i) for name in ("messages", "overflow", "cache_salt"))
     check_text_or_messages(text, raw_messages)
     messages = None if raw_messages is None else tuple(parse_messages(raw_messages))  # parsed once, here
-    extra = sequence_controls(tensors, i, max_beam_width)
+    extra = sequence_controls(tensors, i, max_beam_width) | guide_controls(tensors, i)
     if words(tensors, "bad_words", i):
         extra["bad_words"] = (word_ids(tensors, "bad_words", i, encode), "bad_words")
     if BIAS_WORDS in tensors or BIAS_WEIGHTS in tensors:
@@ -336,7 +344,7 @@ def parse_token_item(tensors: Tensors, i: int, exclude_default: bool, max_input_
     """One row of a `tensorrt_llm` request (token ids in, token ids out); vocab_size checks embedding_bias."""
     check_unsupported(tensors, i)
     ids = prompt_ids(tensors, i, max_input_len)
-    extra = sequence_controls(tensors, i, max_beam_width)
+    extra = sequence_controls(tensors, i, max_beam_width) | guide_controls(tensors, i)
     for name, field in (("stop_words_list", "stop_token_ids"), ("bad_words_list", "bad_words")):
         extra[field] = (tuple(tuple(w) for w in words_list(_row(tensors, name, i), name)), name)
     extra["logit_bias"] = (bias_from_vector(tensors, i, vocab_size), "embedding_bias")

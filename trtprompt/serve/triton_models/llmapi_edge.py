@@ -61,6 +61,7 @@ UNCARRIED: dict[str, str] = {
     "num_return_sequences": "n", "beam_width": "use_beam_search", "bad_words": "bad",
     "embedding_bias_words": "embedding_bias", "embedding_bias_weights": "embedding_bias",
     "return_context_logits": "return_context_logits", "return_generation_logits": "return_generation_logits",
+    "guided_decoding_guide_type": "guided_decoding", "guided_decoding_guide": "guided_decoding",
 }
 UNCARRIED_REFUSAL = ("input '{name}' cannot be honoured: TensorRT-LLM's llmapi Triton model passes no SamplingParams "
                      "'{field}' to the LLM API; serve with the trtllm (1.2 engine) or torch target to use it")

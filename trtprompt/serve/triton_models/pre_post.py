@@ -20,13 +20,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtprompt.engine.engine_dir import read_engine_dir
-from trtprompt.error_codes import BadRequestError
+from trtprompt.engine.guide import check_guide
+from trtprompt.error_codes import BadRequestError, FieldError
 from trtprompt.interface import PERF_FLAG, PERF_OUTPUTS
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.chat import parse_messages
 from trtprompt.prompt.edge import PromptEdge, engine_dir_limits
 from trtprompt.serve import metrics_catalog as C
-from trtprompt.serve.triton_models import inputs
+from trtprompt.serve.triton_models import guided, inputs
 from trtprompt.serve.triton_models import stub as io
 from trtprompt.serve.triton_models.inputs import Array
 from trtprompt.serve.triton_models.perf_observations import COUNTERS, TIMING_KEYS, FirstSeen, observation
@@ -42,6 +43,12 @@ BIAS_OUT = "EMBEDDING_BIAS"
 # The trtllm target's postprocessing input (trtllm_model_config.POST_SEQUENCE_INPUT): the core's sequence_index.
 SEQUENCE_INDEX = "SEQUENCE_INDEX"
 Bias = tuple[tuple[int, float], ...]  # (token id, summed weight), as inputs.bias_from_words gives it
+# The guide inputs under preprocessing's names (repository.PRE_GUIDE), in and out: checked, "" when none.
+GUIDE_NAMES: tuple[tuple[str, str], ...] = tuple((name.upper(), name) for name in (guided.GUIDE_TYPE_INPUT,
+                                                                                   guided.GUIDE_INPUT))
+GUIDE_TYPES_PARAM = "guided_decoding_guide_types"  # the core's guide types, comma-separated; empty: off
+GUIDED_OFF = ("input '{name}' cannot be honoured: guided decoding is off on this server (the trtllm target needs "
+              "xgrammar_tokenizer_info.json in the engine directory; docs/gpu.md, \"Guided decoding\")")
 
 
 def words_tensor(words: list[list[int]]) -> Array:
@@ -105,6 +112,8 @@ class PreprocessingModel:
         # TensorRT-LLM checks it against (the torch upstream layout declares none).
         declared = BIAS_OUT in {t["name"] for t in cfg["output"]}
         self.bias_size = int(engine.pretrained_config["vocab_size"]) if declared else None
+        default_types = ",".join(guided.TRITON_GUIDE_TYPES)
+        self.guide_types = tuple(t for t in params.get(GUIDE_TYPES_PARAM, default_types).split(",") if t)
 
     def _encode_word(self, word: str) -> list[int]:
         """A stop / bad / bias word's ids: tokenized alone, without special tokens (tensorrtllm_backend's)."""
@@ -135,6 +144,7 @@ class PreprocessingModel:
         words = {name: [list(ids) for ids in inputs.word_ids(tensors, name, i, self._encode_word)]
                  for name in ("STOP_WORDS_DICT", "BAD_WORDS_DICT")}
         bias = () if self.bias_size is None else row_bias(tensors, i, self._encode_word, self.bias_size)
+        guide_type, guide = self._guide(tensors, i)
         end_id = inputs.scalar(tensors, "END_ID", i, int)
         pad_id = inputs.scalar(tensors, "PAD_ID", i, int)
         eos = tok.eos_token_id if tok.eos_token_id is not None else 0
@@ -143,7 +153,7 @@ class PreprocessingModel:
         chat = None if messages is None else parse_messages(messages)  # parsed once, here
         prompt = self.edge.prepare(text, chat, overflow, salt, out_len)
         return {"ids": prompt.ids, "out_len": out_len, "truncated": prompt.prompt_truncated_tokens,
-                "dropped": prompt.dropped_turns, "bias": bias,
+                "dropped": prompt.dropped_turns, "bias": bias, "guide_type": guide_type, "guide": guide,
                 "stop": words_tensor(words["STOP_WORDS_DICT"]), "bad": words_tensor(words["BAD_WORDS_DICT"]),
                 "end_id": eos if end_id is None else end_id,
                 "pad_id": (tok.pad_token_id if tok.pad_token_id is not None else eos) if pad_id is None else pad_id}
@@ -175,7 +185,23 @@ class PreprocessingModel:
                  pb_utils.Tensor("OUT_PAD_ID", col("pad_id", np.int32)),
                  pb_utils.Tensor("PROMPT_TRUNCATED_TOKENS", col("truncated", np.int32)),
                  pb_utils.Tensor("DROPPED_TURNS", col("dropped", np.int32))]
-        return fixed + self._perf_flag(tensors, len(rows)) + self._bias([r["bias"] for r in rows])
+        guides = [pb_utils.Tensor(pre, np.array([[r[key].encode("utf-8")] for r in rows], dtype=object))
+                  for (pre, _), key in zip(GUIDE_NAMES, ("guide_type", "guide"))]
+        return fixed + guides + self._perf_flag(tensors, len(rows)) + self._bias([r["bias"] for r in rows])
+
+    def _guide(self, tensors: dict[str, Array], i: int) -> tuple[str, str]:
+        """The row's guide for the core, checked as the torch models check it (guided.guide_of; `json` with a
+        schema becomes `json_schema`) against the types the core serves; ("", "") when none."""
+        kind, text = (inputs.text_scalar(tensors, pre, i, name) for pre, name in GUIDE_NAMES)
+        if not self.guide_types and (kind or text):
+            raise BadRequestError(GUIDED_OFF.format(name=guided.GUIDE_TYPE_INPUT), guided.GUIDE_TYPE_INPUT)
+        guide_type, guide = guided.guide_of(kind, text, self.guide_types)
+        try:
+            check_guide(guide_type, guide, None)  # its size bound, before the core compiles anything
+        except FieldError as exc:
+            name = guided.INPUT_OF_FIELD.get(exc.field, exc.field)
+            raise BadRequestError(f"input '{name}' {exc.rule}", name) from None
+        return guide_type or "", guide or ""
 
     def _bias(self, rows: list[Bias]) -> list[Any]:
         """EMBEDDING_BIAS for the core where declared (the trtllm target), on every request."""

@@ -27,6 +27,7 @@ import triton_python_backend_utils as pb_utils
 from trtprompt.error_codes import STATUSES, CancelledRequestError, code_of, describe, tagged
 from trtprompt.knobs import KNOBS
 from trtprompt.serve.triton_models.cancel_watch import CancelWatcher, watch_client
+from trtprompt.serve.triton_models.guided import client_error
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.engine_client import EngineClient
 from trtprompt.serve.wire.frames import StepEntry
@@ -154,7 +155,7 @@ class Job:
         error = P.entry_error(entry)
         if error is not None:
             self._finished[i] = True
-            raise error
+            raise client_error(error)  # a guide's refusal names the client's input, not the engine's field
         if entry["finished"]:
             self._finished[i] = True
             if entry.get("warning"):

@@ -14,7 +14,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from trtprompt.knobs import KNOBS
-from trtprompt.serve.triton_models import inputs
+from trtprompt.serve.triton_models import guided, inputs
 from trtprompt.serve.triton_models import stub as io
 from trtprompt.serve.triton_models.inputs import Array
 from trtprompt.serve.triton_models.metrics_publisher import MetricsPublisher
@@ -113,6 +113,8 @@ class TokenModel(io.RowModel):
     def initialize(self, args: dict[str, str]) -> None:
         prefer_quick_thread_switches()
         cfg, params = io.model_parameters(args)
+        if guided.check_backend(params) == "xgrammar":  # anything but the two refuses to load, naming them
+            pb_utils.Logger.log_info(guided.XGRAMMAR_NOTE)
         self.input_names = [t["name"] for t in cfg["input"]]
         self.socket = io.engine_socket(params)
         self.exclude_default = io.param_bool(params, "exclude_input_in_output", False)
