@@ -14,6 +14,7 @@ from trtprompt import interface as I
 from trtprompt.cli_knobs import BUILD_OPTIONS, SERVE_OPTIONS, knob_options
 from trtprompt.errors import UserError
 from trtprompt.knobs import KNOBS
+from trtprompt.serve.openai import parser_options as PO  # standard library only at import time
 
 
 @click.group()
@@ -210,6 +211,10 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
 @click.option("--max-request-bytes", type=click.IntRange(min=1),
               help="Largest OpenAI request body; larger is refused (413) before it is read "
                    "(default: the engine's max_input_len x 16 + 1 MiB).")
+@click.option("--tool-call-parser", type=click.Choice(PO.TOOL_CALL_PARSER_OPTIONS), default=PO.AUTO,
+              show_default=True, help=f"OpenAI API: {PO.TOOL_CALL_PARSER_HELP}")
+@click.option("--reasoning-parser", type=click.Choice(PO.REASONING_PARSER_OPTIONS), default=PO.AUTO,
+              show_default=True, help=f"OpenAI API: {PO.REASONING_PARSER_HELP}")
 @_api_key_options("the API key every Triton API but health, and the OpenAI-compatible API, then require")
 @click.option("--repo-only", type=click.Path(path_type=Path), help="Write the model repository here and exit.")
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(path_type=Path),
@@ -229,7 +234,7 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
                    "$TRTPROMPT_ROUTER_ADMIN_KEY; else the API key is sent).")
 @knob_options(SERVE_OPTIONS, serve=True)
 def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_port: int, openai_port: int,
-          no_openai: bool, max_request_bytes: int | None,
+          no_openai: bool, max_request_bytes: int | None, tool_call_parser: str, reasoning_parser: str,
           api_key_file: Path | None, repo_only: Path | None, tokenizer_dir: Path | None,
           run_dir: Path | None,
           ready_timeout: float, no_restart: bool, require_kv_reuse: bool, join_router: str | None,
@@ -242,7 +247,7 @@ def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_p
     try:
         api_key = ApiKey.read(api_key_file, os.environ)
         openai = None if no_openai else OpenAIOptions(openai_port, api_key.value if api_key else None,
-                                                        max_request_bytes)
+                                                        max_request_bytes, tool_call_parser, reasoning_parser)
         code = run_serve(engine_dir, overrides, Ports(host, grpc_port, http_port, metrics_port),
                          repo_only=repo_only, tokenizer=tokenizer_dir, run_dir=run_dir,
                          ready_timeout_s=ready_timeout,

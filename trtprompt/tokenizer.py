@@ -46,6 +46,15 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def read_chat_template(path: str | Path) -> str | None:
+    """A tokenizer directory's chat template, read without loading the tokenizer (the OpenAI front end
+    picks its tool-call and reasoning parsers from it)."""
+    path = Path(path)
+    cfg_file = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    return _read_chat_template(path, cfg if isinstance(cfg, dict) else {})
+
+
 def _read_chat_template(path: Path, cfg: Mapping[str, Any]) -> str | None:
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
@@ -122,19 +131,20 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True, **extra: Any) -> str:
         """Render the checkpoint's chat template to text (encode it with
-        add_special_tokens=False: templates write their own BOS)."""
+        add_special_tokens=False: templates write their own BOS). extra: more template
+        variables, as transformers passes them (`tools`, a request's chat_template_kwargs)."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         return render_chat_template(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            **{"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **extra},
         )
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt)
+                    add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
         return self.encode(text, add_special_tokens=False)
 
     def stream(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True

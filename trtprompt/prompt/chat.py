@@ -18,14 +18,18 @@ from typing import Any, Sequence
 
 from trtprompt.error_codes import ErrorCode
 from trtprompt.prompt.budget import PromptBudget, PromptError, PromptTooLongError
+from trtprompt.prompt.chat_tools import ChatRender, template_inputs, tool_fields
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 
-Message = dict[str, str]
+# {"role", "content"}; content is null only on an assistant message with tool_calls; a tool-call message
+# adds tool_calls, a tool result tool_call_id and name (chat_tools.tool_fields checks them).
+Message = dict[str, Any]
 
 
 def parse_messages(raw: str | bytes) -> list[Message]:
-    """A JSON list of {role, content} objects; PromptError naming what is wrong."""
+    """A JSON list of {role, content} objects (with their tool fields: chat_tools.tool_fields); PromptError
+    naming what is wrong."""
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
@@ -47,9 +51,13 @@ def _message(item: Any, i: int) -> Message:
     role, content = item.get("role"), item.get("content")
     if role not in ROLES:
         raise PromptError(f"messages[{i}] has unknown role {role!r}; allowed: {', '.join(ROLES)}")
-    if not isinstance(content, str):
-        raise PromptError(f"messages[{i}] ('{role}') must have a string 'content'")
-    return {"role": role, "content": content}
+    try:
+        extra = tool_fields(item, role, f"messages[{i}]")
+    except ValueError as exc:
+        raise PromptError(str(exc)) from None
+    if not isinstance(content, str) and not (content is None and "tool_calls" in extra):
+        raise PromptError(f"messages[{i}] ('{role}') must have a string 'content' (null only beside tool_calls)")
+    return {"role": role, "content": content, **extra}
 
 
 def split_turns(messages: Sequence[Message]) -> tuple[list[Message], list[list[Message]]]:
@@ -73,8 +81,10 @@ class FittedChat:
 
 
 def fit_chat(messages: Sequence[Message], tokenizer: Any, budget: PromptBudget,
-             max_tokens: int | None = None, overflow: str | None = None) -> FittedChat:
-    """Render and fit a chat; tokenizer is a trtprompt.tokenizer.Tokenizer."""
+             max_tokens: int | None = None, overflow: str | None = None,
+             chat_render: ChatRender | None = None) -> FittedChat:
+    """Render and fit a chat; tokenizer is a trtprompt.tokenizer.Tokenizer; chat_render: the request's tools
+    and template arguments (chat_tools.ChatRender), which every render of the window takes."""
     policy = budget.policy.effective_overflow(overflow)
     limit = budget.limit(policy, max_tokens)
     system, turns = split_turns(messages)
@@ -82,7 +92,7 @@ def fit_chat(messages: Sequence[Message], tokenizer: Any, budget: PromptBudget,
         raise PromptError("input 'messages' holds only system messages: at least one user turn is required")
 
     def render(dropped: int) -> list[int]:
-        return _encode(tokenizer, [*system, *(m for t in turns[dropped:] for m in t)])
+        return encode_messages(tokenizer, [*system, *(m for t in turns[dropped:] for m in t)], chat_render)
 
     ids = render(0)
     if len(ids) <= limit:
@@ -90,7 +100,7 @@ def fit_chat(messages: Sequence[Message], tokenizer: Any, budget: PromptBudget,
     if policy == "reject":
         raise PromptTooLongError(len(ids), limit, budget.max_input_len, budget.reserve(policy, max_tokens))
     if system:
-        alone = len(_encode(tokenizer, system))
+        alone = len(encode_messages(tokenizer, system, chat_render))
         if alone > limit:
             raise PromptError(f"the system message alone is {alone} tokens, more than the maximum input "
                               f"length ({limit}); shorten it", ErrorCode.TOO_LONG)
@@ -119,12 +129,18 @@ def _fewest_drops(render: Any, limit: int, most: int) -> tuple[int, list[int] | 
     return best if best is not None else (most, None)
 
 
-def _encode(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+def encode_messages(tokenizer: Any, messages: Sequence[Message], render: ChatRender | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """The chat's prompt ids, rendered with its tools and template arguments (chat_tools.template_inputs:
+    the fallback for a template without tool support); PromptError when the template refuses it."""
     from jinja2.exceptions import TemplateError
 
+    shown, kwargs = template_inputs(messages, tokenizer.chat_template, render)
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return tokenizer.encode_chat(shown, add_generation_prompt, **kwargs)
     except TemplateError as exc:
         raise PromptError(f"the chat template refused these messages: {exc}") from None
+    except TypeError as exc:  # the template did arithmetic on a value of the wrong type (a template kwarg's)
+        raise PromptError(f"the chat template failed on these messages or chat_template_kwargs: {exc}") from None
     except ValueError as exc:  # no chat template
         raise PromptError(f"cannot render 'messages': {exc}") from None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from trtprompt.error_codes import ErrorCode
 from trtprompt.prompt.budget import PromptBudget, PromptError, PromptPolicy
 from trtprompt.prompt.chat import Message, fit_chat
+from trtprompt.prompt.chat_tools import ChatRender
 from trtprompt.rules import max_input_len
 
 if TYPE_CHECKING:
@@ -52,9 +53,10 @@ class PromptEdge:
             return self._budget
 
     def prepare(self, text: str | None, messages: Sequence[Message] | None, overflow: str | None,
-                cache_salt: str | None, max_tokens: int | None) -> EdgePrompt:
+                cache_salt: str | None, max_tokens: int | None, render: ChatRender | None = None) -> EdgePrompt:
         """messages: the chat as objects, parsed once where the request came in (chat.parse_messages
-        for a Triton `messages` input, the OpenAI body's own list)."""
+        for a Triton `messages` input, the OpenAI body's own list); render: its tools and template
+        arguments (an OpenAI request's)."""
         self.policy.check_salt(cache_salt)
         budget = self.budget()
         overflow = overflow or None
@@ -62,7 +64,7 @@ class PromptEdge:
             if text:
                 raise PromptError("give either 'text_input' or 'messages': with 'messages', send "
                                   "'text_input' empty")
-            fitted = fit_chat(messages, self._tokenizer, budget, max_tokens, overflow)
+            fitted = fit_chat(messages, self._tokenizer, budget, max_tokens, overflow, render)
             return EdgePrompt(fitted.ids, 0, fitted.dropped_turns)
         return self.fit_text(text or "", max_tokens, overflow)
 

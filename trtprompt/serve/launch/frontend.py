@@ -60,6 +60,7 @@ def frontend_command(opts: OpenAIOptions, engine_dir: Path, grpc_url: str, host:
         cmd += ["--engine-socket", direct.socket, "--tokenizer-dir", str(direct.tokenizer_dir)]
     if opts.max_request_bytes is not None:
         cmd += ["--max-request-bytes", str(opts.max_request_bytes)]
+    cmd += ["--tool-call-parser", opts.tool_call_parser, "--reasoning-parser", opts.reasoning_parser]
     return cmd + (["--api-key-file", str(key_file)] if key_file is not None else [])
 
 

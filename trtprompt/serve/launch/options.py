@@ -20,6 +20,7 @@ from trtprompt.engine.request import MAX_SEQUENCES
 from trtprompt.engine.tiers.redis_store import RedisTarget, remote_password
 from trtprompt.interface import OPENAI_PORT
 from trtprompt.secret_source import read_secret
+from trtprompt.serve.openai import parser_options as PO
 from trtprompt.targets import kv_offload
 
 LAYOUTS = knobs.LAYOUTS
@@ -162,10 +163,15 @@ class OpenAIOptions:
     # Largest request body (413 past it, before it is read); None: the front end sizes it from the
     # engine's max_input_len (trtprompt/serve/openai/http_limits.py).
     max_request_bytes: int | None = None
+    # How tool calls and reasoning are parsed from chat answers (serve/openai/parser_options.py; "auto": the
+    # chat template's family).
+    tool_call_parser: str = PO.AUTO
+    reasoning_parser: str = PO.AUTO
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 < self.port < 65536:
             raise ValueError(f"openai port must be in [1, 65535], got {self.port!r}")
+        PO.check_options(self.tool_call_parser, self.reasoning_parser)
         if self.max_request_bytes is not None and (isinstance(self.max_request_bytes, bool) or not isinstance(
                 self.max_request_bytes, int) or self.max_request_bytes < 1):
             raise ValueError(f"max_request_bytes must be a positive integer, got {self.max_request_bytes!r}")

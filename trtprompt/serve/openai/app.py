@@ -16,6 +16,7 @@ http_protocol.py. Every body is read and parsed by json_body.read_json.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -32,6 +33,7 @@ from starlette.routing import Route
 from trtprompt.serve.openai import responses as R
 from trtprompt.serve.openai import tokenize as tok
 from trtprompt.serve.openai.batch import Item, merged
+from trtprompt.serve.openai.chat_answer import TOOL_CALLS, ChoiceStream
 from trtprompt.serve.openai.config import FrontendConfig
 from trtprompt.serve.openai.errors import APIError, unauthorized
 from trtprompt.serve.openai.http_limits import BodyLimit, HttpLimits
@@ -123,6 +125,7 @@ async def _generate(request: Request, kind: str) -> Response:
     source: Source = request.app.state.source
     # Every prompt of a batch is fitted before any is submitted: a refused one starts nothing.
     prepared = [await source.inputs_for(gen, prompt) for prompt in gen.inputs]
+    gen = _answered(gen, prepared)
     items = merged([source.generate(p) for p in prepared])
     env = R.Envelope(kind, cfg.limits.name)
     if not gen.stream:
@@ -136,6 +139,14 @@ async def _generate(request: Request, kind: str) -> Response:
     return StreamingResponse(_events(env, gen, first, items, len(prepared), cfg.tokens_per_block),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _answered(gen: Generation, prepared: list[Any]) -> Generation:
+    """gen with no reasoning to split when its rendered chat already closed the reasoning (the engine
+    path's EngineInputs.reasoning_closed; through Triton the ensemble renders, and nothing says so)."""
+    if gen.chat is None or not any(getattr(p, "reasoning_closed", False) for p in prepared):
+        return gen
+    return dataclasses.replace(gen, chat=gen.chat.without_reasoning())
 
 
 def _grid(prompts: int, sequences: int) -> R.Grid:
@@ -179,12 +190,15 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
 async def _events(env: R.Envelope, gen: Generation, head: tuple[Item | None], items: AsyncGenerator[Item, None],
                   n: int, tokens_per_block: int | None) -> AsyncIterator[bytes]:
     grid, opened = _grid(n, gen.shape.n), [False] * (n * gen.shape.n)  # best_of > n is not streamed
+    # Each chat choice's own parsers, where its answer is parsed (reasoning, tool calls): chat_answer.py.
+    streams = [ChoiceStream(gen.chat) for _ in opened] if gen.chat is not None and gen.chat.changes_answer \
+        else None
     try:
         if head[0] is not None:
-            for out in _event(env, gen, head[0], grid, opened):
+            for out in _event(env, gen, head[0], grid, opened, streams):
                 yield out
         async for item in items:
-            for out in _event(env, gen, item, grid, opened):
+            for out in _event(env, gen, item, grid, opened, streams):
                 yield out
         if gen.include_usage:
             yield R.usage_chunk(env, grid, tokens_per_block)
@@ -195,28 +209,52 @@ async def _events(env: R.Envelope, gen: Generation, head: tuple[Item | None], it
     yield R.DONE
 
 
-def _event(env: R.Envelope, gen: Generation, item: Item, grid: R.Grid, opened: list[bool]) -> list[bytes]:
+def _event(env: R.Envelope, gen: Generation, item: Item, grid: R.Grid, opened: list[bool],
+           streams: list[ChoiceStream] | None = None) -> list[bytes]:
     """The chunks one item of prompt `p` makes: a piece of its sequence s is choice p * n + s, sent when
     it is the choice's first (chat: with the role) or carries text or log probabilities; the prompt's
-    end closes each of its choices with a chunk carrying only the finish_reason."""
+    end closes each of its choices with a chunk carrying only the finish_reason. With `streams` a piece's
+    text goes through its choice's parsers first (reasoning_content, content, tool-call deltas)."""
     p, piece = item
     n = gen.shape.n
     if piece is None:
-        return [_closing(env, gen, grid[p][s], p * n + s, opened) for s in range(n)]
+        return [out for s in range(n) for out in _closing(env, gen, grid[p][s], p * n + s, opened, streams)]
     index, tally = p * n + piece.seq, grid[p][piece.seq]
     first = not opened[index]
     opened[index] = True
     logprobs = R.shown_logprobs(env, gen, piece.logprobs, tally.offset)
     tally.add(piece)
+    if streams is not None:
+        carries = first or (logprobs is not None and bool(piece.logprobs))
+        return _parsed(env, gen, streams[index].feed(piece.text), first, index, logprobs, carries)
     if not (piece.text or first or (logprobs is not None and piece.logprobs)):
         return []
     return [R.chunk(env, gen, piece.text, None, first, index, logprobs)]
 
 
-def _closing(env: R.Envelope, gen: Generation, tally: R.Tally, index: int, opened: list[bool]) -> bytes:
+def _parsed(env: R.Envelope, gen: Generation, deltas: list[dict[str, Any]], first: bool, index: int,
+            logprobs: dict[str, Any] | None, carries: bool) -> list[bytes]:
+    """A piece's chunks once parsed: one per delta, the first with the role (a choice's first piece) and the
+    piece's log probabilities; a piece whose text the parsers hold back still opens its choice or carries
+    its log probabilities (`carries`), with an empty delta."""
+    if not deltas and carries:
+        deltas = [{}]
+    return [R.chunk(env, gen, None, None, first and i == 0, index, logprobs if i == 0 else None, delta)
+            for i, delta in enumerate(deltas)]
+
+
+def _closing(env: R.Envelope, gen: Generation, tally: R.Tally, index: int, opened: list[bool],
+             streams: list[ChoiceStream] | None = None) -> list[bytes]:
+    """The choice's last chunks: what its parsers still held, then the finish_reason ("tool_calls" when
+    it called tools)."""
     first = not opened[index]
     opened[index] = True
-    return R.chunk(env, gen, None, tally.finish_reason(gen.max_tokens), first, index)
+    reason = tally.finish_reason(gen.max_tokens)
+    if streams is None:
+        return [R.chunk(env, gen, None, reason, first, index)]
+    held = _parsed(env, gen, streams[index].finish(), first, index, None, False)
+    reason = TOOL_CALLS if streams[index].called else reason
+    return held + [R.chunk(env, gen, None, reason, first and not held, index)]
 
 
 async def _api_error(_request: Request, exc: Any) -> Response:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from trtprompt.engine.engine_dir import load_engine_config
 from trtprompt.serve.openai.params import ModelLimits
+from trtprompt.serve.openai.parser_options import served_parsers
+from trtprompt.tokenizer import read_chat_template
 
 API_KEY_ENV = "TRTPROMPT_API_KEY"
 
@@ -21,6 +23,16 @@ def source_model(root: Path) -> str | None:
     source = meta.get("source") if isinstance(meta, dict) else None
     model = source.get("model") if isinstance(source, dict) else None
     return model if isinstance(model, str) and model else None
+
+
+def chat_template_of(root: Path, tokenizer_dir: str | None) -> str | None:
+    """The served checkpoint's chat template (the parsers' "auto" reads it): --tokenizer-dir's, else the
+    engine's tokenizer/, else the files beside a trtllm-build engine; None where there is none."""
+    folder = Path(tokenizer_dir) if tokenizer_dir else root / "tokenizer" if (root / "tokenizer").is_dir() else root
+    try:
+        return read_chat_template(folder)
+    except (OSError, ValueError):  # unreadable: the engine path reports the tokenizer's own problem
+        return None
 
 
 @dataclass(frozen=True)
@@ -50,8 +62,10 @@ class FrontendConfig:
     @classmethod
     def for_engine(cls, engine_dir: str | Path, grpc_url: str, api_key: str | None = None,
                    name: str | None = None, engine_socket: str | None = None,
-                   tokenizer_dir: str | None = None) -> "FrontendConfig":
-        """The served model's id, max_model_len, vocabulary and block size, read once.
+                   tokenizer_dir: str | None = None, tool_call_parser: str = "auto",
+                   reasoning_parser: str = "auto") -> "FrontendConfig":
+        """The served model's id, max_model_len, vocabulary and block size, and its tool-call and reasoning
+        parsers (serve/openai/tools.py served_parsers: "auto" reads the chat template), read once.
 
         The id is `name`, else the model's own name as the build recorded it (trtprompt.json's
         source.model, what routers such as sglang-router read from /v1/models or /server_info),
@@ -62,7 +76,8 @@ class FrontendConfig:
         tpb = (build.get("plugin_config") or {}).get("tokens_per_block", build.get("tokens_per_block"))
         vocab = config["pretrained_config"].get("vocab_size")
         model_id = name or source_model(root) or root.name
+        parsers = served_parsers(tool_call_parser, reasoning_parser, chat_template_of(root, tokenizer_dir))
         limits = ModelLimits(model_id, int(build["max_seq_len"]), int(vocab) if vocab is not None else None,
-                             tuple(n for n in (root.name,) if n != model_id))
+                             tuple(n for n in (root.name,) if n != model_id), parsers)
         return cls(grpc_url, limits, int(tpb) if tpb is not None else None, api_key,
                    engine_socket=engine_socket, engine_dir=str(root), tokenizer_dir=tokenizer_dir)

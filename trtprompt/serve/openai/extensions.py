@@ -14,7 +14,8 @@ to each request), and benchmark clients send vLLM's. Each field here is, by its 
 The extensions this server honours (top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
 stop_token_ids, cache_salt, skip_special_tokens, retention, use_beam_search, length_penalty,
 early_stopping; prompt_logprobs, allowed_token_ids, bad_words, include_stop_str_in_output in
-answer_params.py) are parsed in params.py. docs/openai.md,
+answer_params.py; the structured-output fields, guided_* and structured_outputs, SGLang's regex, ebnf
+and json_schema, in guided.py) are parsed in params.py. docs/openai.md,
 "Extension fields", is the table of both.
 """
 
@@ -53,8 +54,8 @@ def _e(name: str, same: tuple[Any, ...], action: str, why: str, kinds: tuple[str
     return Extension(name, same, action, why, kinds)
 
 
-NO_CONSTRAINTS = "no constrained decoding (grammars, regexes, JSON schemas)"
-NO_REASONING = "no reasoning parser here: reasoning is never split from the content"
+# chat_template_kwargs, include_reasoning and separate_reasoning are honoured (tools.py).
+STREAMED_REASONING = "reasoning_content is always streamed as it is generated (--reasoning-parser)"
 EXTENSIONS: tuple[Extension, ...] = (
     # vLLM and SGLang sampling and output controls
     _e("no_stop_trim", (False,), REFUSE, "a matched stop string is always trimmed from the output"),
@@ -74,16 +75,6 @@ EXTENSIONS: tuple[Extension, ...] = (
     _e("routed_dp_rank", (0,), REFUSE, "one data-parallel rank (0)"),
     _e("data_parallel_rank", (0,), REFUSE, "one data-parallel rank (0)"),
     _e("disagg_prefill_dp_rank", (0,), REFUSE, "no prefill/decode disaggregation"),
-    _e("guided_json", (), REFUSE, NO_CONSTRAINTS),
-    _e("guided_regex", (), REFUSE, NO_CONSTRAINTS),
-    _e("guided_choice", (), REFUSE, NO_CONSTRAINTS),
-    _e("guided_grammar", (), REFUSE, NO_CONSTRAINTS),
-    _e("guided_decoding_backend", (), REFUSE, NO_CONSTRAINTS),
-    _e("guided_whitespace_pattern", (), REFUSE, NO_CONSTRAINTS),
-    _e("structural_tag", (), REFUSE, NO_CONSTRAINTS),
-    _e("regex", (), REFUSE, NO_CONSTRAINTS),
-    _e("ebnf", (), REFUSE, NO_CONSTRAINTS),
-    _e("json_schema", (), REFUSE, NO_CONSTRAINTS),
     _e("stop_regex", (), REFUSE, "stop strings only, no stop regexes"),
     _e("priority", (0,), REFUSE, "no priority scheduling (vLLM refuses it as well without one)"),
     _e("lora_path", (), REFUSE, "no LoRA adapters"),
@@ -116,14 +107,11 @@ EXTENSIONS: tuple[Extension, ...] = (
     _e("continue_final_message", (False,), REFUSE, "the chat template always opens a new assistant turn "
        "after the last message", ("chat",)),
     _e("chat_template", (), REFUSE, "the checkpoint's own chat template is used", ("chat",)),
-    _e("chat_template_kwargs", (), REFUSE, "the chat template is rendered with no extra arguments", ("chat",)),
     _e("documents", (), REFUSE, "the chat template is rendered without documents", ("chat",)),
     _e("input_ids", (), REFUSE, "send token ids as /v1/completions' prompt", ("chat",)),
     _e("task", (), REFUSE, "no DeepSeek task tokens", ("chat",)),
     _e("reasoning_effort", (), REFUSE, "not passed to the chat template", ("chat",)),
-    _e("include_reasoning", (True,), NOTE, NO_REASONING, ("chat",)),
-    _e("separate_reasoning", (True,), NOTE, NO_REASONING, ("chat",)),
-    _e("stream_reasoning", (True,), NOTE, NO_REASONING, ("chat",)),
+    _e("stream_reasoning", (True,), NOTE, STREAMED_REASONING, ("chat",)),
 )
 
 

@@ -1,8 +1,7 @@
 """Parse and check an OpenAI request body into a `Generation`: the sampling parameters built once
 (SamplingParams), the prompts (text or token ids, one or a batch) or the chat, and how to answer.
 
-Strict by design: a parameter this server cannot honour (tools, a response_format
-other than text, suffix, ...) is refused with a 400
+Strict by design: a parameter this server cannot honour (suffix, the legacy functions, ...) is refused with a 400
 naming it, and so is a field neither OpenAI's API nor vLLM's or SGLang's
 extensions define (extensions.py: those not honoured here are accepted at the
 value that asks for this server's behaviour, noted, or refused).
@@ -21,7 +20,13 @@ from trtprompt.prompt.chat import Message
 from trtprompt.serve.openai import extensions
 from trtprompt.serve.openai.answer_params import Shape, Vocabulary, flag, parse_shape, parse_vocabulary, shown
 from trtprompt.serve.openai.errors import APIError, bad_request
+from trtprompt.serve.openai.guided import EXTENSION_FIELDS as GUIDE_FIELDS
+from trtprompt.serve.openai.guided import Guide, client_error, parse_guide
+from trtprompt.serve.openai.parser_options import ServedParsers
 from trtprompt.serve.openai.retention import CacheMark, cache_mark, parse_retention, with_marks
+from trtprompt.serve.openai.tools import FIELDS as TOOL_FIELDS
+from trtprompt.serve.openai.tools import ChatPlan, parse_chat_plan, with_tool_guide
+from trtprompt.serve.openai.tools import message_fields as tool_message_fields
 
 # Parameters with no effect on the output that clients commonly send.
 METADATA_FIELDS = ("user", "metadata", "store", "service_tier")
@@ -29,14 +34,13 @@ METADATA_FIELDS = ("user", "metadata", "store", "service_tier")
 HONOURED_EXTENSIONS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
                        "cache_salt", "skip_special_tokens", "retention", "prompt_logprobs", "allowed_token_ids",
                        "bad_words", "include_stop_str_in_output", "use_beam_search", "length_penalty",
-                       "early_stopping")
+                       "early_stopping") + GUIDE_FIELDS
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                  "frequency_penalty", "stream", "stream_options", "n", "logprobs", "logit_bias",
                  "best_of") + HONOURED_EXTENSIONS + METADATA_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "suffix", "response_format") + extensions.names("completion")
-CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                               "functions", "function_call", "parallel_tool_calls",
-                               "response_format") + extensions.names("chat")
+CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs", "functions", "function_call",
+                               "response_format") + TOOL_FIELDS + extensions.names("chat")
 # Each prompt of a batch is one engine request: a batch past this is refused rather than filling the queue.
 MAX_BATCH_PROMPTS = 64
 # OpenAI's bounds for the parameters it defines (closed intervals).
@@ -57,6 +61,7 @@ class ModelLimits:
     max_model_len: int  # the engine's max_seq_len
     vocab_size: int | None = None  # None: token-id prompts are checked by the engine only
     aliases: tuple[str, ...] = ()  # other names a request's `model` may use (the engine directory's)
+    parsers: ServedParsers = ServedParsers()  # tool-call and reasoning parsers (tools.py), by serve options
 
     @property
     def max_output_len(self) -> int:
@@ -88,6 +93,10 @@ class Generation:
     # encodes them, as it does stop words)
     shape: Shape = Shape()
     bad_words: tuple[str, ...] = ()
+    # The client's field the sampling's guide came from (guided.py): the engine's errors about the guide name it.
+    guide_field: str | None = None
+    # A chat's tools, tool_choice, template kwargs and reasoning fields (tools.py); None for completions.
+    chat: ChatPlan | None = None
 
     @property
     def max_tokens(self) -> int:
@@ -115,11 +124,16 @@ def parse_request(kind: str, body: Any, limits: ModelLimits) -> Generation:
     options = body.get("stream_options")
     if options is not None and not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    sampling = _sampling_params(body, max_tokens, limits, shape, vocabulary)
+    guide = parse_guide(body)
+    sampling = _sampling_params(body, max_tokens, limits, shape, vocabulary, guide)
     notes += _beam_notes(body, shape)
+    plan = parse_chat_plan(body, limits.parsers) if kind == "chat" else None  # tools and reasoning: tools.py
+    sampling = sampling if plan is None else with_tool_guide(sampling, plan)
+    skip_special = flag(body, "skip_special_tokens", True) and not (plan and plan.keeps_special_tokens)
+    guide_field = guide.field if guide else plan.guide_field if plan else None
     return Generation(kind, prompts, messages, sampling, _stop(body), _salt(body), stream, _include_usage(options),
-                      flag(body, "skip_special_tokens", True), notes, with_marks(parse_retention(body), marks),
-                      marks, shape, vocabulary.bad_words)
+                      skip_special, notes, with_marks(parse_retention(body), marks),
+                      marks, shape, vocabulary.bad_words, guide_field, plan)
 
 
 def _check_fields(kind: str, body: Mapping[str, Any]) -> None:
@@ -147,15 +161,11 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     """Parameters that would change the answer in a way this server cannot: 400, never ignored."""
     if body.get("suffix"):
         _unsupported("suffix", body["suffix"], "no insertion (fill-in-the-middle) mode")
-    for param in ("tools", "functions"):
-        if body.get(param):
-            _unsupported(param, "[...]", "no tool or function calling")
-    for param in ("tool_choice", "function_call"):
-        if body.get(param) not in (None, "none"):
-            _unsupported(param, body[param], "no tool or function calling")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        _unsupported("response_format", fmt, "only {\"type\": \"text\"}: no JSON mode or schema")
+    # tools and tool_choice: tools.py. The legacy function-calling fields are refused, pointing at those.
+    if body.get("functions"):
+        _unsupported("functions", "[...]", "send tools (the legacy functions field is not served)")
+    if body.get("function_call") not in (None, "none"):
+        _unsupported("function_call", body["function_call"], "send tool_choice (the legacy field is not served)")
 
 
 PROMPT_FORMS = ("'prompt' is required: a non-empty string, a list of token ids, or a batch (a list) of "
@@ -218,7 +228,7 @@ def _marks(content: Any, i: int) -> list[CacheMark]:
             for j, part in enumerate(content) if part.get("cache_control") is not None]
 
 
-def _message(m: Any, i: int) -> dict[str, str]:
+def _message(m: Any, i: int) -> Message:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad_request(f"{where} must be an object with 'role' and 'content'", where)
@@ -227,10 +237,12 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if role is None:
         raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {shown(raw_role)}",
                           f"{where}.role")
-    if m.get("tool_calls") or m.get("function_call"):
-        raise bad_request(f"{where}: tool calls are not supported", f"{where}.tool_calls",
+    if m.get("function_call"):
+        raise bad_request(f"{where}.function_call is not supported: send tool_calls", f"{where}.function_call",
                           "unsupported_parameter")
-    return {"role": role, "content": _content(m.get("content"), where)}
+    extra = tool_message_fields(m, role, where)  # tool_calls, tool_call_id, name (tools.py)
+    content = None if m.get("content") is None and "tool_calls" in extra else _content(m.get("content"), where)
+    return {"role": role, "content": content, **extra}
 
 
 def _content(content: Any, where: str) -> str:
@@ -301,7 +313,7 @@ OPENAI_NAMES = {"extra_end_ids": "stop_token_ids"}
 
 
 def _sampling_params(body: Mapping[str, Any], max_tokens: int, limits: ModelLimits, shape: Shape,
-                     vocabulary: Vocabulary) -> SamplingParams:
+                     vocabulary: Vocabulary, guide: Guide | None = None) -> SamplingParams:
     prompt_logprobs = shape.engine_prompt_logprobs
     if max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0  # echo alone with max_tokens 0: the engine's prompt-scoring request, shown as text
@@ -310,10 +322,13 @@ def _sampling_params(body: Mapping[str, Any], max_tokens: int, limits: ModelLimi
     fields, beams = _sampling(body, max_tokens, limits), _beam_search(body, shape, max_tokens)
     if beams:  # every other field asks nothing here (_beam_search refused those that did)
         fields = {k: v for k, v in fields.items() if k in BEAM_KEPT} | beams
+    if guide is not None:  # after the beam fields: the engine refuses a guide with beams, named as sent
+        fields |= guide.sampling_fields()
     try:
         return SamplingParams(max_tokens=max_tokens, **fields, **answer, **vocabulary.sampling_fields())
     except FieldError as exc:  # the engine's bounds (seed's among them), where they are tighter than OpenAI's
-        raise bad_request(str(exc), OPENAI_NAMES.get(exc.field, exc.field)) from None
+        error = bad_request(str(exc), OPENAI_NAMES.get(exc.field, exc.field))
+        raise client_error(error, guide.field if guide else None) from None
 
 
 # What beam search does not combine with (engine/request.py BEAM_SEARCH_EXCLUDES, by their OpenAI names),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from trtprompt.serve.openai.answer_params import Shape
+from trtprompt.serve.openai.chat_answer import assembled
 from trtprompt.serve.openai.logprobs import (
     TokenLogprob,
     chat_logprobs,
@@ -139,6 +140,10 @@ def full_response(env: Envelope, gen: Generation, grid: Grid, tokens_per_block: 
 
 def _choice(env: Envelope, gen: Generation, t: Tally, index: int) -> dict[str, Any]:
     text, reason, lps = "".join(t.text), t.finish_reason(gen.max_tokens), shown_logprobs(env, gen, t.logprobs, 0)
+    if env.kind == "chat" and gen.chat is not None and gen.chat.changes_answer:  # reasoning and tool calls parsed
+        answer = assembled(text, gen.chat)
+        return {"index": index, "message": answer.message(), "logprobs": lps,
+                "finish_reason": answer.finish_reason(reason)}
     if env.kind == "chat":
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lps,
                 "finish_reason": reason}
@@ -163,16 +168,20 @@ def shown_logprobs(env: Envelope, gen: Generation, lps: Sequence[TokenLogprob] |
 
 
 def chunk(env: Envelope, gen: Generation, text: str | None, finish_reason: str | None = None,
-          first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> bytes:
-    """One streamed chunk of choice `index` (text None: the closing chunk with only a finish_reason)."""
+          first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None,
+          delta: dict[str, Any] | None = None) -> bytes:
+    """One streamed chunk of choice `index` (text None: the closing chunk with only a finish_reason). delta:
+    a chat delta's fields as given (chat_answer.ChoiceStream's: reasoning_content, tool_calls), not text."""
     if env.kind == "completion":
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text is not None:
-            delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        fields: dict[str, Any] = {"role": "assistant"} if first else {}
+        if delta is not None:
+            fields |= delta
+        elif text is not None:
+            fields["content"] = text
+        choice = {"index": index, "delta": fields, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     payload = env.head(obj) | {"choices": [choice]}
     if gen.include_usage:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from trtprompt.interface import DEFAULT_GRPC_URL, DEFAULT_HOST, OPENAI_PORT
 from trtprompt.serve.openai import http_limits as H
+from trtprompt.serve.openai import parser_options as PO
 from trtprompt.serve.openai.config import API_KEY_ENV, FrontendConfig
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
 
@@ -35,8 +36,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--engine-socket", help="the torch target's engine process socket: send requests there "
                     "directly instead of through tritonserver (fused layout; `trtprompt serve` sets it)")
     ap.add_argument("--tokenizer-dir", help="tokenizer for --engine-socket (default: the engine directory's)")
+    _parser_args(ap)
     _limit_args(ap)
     return ap.parse_args(argv)
+
+
+def _parser_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--tool-call-parser", choices=PO.TOOL_CALL_PARSER_OPTIONS, default=PO.AUTO,
+                    help=PO.TOOL_CALL_PARSER_HELP + " (default: %(default)s)")
+    ap.add_argument("--reasoning-parser", choices=PO.REASONING_PARSER_OPTIONS, default=PO.AUTO,
+                    help=PO.REASONING_PARSER_HELP + " (default: %(default)s)")
 
 
 def _limit_args(ap: argparse.ArgumentParser) -> None:
@@ -79,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = FrontendConfig.for_engine(args.engine_dir, args.grpc_url, read_api_key(args.api_key_file),
-                                        args.model_name, args.engine_socket, args.tokenizer_dir)
+                                        args.model_name, args.engine_socket, args.tokenizer_dir,
+                                        args.tool_call_parser, args.reasoning_parser)
         limits = http_limits(args)
     except (OSError, ValueError) as exc:
         print(f"openai front end: {exc}", file=sys.stderr)

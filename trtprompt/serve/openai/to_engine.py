@@ -24,12 +24,16 @@ from typing import AsyncGenerator
 from trtprompt.engine.engine_dir import read_engine_dir
 from trtprompt.engine.request import RetentionConfig, SamplingParams
 from trtprompt.error_codes import BadRequestError, RequestError
-from trtprompt.prompt.budget import PromptPolicy
+from trtprompt.prompt.budget import PromptError, PromptPolicy
+from trtprompt.prompt.chat import encode_messages
+from trtprompt.prompt.chat_tools import ChatRender
 from trtprompt.prompt.edge import PromptEdge
 from trtprompt.serve.openai.answer_params import Shape, bad_word_ids
 from trtprompt.serve.openai.engine_pieces import Echo, PieceReader
 from trtprompt.serve.openai.errors import APIError, from_error
+from trtprompt.serve.openai.guided import client_error
 from trtprompt.serve.openai.params import Generation, Prompt
+from trtprompt.serve.openai.reasoning import end_tag
 from trtprompt.serve.openai.retention import mark_ranges
 from trtprompt.serve.openai.to_triton import Piece
 from trtprompt.serve.wire import protocol as P
@@ -47,6 +51,8 @@ from trtprompt.serve.wire.requests import (
 from trtprompt.tokenizer import Tokenizer
 
 log = logging.getLogger("trtprompt.openai")
+# Tokens at the end of a rendered chat that are decoded to see whether it closed the reasoning.
+REASONING_TAIL_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,10 @@ class EngineInputs:
     skip_special_tokens: bool  # the OpenAI extension; the fused ensemble's own is SKIP_SPECIAL_TOKENS
     shape: Shape = Shape()
     echo: Echo | None = None  # completions' echo: the prompt as the answer starts with it
+    guide_field: str | None = None  # the client's field the guide came from: the engine's guide errors name it
+    # The rendered chat already closed the reasoning (Qwen3's empty think block with enable_thinking false):
+    # the answer has none to split, and a guide holds from the first token.
+    reasoning_closed: bool = False
 
 
 def api_error_of(exc: BaseException) -> APIError:
@@ -98,15 +108,32 @@ class EnginePath:
             else:
                 text = TextRequest(text=prompt or "", sampling=sampling, stream=gen.stream,
                                    messages=gen.messages, cache_salt=gen.cache_salt, stop_words=gen.stop,
-                                   retention=gen.retention)
+                                   retention=gen.retention, chat_render=gen.chat.render if gen.chat else None)
                 prepared = prepare(text, self.edge, self.tokenizer)
-            return EngineInputs(self._marked(gen, prepared), gen.skip_special_tokens, gen.shape,
-                                self._echo(gen, prompt, prepared))
+            closed = self._reasoning_closed(gen, prepared.request.prompt_token_ids)
+            return EngineInputs(self._after_reasoning(self._marked(gen, prepared), closed), gen.skip_special_tokens,
+                                gen.shape, self._echo(gen, prompt, prepared), gen.guide_field, closed)
         except Exception as exc:  # noqa: BLE001 - answered to the client, counted as the ensemble counts it
             if not isinstance(exc, RequestError):
                 log.exception("preparing a request failed")
             report_refused(refusal_reason(exc), self.socket)
             raise api_error_of(exc) from None
+
+    def _reasoning_closed(self, gen: Generation, ids: tuple[int, ...]) -> bool:
+        """Whether the rendered chat ends right after the reasoning parser's end tag (a template that
+        renders an empty think block when thinking is off): the model then answers without reasoning."""
+        if gen.chat is None or gen.chat.reasoning_parser is None:
+            return False
+        tag = end_tag(gen.chat.reasoning_parser)
+        tail = self.tokenizer.decode(ids[-REASONING_TAIL_TOKENS:], skip_special_tokens=False)
+        return tail.rstrip().endswith(tag)
+
+    @staticmethod
+    def _after_reasoning(request: TokenRequest, closed: bool) -> TokenRequest:
+        """A guide held back until the reasoning's end tag holds from the start when the prompt closed it."""
+        if not closed or request.sampling.guide_after is None:
+            return request
+        return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, guide_after=None))
 
     def _with_bad_words(self, gen: Generation) -> SamplingParams:
         """gen's sampling with its bad words as token sequences, encoded as vLLM encodes them."""
@@ -130,18 +157,18 @@ class EnginePath:
         (serve/openai/retention.py), beside the body's decode retention if any."""
         if not gen.cache_marks or gen.messages is None:
             return prepared.request
+        render = gen.chat.render if gen.chat else None
         ranges = mark_ranges(gen.cache_marks, list(gen.messages), prepared.prompt.dropped_turns,
-                             self._prefix_tokens)
+                             functools.partial(self._prefix_tokens, render=render))
         base = gen.retention or RetentionConfig()
         return dataclasses.replace(prepared.request, retention=dataclasses.replace(base, token_ranges=ranges))
 
-    def _prefix_tokens(self, messages: list[dict[str, str]]) -> int:
-        """Tokens of a chat prefix as the template renders it, without the generation prompt."""
-        from jinja2.exceptions import TemplateError
-
+    def _prefix_tokens(self, messages: list[dict[str, str]], render: ChatRender | None = None) -> int:
+        """Tokens of a chat prefix as the template renders it (with the request's tools), without the
+        generation prompt."""
         try:
-            return len(self.tokenizer.encode_chat(messages, add_generation_prompt=False))
-        except (TemplateError, ValueError) as exc:  # e.g. a template that wants a user message last
+            return len(encode_messages(self.tokenizer, messages, render, add_generation_prompt=False))
+        except PromptError as exc:  # e.g. a template that wants a user message last
             raise BadRequestError(f"cache_control: the chat template cannot render the chat up to a marked "
                                   f"part on its own ({exc})", "cache_control") from None
 
@@ -157,7 +184,7 @@ class EnginePath:
         try:
             rid = self.client.submit(req, handle)
         except Exception as exc:  # noqa: BLE001 - engine unavailable or a refused submit
-            raise api_error_of(exc) from None
+            raise client_error(api_error_of(exc), inputs.guide_field) from None
         reader = PieceReader(self.tokenizer, req.prompt_token_ids, inputs.shape, req.stream,
                              inputs.skip_special_tokens, inputs.echo)
         finished = False
@@ -167,7 +194,7 @@ class EnginePath:
                 error = P.entry_error(entry)
                 if error is not None:
                     finished = True
-                    raise api_error_of(error)
+                    raise client_error(api_error_of(error), inputs.guide_field)  # e.g. its schema does not compile
                 finished = entry["finished"]
                 if finished and entry.get("warning"):
                     log.warning("%s", entry["warning"])  # as the fused ensemble logs it

@@ -25,6 +25,7 @@ from tritonclient.grpc import InferInput, InferResult, service_pb2
 from trtprompt.client import aio_channel, grpc_call_metadata, resolve_api_key, stream_request, text_inputs
 from trtprompt.engine.request import SamplingParams
 from trtprompt.serve.openai.errors import APIError, from_triton, unavailable
+from trtprompt.serve.openai.guided import choice_regex, client_error
 from trtprompt.serve.openai.logprobs import TokenLogprob
 from trtprompt.serve.openai.params import Generation, Prompt
 from trtprompt.serve.wire.retention_inputs import STARTS, retention_arrays
@@ -68,7 +69,7 @@ def ensemble_sampling(params: SamplingParams) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(SamplingParams):
         value = getattr(params, f.name)
-        if f.name in ("max_tokens", "stop_token_ids"):
+        if f.name in ("max_tokens", "stop_token_ids") or f.name in GUIDE_FIELDS:  # guide: _guide_inputs
             continue
         if value is not None and (f.name in ALWAYS_SENT or value != getattr(_SAMPLING_DEFAULTS, f.name)):
             out[f.name] = value
@@ -77,6 +78,41 @@ def ensemble_sampling(params: SamplingParams) -> dict[str, Any]:
 
 # The OpenAI field each ensemble input comes from, where the names differ.
 OPENAI_FIELD = {"extra_end_ids": "stop_token_ids"}
+# SamplingParams' guide, sent as tensorrtllm_backend's two guided_decoding inputs instead (_guide_inputs).
+GUIDE_FIELDS = ("guide_type", "guide", "guide_after")
+GUIDE_TYPE_INPUT, GUIDE_INPUT = "guided_decoding_guide_type", "guided_decoding_guide"
+# Guide types tensorrtllm_backend's guided_decoding_guide_type has no value for (choice goes as a regex).
+ENGINE_PATH_GUIDES = ("lark_grammar", "structural_tag")
+
+
+def _guide_inputs(gen: Generation, declared: frozenset[str], model: str) -> dict[str, str]:
+    """The guide as tensorrtllm_backend's guided_decoding_guide_type / guided_decoding_guide inputs (BYTES
+    [1, 1]); what they cannot say is refused naming the client's field, never dropped."""
+    sampling, field = gen.sampling, gen.guide_field or "guide"
+    if sampling.guide_type is None:
+        return {}
+    if GUIDE_TYPE_INPUT not in declared:
+        _refuse(field, f"this server's {model!r} model has no {GUIDE_TYPE_INPUT!r} input")
+    if sampling.guide_type in ENGINE_PATH_GUIDES:
+        _refuse(field, f"the {sampling.guide_type!r} guide has no {GUIDE_TYPE_INPUT} value in tensorrtllm_backend: "
+                "the engine path (the torch target's fused layout) serves it")
+    if sampling.guide_after is not None:
+        _refuse(field, "a guide held until the reasoning ends has no tensorrtllm_backend input: the engine path "
+                "(the torch target's fused layout) serves it")
+    if sampling.guide_type == "choice":
+        return {GUIDE_TYPE_INPUT: "regex", GUIDE_INPUT: choice_regex(json.loads(sampling.guide or "[]"))}
+    if sampling.guide is None:  # json: any JSON object, no guide text
+        return {GUIDE_TYPE_INPUT: sampling.guide_type}
+    return {GUIDE_TYPE_INPUT: sampling.guide_type, GUIDE_INPUT: sampling.guide}
+
+
+class EnsembleInputs(list[InferInput]):
+    """One request's inputs, and the client's field its guide came from: the ensemble's errors about the
+    guide name it."""
+
+    def __init__(self, inputs: Sequence[InferInput], guide_field: str | None) -> None:
+        super().__init__(inputs)
+        self.guide_field = guide_field
 
 
 def _refuse_undeclared(gen: Generation, prompt: Prompt | None, sampling: dict[str, Any],
@@ -103,7 +139,10 @@ def _answer_fields(gen: Generation) -> dict[str, bool]:
             "echo": shape.echo, "prompt_logprobs": shape.prompt_logprobs is not None,
             "logit_bias": bool(sampling.logit_bias), "allowed_token_ids": sampling.allowed_token_ids is not None,
             "bad_words": bool(gen.bad_words), "include_stop_str_in_output": sampling.include_stop_in_output,
-            "use_beam_search": sampling.beam_width > 1}
+            "use_beam_search": sampling.beam_width > 1,
+            # the ensemble renders the chat itself, with no tools or template arguments (serve/openai/tools.py)
+            "tools": bool(gen.chat and gen.chat.tools),
+            "chat_template_kwargs": bool(gen.chat and gen.chat.template_kwargs)}
 
 
 def _refuse_answer_fields(gen: Generation) -> None:
@@ -177,7 +216,7 @@ class TritonEnsemble:
             self._outputs = tuple(name for name in READ_OUTPUTS if name in declared)
         return self._inputs
 
-    async def inputs_for(self, gen: Generation, prompt: Prompt | None) -> list[InferInput]:
+    async def inputs_for(self, gen: Generation, prompt: Prompt | None) -> EnsembleInputs:
         declared = await self.declared_inputs()
         if gen.messages is not None and "messages" not in declared:
             raise APIError(400, f"this server's {self.model!r} model has no 'messages' input (the upstream "
@@ -189,6 +228,7 @@ class TritonEnsemble:
         _refuse_answer_fields(gen)
         optional: dict[str, Any] = ensemble_sampling(gen.sampling)
         _refuse_undeclared(gen, prompt, optional, declared, self.model)
+        optional.update(_guide_inputs(gen, declared, self.model))
         optional.update(self._retention(gen, declared))
         # The chat becomes the `messages` input's JSON here, at the Triton edge, and nowhere else.
         chat = None if gen.messages is None else json.dumps(list(gen.messages), ensure_ascii=False)
@@ -196,8 +236,9 @@ class TritonEnsemble:
         optional.update({name: True for name in REPORTING_INPUTS})
         # stop_words unfiltered: a server without the input must refuse it, not ignore the stops
         text = prompt if isinstance(prompt, str) else ""
-        return text_inputs(text, gen.max_tokens, gen.stream, stop_words=list(gen.stop) or None,
-                           **{k: v for k, v in optional.items() if k in declared})
+        inputs = text_inputs(text, gen.max_tokens, gen.stream, stop_words=list(gen.stop) or None,
+                             **{k: v for k, v in optional.items() if k in declared})
+        return EnsembleInputs(inputs, gen.guide_field)
 
     def _retention(self, gen: Generation, declared: frozenset[str]) -> dict[str, Any]:
         """The body's retention as TensorRT-LLM's six inputs. cache_control marks need the fitted prompt's
@@ -218,6 +259,7 @@ class TritonEnsemble:
         Closing the iterator early (the HTTP client went away) cancels the call.
         """
         request = stream_request(self.model, inputs, uuid.uuid4().hex, self._outputs)
+        guide_field = inputs.guide_field if isinstance(inputs, EnsembleInputs) else None
         finished = asyncio.Event()
 
         async def requests() -> AsyncIterator[Any]:
@@ -230,7 +272,7 @@ class TritonEnsemble:
             async for response in call:
                 if response.error_message:
                     ended = True  # an error response is the request's last
-                    raise from_triton(response.error_message)
+                    raise client_error(from_triton(response.error_message), guide_field)
                 piece = _piece(InferResult(response.infer_response))
                 final = response.infer_response.parameters["triton_final_response"].bool_param
                 ended = final

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from trtprompt.engine.request import RetentionConfig, SamplingParams, TokenRangeRetention
 from trtprompt.error_codes import BadRequestError
 from trtprompt.prompt.chat import Message
+from trtprompt.prompt.chat_tools import ChatRender
 from trtprompt.prompt.edge import EdgePrompt, PromptEdge
 from trtprompt.serve.wire.frames import SubmitFrame
 from trtprompt.tokenizer import Tokenizer
@@ -68,6 +69,7 @@ class TextRequest:
     cache_salt: str | None = None
     stop_words: tuple[str, ...] = ()
     retention: RetentionConfig | None = None  # token ranges over the prompt the engine receives
+    chat_render: ChatRender | None = None  # the chat's tools and template arguments (OpenAI's)
 
     def __post_init__(self) -> None:
         check_text_or_messages(self.text, self.messages)
@@ -171,7 +173,8 @@ class Prepared:
 def prepare(req: TextRequest, edge: PromptEdge, tokenizer: Tokenizer) -> Prepared:
     """Fit the prompt (budget, chat window, salt rule: trtprompt.prompt.edge.PromptEdge) and turn
     stop words into token ids: what the fused ensemble and the OpenAI front end both submit."""
-    prompt = edge.prepare(req.text, req.messages, req.overflow, req.cache_salt, req.sampling.max_tokens)
+    prompt = edge.prepare(req.text, req.messages, req.overflow, req.cache_salt, req.sampling.max_tokens,
+                          req.chat_render)
     sampling = with_stop_words(req.sampling, req.stop_words, tokenizer)
     token_req = TokenRequest(tuple(prompt.ids), sampling, req.stream, req.outputs, req.cache_salt, req.retention)
     return Prepared(token_req, prompt)
