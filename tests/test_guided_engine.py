@@ -16,7 +16,7 @@ import transformers
 from engine_helpers import make_engine, run_to_completion
 
 from trtprompt.engine.engine import LLMEngine
-from trtprompt.engine.guide import MAX_GUIDE_BYTES, grammar_of
+from trtprompt.engine.guide import MAX_GUIDE_BYTES, closed_objects, grammar_of
 from trtprompt.engine.guided import apply_masks, apply_masks_reference
 from trtprompt.engine.request import SamplingParams
 from trtprompt.error_codes import FieldError
@@ -55,7 +55,7 @@ def run(engine: LLMEngine, params: SamplingParams, prompt: list[int] = PROMPT) -
 
 
 def guided(guide_type: str, guide: str | None, **more: Any) -> SamplingParams:
-    return SamplingParams(max_tokens=48, temperature=0.0, guide_type=guide_type, guide=guide, **more)
+    return SamplingParams(**{"max_tokens": 48, "temperature": 0.0, "guide_type": guide_type, "guide": guide, **more})
 
 
 def test_mask_fast_path_equals_the_reference_rule() -> None:
@@ -206,6 +206,31 @@ def test_bad_guides_are_refused_naming_the_field(engine: LLMEngine, params: dict
         engine.add_request("bad", PROMPT, SamplingParams(max_tokens=4, **params))
     assert info.value.field == field and words in str(info.value)
     assert "bad" not in engine.groups
+
+
+def test_objects_that_list_their_properties_take_no_others() -> None:
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {}}},
+                                               "free": {"type": "object"},
+                                               "open": {"type": "object", "properties": {"b": {}},
+                                                        "additionalProperties": True}},
+              "$defs": {"item": {"properties": {"c": {"type": "integer"}}}},
+              "anyOf": [{"properties": {"d": {}}}], "items": {"properties": {"e": {}}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    props = closed["properties"]
+    assert set(props) == {"properties", "free", "open"}  # a property named "properties" is a name, not a keyword
+    assert props["properties"]["additionalProperties"] is False and props["free"] == {"type": "object"}
+    assert props["open"]["additionalProperties"] is True
+    assert closed["$defs"]["item"]["additionalProperties"] is False
+    assert closed["anyOf"][0]["additionalProperties"] is False and closed["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # a copy: the client's schema is not changed
+
+
+def test_a_schema_that_lists_its_properties_gets_no_other_keys(engine: LLMEngine, tokenizer: Any) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"]}
+    text = tokenizer.decode(run(engine, guided("json_schema", json.dumps(schema), max_tokens=64)))
+    assert set(json.loads(text)) == {"n"}, text
 
 
 def test_guide_after_holds_the_grammar_only_after_the_marker(engine: LLMEngine, tokenizer: Any) -> None:

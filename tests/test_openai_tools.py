@@ -218,6 +218,19 @@ def test_auto_answer_without_calls_is_content_and_none_never_parses() -> None:
     assert not ignored.changes_answer and assembled(text, ignored).message()["content"] == text
 
 
+def test_a_forced_call_cut_short_is_length_with_no_content() -> None:
+    """tool_choice required: the answer is calls only; max_tokens cutting the last call leaves no markup in
+    content, and finish_reason stays "length" as OpenAI reports it (Instructor raises on it)."""
+    text = f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{{\"name\": \"get_weather\","
+    forced = ChatPlan(tuple(TOOLS), "required", tool_parser="hermes")
+    answer = assembled(text, forced)
+    assert answer.message()["content"] is None and len(answer.message()["tool_calls"]) == 1
+    assert answer.finish_reason("length") == "length" and answer.finish_reason("stop") == "tool_calls"
+    deltas, called = streamed(forced, text, 3)
+    content, calls, _ = accumulated(deltas)
+    assert called and content is None and [name for name, _ in calls] == ["get_weather"]
+
+
 def test_tool_calls_after_reasoning_are_parsed_from_the_answer_only() -> None:
     thinking = plan("hermes", reasoning_parser="qwen3")
     text = f"<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{CALL}\n</tool_call>"

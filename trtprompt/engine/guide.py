@@ -55,8 +55,8 @@ def grammar_of(guide_type: str, guide: str | None, guide_after: str | None = Non
 
     if guide_type in ("json", "json_schema"):
         text = ANY_OBJECT_SCHEMA if guide_type == "json" else guide or ""
-        _json_object(text, "a JSON schema (an object)")
-        grammar = LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+        schema = closed_objects(_json_object(text, "a JSON schema (an object)"))
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
     elif guide_type == "regex":
         grammar = LLMatcher.grammar_from_regex(guide or "")
     elif guide_type == "choice":
@@ -68,6 +68,40 @@ def grammar_of(guide_type: str, guide: str | None, guide_after: str | None = Non
     else:
         grammar = _structural_tag_grammar(guide or "")
     return grammar if guide_after is None else _after(grammar, guide_after)
+
+
+# Where a schema keyword holds subschemas: one (a schema), a list of them, or a mapping of names to them.
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+        "unevaluatedItems", "unevaluatedProperties", "additionalProperties")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keywords that already say what properties beyond `properties` may be.
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of schema in which an object that lists its `properties` and says nothing of others takes no
+    others (additionalProperties false). JSON Schema allows any unlisted key there, and a small model given
+    that freedom writes keys the application never declared (a tool's arguments with extra keys fail the
+    call); xgrammar's default strict mode, which vLLM, SGLang and TensorRT-LLM use, closes them the same way.
+    A schema that wants open objects says so (additionalProperties true or a schema)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYWORDS):
+        out["additionalProperties"] = False
+    return out
 
 
 def _json_object(text: str, what: str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from starlette.routing import Route
 from trtprompt.serve.openai import responses as R
 from trtprompt.serve.openai import tokenize as tok
 from trtprompt.serve.openai.batch import Item, merged
-from trtprompt.serve.openai.chat_answer import TOOL_CALLS, ChoiceStream
+from trtprompt.serve.openai.chat_answer import ChoiceStream, tool_finish_reason
 from trtprompt.serve.openai.config import FrontendConfig
 from trtprompt.serve.openai.errors import APIError, unauthorized
 from trtprompt.serve.openai.http_limits import BodyLimit, HttpLimits
@@ -253,7 +253,7 @@ def _closing(env: R.Envelope, gen: Generation, tally: R.Tally, index: int, opene
     if streams is None:
         return [R.chunk(env, gen, None, reason, first, index)]
     held = _parsed(env, gen, streams[index].finish(), first, index, None, False)
-    reason = TOOL_CALLS if streams[index].called else reason
+    reason = tool_finish_reason(streams[index].called, reason)
     return held + [R.chunk(env, gen, None, reason, first and not held, index)]
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trtprompt.serve.openai.reasoning import ReasoningStream, split_reasoning
-from trtprompt.serve.openai.tool_parsers import ToolCallStream, parse_tool_calls
+from trtprompt.serve.openai.tool_parsers import ContentDelta, ToolCallStream, parse_tool_calls
 from trtprompt.serve.openai.tools import ChatPlan
 
 TOOL_CALLS = "tool_calls"
@@ -38,7 +38,13 @@ class Assembled:
         return out
 
     def finish_reason(self, engine_reason: str) -> str:
-        return TOOL_CALLS if self.tool_calls else engine_reason
+        return tool_finish_reason(bool(self.tool_calls), engine_reason)
+
+
+def tool_finish_reason(called: bool, engine_reason: str) -> str:
+    """"tool_calls" when calls were parsed, except for an answer max_tokens cut short: that stays "length", as
+    OpenAI reports it (clients such as Instructor raise on it instead of using a truncated answer)."""
+    return TOOL_CALLS if called and engine_reason != "length" else engine_reason
 
 
 def assembled(text: str, plan: ChatPlan) -> Assembled:
@@ -49,6 +55,8 @@ def assembled(text: str, plan: ChatPlan) -> Assembled:
     if plan.parses_tools and plan.tool_parser is not None:
         content, parsed = parse_tool_calls(plan.tool_parser, content or "")
         calls = [c.message() for c in parsed]
+        if plan.forces_call:  # the grammar allowed calls only: what is left is a call max_tokens cut short
+            content = None
     shows = plan.splits_reasoning and plan.include_reasoning
     return Assembled(content, reasoning if shows else None, tuple(calls), shows)
 
@@ -63,6 +71,7 @@ class ChoiceStream:
         self._tools = ToolCallStream(plan.tool_parser) if plan.parses_tools and plan.tool_parser is not None \
             else None
         self._include_reasoning = plan.include_reasoning
+        self._forced = plan.forces_call  # content outside calls is a call cut short (assembled says why)
 
     @property
     def called(self) -> bool:
@@ -90,4 +99,4 @@ class ChoiceStream:
         if self._tools is None:
             return [{"content": text}] if text else []
         events = (self._tools.feed(text) if text else []) + (self._tools.finish() if last else [])
-        return [e.delta() for e in events]
+        return [e.delta() for e in events if not (self._forced and isinstance(e, ContentDelta))]

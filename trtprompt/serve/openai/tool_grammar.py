@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
+from trtprompt.engine.guide import closed_objects
 from trtprompt.error_codes import FieldError
 from trtprompt.serve.openai.tool_parsers import TOOL_PARSERS
 
@@ -95,8 +96,10 @@ def _rooted(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _parameters(params: Mapping[str, Any], base: str) -> Any:
-    """A tool's parameters schema moved to `base`, less the keywords that only mean something at a root."""
-    moved = _relocated(params, base)
+    """A tool's parameters schema moved to `base`, less the keywords that only mean something at a root; its
+    objects take no keys they do not list unless they say so (engine/guide.py closed_objects: a call with
+    keys the tool never declared fails in the application)."""
+    moved = closed_objects(_relocated(params, base))
     for key in _ROOT_ONLY:
         moved.pop(key, None)
     return moved

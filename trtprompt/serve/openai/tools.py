@@ -58,6 +58,11 @@ class ChatPlan:
             raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
 
     @property
+    def forces_call(self) -> bool:
+        """Whether a grammar holds the answer to tool calls (tool_choice "required" or a named function)."""
+        return self.tool_choice in ("required", NAMED)
+
+    @property
     def parses_tools(self) -> bool:
         """Whether the answer is read for tool calls (tool_choice other than none)."""
         return self.tool_choice != "none" and self.tool_parser is not None
