@@ -2,7 +2,7 @@
 """Engine benchmarks of the embedded torch target, each A/B measured side by side in one run.
 
     python scripts/bench_engine.py ENGINE_DIR --hf-dir CHECKPOINT \
-        [--only prefix,throughput,chunked,overhead,sequences,logprobs]
+        [--only prefix,throughput,chunked,overhead,sequences,logprobs,guided]
 
 Writes JSON to --out (default bench-results/engine.json) and prints a Markdown table.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from trtprompt.bench import offline, request_features
+from trtprompt.bench import guided, offline, request_features
 
-SCENARIOS = ("prefix", "throughput", "chunked", "overhead", "sequences", "logprobs")
+SCENARIOS = ("prefix", "throughput", "chunked", "overhead", "sequences", "logprobs", "guided")
 
 
 def markdown(results: dict) -> str:
@@ -60,6 +60,8 @@ def main() -> None:
         results["sequences"] = request_features.sequences(args.engine_dir)
     if "logprobs" in wanted:
         results["logprobs"] = request_features.logprobs(args.engine_dir)
+    if "guided" in wanted:  # issue 38's targets; sizes and families: python -m trtprompt.bench.guided --help
+        results["guided"] = guided.run(args.engine_dir)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
     print(markdown(results))
