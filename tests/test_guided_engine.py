@@ -46,6 +46,17 @@ def engine(checkpoint: Path) -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
+def plain(checkpoint: Path) -> LLMEngine:
+    """Jump-forward off: one model step per token, as transformers' generate()."""
+    return engine_of(checkpoint, jump_forward=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint: Path) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
 def tokenizer(checkpoint: Path) -> Any:
     return transformers.AutoTokenizer.from_pretrained(checkpoint)
 
@@ -78,22 +89,25 @@ def test_mask_fast_path_equals_the_reference_rule() -> None:
     ("lark_grammar", LARK, lambda text: re.fullmatch(r"x=[0-9]{1,2}", text) is not None),
 ])
 def test_greedy_guided_tokens_equal_transformers_under_the_same_grammar(
-        checkpoint: Path, tokenizer: Any, guide_type: str, guide: str, holds: Callable[[str], bool]) -> None:
-    plain = engine_of(checkpoint, jump_forward=False)
+        hf_model: Any, tokenizer: Any, engine: LLMEngine, plain: LLMEngine, guide_type: str, guide: str,
+        holds: Callable[[str], bool]) -> None:
     params = guided(guide_type, guide)
+    plain_steps = plain.iteration_counter
     tokens = run(plain, params)
-    assert tokens == hf_guided_greedy(checkpoint, plain, params)
+    plain_steps = plain.iteration_counter - plain_steps
+    assert tokens == hf_guided_greedy(hf_model, plain, params)
     text = tokenizer.decode(tokens)
     assert holds(text), text
     # Jump-forward: the same text, and the request asks the model for fewer tokens (forced ones are a chunk).
-    jumping = engine_of(checkpoint)
-    assert tokenizer.decode(run(jumping, params)) == text
-    assert jumping.iteration_counter <= plain.iteration_counter
+    steps = engine.iteration_counter
+    assert tokenizer.decode(run(engine, params)) == text
+    steps = engine.iteration_counter - steps
+    assert steps <= plain_steps
     if guide_type == "json_schema":  # its keys and punctuation are forced
-        assert jumping.iteration_counter < plain.iteration_counter
+        assert steps < plain_steps
 
 
-def hf_guided_greedy(checkpoint: Path, engine: LLMEngine, params: SamplingParams) -> list[int]:
+def hf_guided_greedy(model: Any, engine: LLMEngine, params: SamplingParams) -> list[int]:
     """transformers' greedy generate() with the same grammar's mask applied by a logits processor."""
     matcher = engine.guides.matcher(params)
     from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
@@ -107,7 +121,6 @@ def hf_guided_greedy(checkpoint: Path, engine: LLMEngine, params: SamplingParams
             apply_masks_reference(scores, [0], mask)
             return scores
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     eos = sorted(engine.end_ids)[0]
     with torch.no_grad():
         out = model.generate(torch.tensor([PROMPT]), max_new_tokens=params.max_tokens, do_sample=False,
