@@ -265,3 +265,72 @@ def test_an_engine_without_a_tokenizer_refuses_guided_requests(checkpoint: Path)
     bare = make_engine(checkpoint)
     with pytest.raises(FieldError, match="needs the engine's tokenizer"):
         bare.add_request("g", PROMPT, guided("regex", "a+"))
+
+
+@pytest.mark.parametrize("guide_type, guide", [
+    ("json", None), ("json_schema", json.dumps(SCHEMA)), ("regex", REGEX), ("choice", '["red", "blue"]'),
+    ("ebnf_grammar", GBNF), ("lark_grammar", LARK),
+    ("structural_tag", json.dumps({"structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+                                   "triggers": ["<f"]})),
+])
+def test_every_guide_type_can_be_held_until_reasoning_ends(engine: LLMEngine, guide_type: str,
+                                                          guide: str | None) -> None:
+    engine.guides.matcher(SamplingParams(guide_type=guide_type, guide=guide, guide_after="</think>"))
+
+
+def test_a_marker_that_is_a_vocabulary_token_is_matched_as_that_token(engine: LLMEngine, tokenizer: Any) -> None:
+    """llguidance never matches an added token by its text: "<|end|>" (id 3 of the demo vocabulary) as a
+    reasoning end, and "<|user|>" (id 5) as a Lark literal, must take the token the model writes."""
+    from llguidance import LLMatcher
+
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    end, user = tokenizer.convert_tokens_to_ids(["<|end|>", "<|user|>"])
+    after = engine.guides.matcher(SamplingParams(guide_type="regex", guide="[0-9]{2}", guide_after="<|end|>"))
+    assert after.consume_tokens(encode("some thought") + [end] + encode("42")) and after.is_accepting()
+    lark = engine.guides.matcher(SamplingParams(guide_type="lark_grammar", guide='start: "<|user|>" /[a-z]+/'))
+    assert lark.consume_tokens([user] + encode("abc")) and lark.is_accepting()
+    assert isinstance(lark, LLMatcher)
+
+
+def test_a_forced_run_longer_than_the_step_budget_is_chunked(checkpoint: Path, tokenizer: Any) -> None:
+    """Jump-forward appends the whole forced text; with chunked context off it still computes in chunks."""
+    literal = "hello world " * 20
+    small = engine_of(checkpoint, chunked=False, max_num_tokens=64)
+    tokens = run(small, guided("regex", re.escape(literal), max_tokens=200))
+    assert tokenizer.decode(tokens) == literal and len(tokens) > 64
+
+
+def test_a_bad_guide_sent_again_is_refused_afresh(engine: LLMEngine) -> None:
+    """The cached failure is raised as a new error each time: re-raising one object grows its traceback."""
+    import traceback
+
+    depths = []
+    for _ in range(3):
+        with pytest.raises(FieldError) as info:
+            engine.guides.matcher(SamplingParams(guide_type="regex", guide="(unclosed"))
+        depths.append(len(traceback.extract_tb(info.value.__traceback__)))
+    assert depths[0] == depths[1] == depths[2]
+
+
+def test_a_guide_nested_too_deeply_is_refused(engine: LLMEngine) -> None:
+    deep = '{"items": ' * 5000 + "{}" + "}" * 5000
+    with pytest.raises(FieldError, match="nested too deeply|not a valid"):
+        engine.guides.matcher(SamplingParams(guide_type="json_schema", guide=deep))
+
+
+def test_ignore_eos_keeps_a_guided_request_going(engine: LLMEngine, tokenizer: Any) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, guide_type="regex", guide="(ab)+")
+    engine.add_request("ieos", PROMPT, params)
+    outs = iter_outputs(engine)
+    tokens = [t for out in outs for t in out.new_token_ids]
+    assert len(tokens) == 8 and sorted(engine.end_ids)[0] not in tokens
+    assert re.fullmatch("(ab)+", tokenizer.decode(tokens)) and outs[-1].finish_reason.value == "length"
+
+
+def test_all_of_parts_stay_open_so_their_union_validates(engine: LLMEngine, tokenizer: Any) -> None:
+    schema = {"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+              "allOf": [{"$ref": "#/$defs/Base"},
+                        {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}]}
+    matcher = engine.guides.matcher(SamplingParams(guide_type="json_schema", guide=json.dumps(schema)))
+    assert matcher.consume_tokens(tokenizer.encode('{"id": 1, "name": "x"}', add_special_tokens=False))
+    assert matcher.is_accepting()

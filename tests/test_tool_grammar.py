@@ -102,7 +102,7 @@ def test_off_schema_calls_refused(tok: Tok, parser: str) -> None:
 
 def test_grammar_form() -> None:
     hermes = tool_call_grammar("hermes", TOOLS, "get_weather", False)
-    assert hermes.startswith('start: call\ncall: "<tool_call>\\n" obj "\\n</tool_call>"\nobj: %json {')
+    assert hermes.startswith('start: call\ncall: "<tool_call>" "\\n" obj "\\n" "</tool_call>"\nobj: %json {')
     schema = json.loads(hermes.split("%json ", 1)[1])
     assert schema["x-guidance"] == {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     assert schema["anyOf"] == [{"type": "object", "properties": {"name": {"const": "get_weather"},

@@ -416,6 +416,9 @@ class LLMEngine:
                 req.generation_logits.append(raw_row)
             if reason is None and req.matcher is not None:
                 reason = self._guide_end_or_jump(req)
+                if req.matcher.is_error():
+                    outputs.append(self._fail(req, f"engine error: guided decoding: {req.matcher.get_error()}"))
+                    continue
             if reason is not None:
                 self._finish(req, reason)
             out = self._output(req)
@@ -441,7 +444,8 @@ class LLMEngine:
         if not self.config.guided_jump_forward or req.reports_extras:
             return None
         for token in matcher.compute_ff_tokens():
-            matcher.consume_token(token)
+            if not matcher.consume_token(token):  # never appended: _update fails the request on the error
+                return None
             reason = check_stop(req, token)
             if reason is not None:
                 return reason

@@ -10,7 +10,9 @@ pays for (engine/guided.py compiles it, off the step loop).
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from trtprompt.error_codes import FieldError
 
@@ -26,7 +28,8 @@ GUIDE_TYPES = ("json", "json_schema", "regex", "choice", "ebnf_grammar", "lark_g
 MAX_GUIDE_BYTES = 256 * 1024
 # How JSON is written unless the schema's own "x-guidance" says otherwise: compact, no free whitespace.
 # A model left free to add whitespace can fill max_tokens with it (vLLM and xgrammar default the same).
-JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
 # What `json` (any JSON object) compiles as.
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
 
@@ -48,15 +51,31 @@ def check_guide(guide_type: str | None, guide: str | None, guide_after: str | No
         raise FieldError("guide_after", "must be a non-empty string or unset")
 
 
-def grammar_of(guide_type: str, guide: str | None, guide_after: str | None = None) -> str:
+def grammar_of(guide_type: str, guide: str | None, guide_after: str | None = None,
+               marker_tokens: Mapping[str, int] | None = None) -> str:
     """The llguidance grammar (its JSON form) of a checked guide; raise FieldError('guide') for a guide
-    whose text is not of its type's form. Whether the grammar itself is valid is found when it compiles."""
+    whose text is not of its type's form. Whether the grammar itself is valid is found when it compiles.
+
+    marker_tokens: the vocabulary's added tokens (text -> id). llguidance matches an added token only as
+    itself, never as its text, so a Lark literal equal to one (`"<tool_call>"`, `"</think>"`) also takes the
+    token: Qwen and Hermes write those markers as one token each."""
+    try:
+        grammar = _as_json(_grammar_of(guide_type, guide))
+    except RecursionError:
+        raise FieldError("guide", "is nested too deeply") from None
+    markers = marker_tokens or {}
+    if guide_after is not None:
+        grammar = _after(grammar, guide_after, markers.get(guide_after))
+    return with_marker_tokens(grammar, markers)
+
+
+def _grammar_of(guide_type: str, guide: str | None) -> str:
     from llguidance import LLMatcher
 
     if guide_type in ("json", "json_schema"):
         text = ANY_OBJECT_SCHEMA if guide_type == "json" else guide or ""
         schema = closed_objects(_json_object(text, "a JSON schema (an object)"))
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=dict(JSON_DEFAULTS))  # type: ignore[arg-type]
     elif guide_type == "regex":
         grammar = LLMatcher.grammar_from_regex(guide or "")
     elif guide_type == "choice":
@@ -67,13 +86,13 @@ def grammar_of(guide_type: str, guide: str | None, guide_after: str | None = Non
         grammar = LLMatcher.grammar_from_lark(guide or "")
     else:
         grammar = _structural_tag_grammar(guide or "")
-    return grammar if guide_after is None else _after(grammar, guide_after)
+    return grammar
 
 
 # Where a schema keyword holds subschemas: one (a schema), a list of them, or a mapping of names to them.
-_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
-        "unevaluatedItems", "unevaluatedProperties", "additionalProperties")
-_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+# Not into not / if / then / else / contains / propertyNames (closing an object there changes what they mean).
+_ONE = ("items", "additionalItems", "unevaluatedItems", "unevaluatedProperties", "additionalProperties")
+_LIST = ("anyOf", "oneOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 # Keywords that already say what properties beyond `properties` may be.
 _OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
@@ -84,21 +103,35 @@ def closed_objects(schema: Any) -> Any:
     others (additionalProperties false). JSON Schema allows any unlisted key there, and a small model given
     that freedom writes keys the application never declared (a tool's arguments with extra keys fail the
     call); xgrammar's default strict mode, which vLLM, SGLang and TensorRT-LLM use, closes them the same way.
-    A schema that wants open objects says so (additionalProperties true or a schema)."""
+    A schema that wants open objects says so (additionalProperties true or a schema). A schema that uses
+    allOf anywhere is left as it is: its parts each list some of one object's properties, and closing
+    each would make the whole unsatisfiable."""
+    if _uses_all_of(schema):
+        return schema
+    return _closed(schema)
+
+
+def _uses_all_of(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return "allOf" in schema or any(_uses_all_of(v) for v in schema.values())
+    return isinstance(schema, list) and any(_uses_all_of(v) for v in schema)
+
+
+def _closed(schema: Any) -> Any:
     if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
+        return [_closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _ONE:
         if isinstance(out.get(key), dict):
-            out[key] = closed_objects(out[key])
+            out[key] = _closed(out[key])
     for key in _LIST:
         if isinstance(out.get(key), list):
-            out[key] = [closed_objects(s) for s in out[key]]
+            out[key] = [_closed(s) for s in out[key]]
     for key in _MAP:
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+            out[key] = {name: _closed(s) for name, s in out[key].items()}
     if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYWORDS):
         out["additionalProperties"] = False
     return out
@@ -163,12 +196,67 @@ def _as_grammar(lark_or_json: str) -> str:
     return lark_or_json if lark_or_json.lstrip().startswith("{") else LLMatcher.grammar_from_lark(lark_or_json)
 
 
-def _after(grammar: str, marker: str) -> str:
+def _as_json(grammar: str) -> str:
+    """llguidance's grammar_from_lark gives Lark text, its other builders the JSON form: always the JSON form."""
+    if grammar.lstrip().startswith("{"):
+        return grammar
+    return json.dumps({"grammars": [{"lark_grammar": grammar}]})
+
+
+def _after(grammar: str, marker: str, marker_id: int | None) -> str:
     """grammar held only after `marker` (a reasoning model's end of thinking): any text up to and including
-    its first occurrence, then the grammar. The grammar becomes a side grammar the outer one calls (its
-    own side grammars keep their names: it refers to them by name)."""
+    its first occurrence, then the grammar, which becomes a side grammar the outer one calls (its own side
+    grammars keep their names: it refers to them by name). Where the marker is one token of the vocabulary,
+    the token ends the reasoning as the spelled text does."""
     inner = json.loads(grammar)["grammars"]
     inner[0]["name"] = "guided"
-    outer = ("%llguidance {}\nstart: reasoning @guided\nreasoning[lazy]: REASONING_TEXT "
-             + json.dumps(marker) + "\nREASONING_TEXT: /(.|\\n)*/\n")
+    spelled = "REASONING_TEXT " + json.dumps(marker)
+    if marker_id is None:
+        rules = "reasoning[lazy]: " + spelled
+    else:  # a special token cannot sit in a lazy rule: the token's way is an ordinary one
+        rules = f"reasoning: REASONING_TEXT <[{marker_id}]> | spelled\nspelled[lazy]: {spelled}"
+    outer = f"%llguidance {{}}\nstart: reasoning @guided\n{rules}\nREASONING_TEXT: /(.|\\n)*/\n"
     return json.dumps({"grammars": [{"name": "reasoned", "lark_grammar": outer}, *inner]})
+
+
+# A Lark string literal, and a line that starts a definition: its name and attributes ("[lazy]").
+_LITERAL = re.compile(r'"(?:[^"\\\n]|\\.)*"')
+_DEFINITION = re.compile(r"^\s*([A-Za-z_][A-Za-z_0-9]*)\s*(\[[^\]]*\])?\s*:")
+
+
+def with_marker_tokens(grammar: str, markers: Mapping[str, int]) -> str:
+    """The grammar with each Lark literal that is exactly an added token's text also taking that token:
+    `"<tool_call>"` becomes `(<[id]> | "<tool_call>")`, in rules only (a token cannot sit in a terminal or a
+    lazy rule)."""
+    if not markers:
+        return grammar
+    spec = json.loads(grammar)
+    for g in spec["grammars"]:
+        if isinstance(g.get("lark_grammar"), str) and g.get("name") != "reasoned":
+            g["lark_grammar"] = "\n".join(_marked(line, markers, state) for state in [{"rule": True}]
+                                           for line in g["lark_grammar"].split("\n"))
+    return json.dumps(spec)
+
+
+def _marked(line: str, markers: Mapping[str, int], state: dict[str, bool]) -> str:
+    """One line of Lark, its literals marked where it belongs to a rule (state carries that over the
+    continuation lines of a definition)."""
+    head = _DEFINITION.match(line)
+    if head is not None:
+        name, attrs = head.group(1), head.group(2) or ""
+        state["rule"] = name[0].islower() and "lazy" not in attrs
+    if not state["rule"] or line.lstrip().startswith("%"):
+        return line
+
+    def mark(m: re.Match[str]) -> str:
+        try:
+            text = json.loads(m.group(0))
+        except json.JSONDecodeError:
+            return m.group(0)
+        token = markers.get(text) if isinstance(text, str) else None
+        return m.group(0) if token is None else f"(<[{token}]> | {m.group(0)})"
+
+    start = head.end() if head is not None else 0
+    end = line.find("%json", start)  # an inline JSON schema's strings are JSON, not Lark literals
+    end = len(line) if end < 0 else end
+    return line[:start] + _LITERAL.sub(mark, line[start:end]) + line[end:]

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -51,6 +52,7 @@ class GuideCompiler:
         self._cache: OrderedDict[bytes, Future[LLMatcher]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self._tokenizer: LLTokenizer | None = None
+        self._markers: dict[str, int] = {}  # the tokenizer's added tokens, text -> id (guide.with_marker_tokens)
         self._executor: LLExecutor | None = None
         self.compiles = 0  # grammars compiled (not served from the cache), for tests and stats
 
@@ -73,6 +75,8 @@ class GuideCompiler:
         except FutureTimeout:
             raise FieldError("guide", f"did not compile within {COMPILE_TIMEOUT_S:g} s (COMPILE_TIMEOUT_S): "
                                       "simplify the schema or grammar") from None
+        except FieldError as exc:  # a new one each time: re-raising the cached one would grow its traceback
+            raise FieldError(exc.field, exc.rule) from None
         return template.deep_copy()
 
     def _pool_now(self) -> ThreadPoolExecutor:
@@ -84,11 +88,12 @@ class GuideCompiler:
         from llguidance import LLMatcher, LLParserLimits
 
         assert params.guide_type is not None
-        grammar = grammar_of(params.guide_type, params.guide, params.guide_after)
+        tokenizer = self.tokenizer()
+        grammar = grammar_of(params.guide_type, params.guide, params.guide_after, self._markers)
         # llguidance's own bounds on grammar size and per-step work (a guide past them ends its request);
         # errors without the grammar's text, which is the client's and may be large.
         limits = LLParserLimits(verbose_errors=False)
-        matcher = LLMatcher(self.tokenizer(), grammar, log_level=0, limits=limits)
+        matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
             raise FieldError("guide", f"is not a valid {params.guide_type} guide: {_first_line(matcher.get_error())}")
         self.compiles += 1
@@ -111,6 +116,9 @@ class GuideCompiler:
             raise FieldError("guide_type", "guided decoding needs the engine's tokenizer (tokenizer.json), and "
                                            "this engine has none")
         text = path.read_text(encoding="utf-8")
+        added = json.loads(text).get("added_tokens") or []
+        self._markers = {t["content"]: t["id"] for t in added if isinstance(t.get("content"), str)
+                         and len(t["content"]) > 1 and isinstance(t.get("id"), int)}
         eos = self.end_ids or None
         tokenizer = LLTokenizer(text, eos_token=eos)
         if tokenizer.vocab_size < self.vocab_size:
@@ -137,40 +145,47 @@ def _first_line(message: str) -> str:
     return " ".join(lines[:3])[:400] if lines else "unknown error"
 
 
-def _penalty_table(dtype: torch.dtype) -> torch.Tensor:
+def _penalty_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[256, 8]: for each byte value, 0 where its bit b (low bit first) is set and -inf where not. A mask's
     bytes become additive penalties by one index_select; masked_fill over a bool tensor of the whole vocab
     measured 8x slower (docs/structured-outputs.md, "Cost per step")."""
     values = torch.arange(256, dtype=torch.int32).unsqueeze(1)
     bits = ((values >> torch.arange(8, dtype=torch.int32)) & 1).bool()
-    return torch.zeros(256, 8, dtype=dtype).masked_fill_(~bits, float("-inf"))
+    return torch.zeros(256, 8, dtype=dtype).masked_fill_(~bits, float("-inf")).to(device)
 
 
 def fill_masks(compiler: GuideCompiler, reqs: Sequence[Request]) -> torch.Tensor:
-    """[len(reqs), words] int32 bitmasks of each matcher's allowed tokens, filled in one parallel pass;
-    a matcher that accepts the output so far also allows the request's own end tokens."""
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
-
-    masks = allocate_token_bitmask(len(reqs), compiler.tokenizer().vocab_size)
+    """[len(reqs), words] int32 bitmasks of each matcher's allowed tokens, filled in one parallel pass
+    (llguidance's executor writes them in place). The tokenizer's end tokens are the request's own: allowed
+    where the matcher accepts the output so far, never where the request does not end on them (ignore_eos,
+    its own end_id)."""
+    words = (compiler.tokenizer().vocab_size + 31) // 32
+    masks = torch.full((len(reqs), words), -1, dtype=torch.int32)
     matchers = [(r.matcher, i) for i, r in enumerate(reqs) if r.matcher is not None]
-    fill_next_token_bitmask_par(compiler.executor(), matchers, masks)
+    compiler.executor().unsafe_compute_mask_ptr(matchers, masks.data_ptr(), words * 4, len(reqs))
     for i, req in enumerate(reqs):
-        if req.end_ids and req.matcher is not None and req.matcher.is_accepting():
-            for t in req.end_ids:
-                word = int(masks[i, t // 32]) | 1 << (t % 32)
-                masks[i, t // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32's bit 31 is its sign
+        accepting = req.matcher is not None and req.matcher.is_accepting()
+        for t in set(compiler.end_ids) | req.end_ids:
+            _set_bit(masks, i, t, accepting and t in req.end_ids)
     return masks
+
+
+def _set_bit(masks: torch.Tensor, row: int, token: int, allowed: bool) -> None:
+    word = int(masks[row, token // 32]) & 0xFFFFFFFF
+    word = word | 1 << (token % 32) if allowed else word & ~(1 << (token % 32))
+    masks[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32's bit 31 is its sign
 
 
 def mask_penalties(masks: torch.Tensor, vocab: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[rows, words] int32 bitmasks (little-endian words) -> [rows, vocab] additive penalties: 0 allowed, -inf not."""
     as_bytes = masks.contiguous().view(torch.uint8).reshape(-1).long()
-    return _penalty_table(dtype).index_select(0, as_bytes).view(masks.shape[0], -1)[:, :vocab]
+    table = _penalty_table(dtype, as_bytes.device)
+    return table.index_select(0, as_bytes).view(masks.shape[0], -1)[:, :vocab]
 
 
 def apply_masks(logits: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> None:
     """In place: every token a row's mask disallows gets -inf (one add over the guided rows)."""
-    penalties = mask_penalties(masks, logits.shape[1], logits.dtype)
+    penalties = mask_penalties(masks, logits.shape[1], logits.dtype).to(logits.device)
     if len(rows) == logits.shape[0] and list(rows) == list(range(len(rows))):
         logits.add_(penalties)
         return
@@ -188,7 +203,13 @@ def apply_masks_reference(logits: torch.Tensor, rows: Sequence[int], masks: torc
 
 
 def guide_rows(logits: torch.Tensor, reqs: Sequence[Request], compiler: GuideCompiler) -> None:
-    """Mask every guided row of a step's logits (rows: one per request, reqs' order)."""
+    """Mask every guided row of a step's logits (rows: one per request, reqs' order). Should the masks fail,
+    the guided rows are all -inf: those requests fail in the sampler, the batch's other rows go on."""
     guided = [i for i, r in enumerate(reqs) if r.matcher is not None]
-    if guided:
+    if not guided:
+        return
+    try:
         apply_masks(logits, guided, fill_masks(compiler, [reqs[i] for i in guided]))
+    except Exception:  # noqa: BLE001 - fails the guided requests only
+        log.exception("guided decoding masks failed; failing the %d guided requests of this step", len(guided))
+        logits[torch.tensor(guided, dtype=torch.long)] = float("-inf")

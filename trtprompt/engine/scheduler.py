@@ -178,8 +178,9 @@ class Scheduler:
         if remaining <= budget:
             return remaining
         # A preempted request recomputes prompt + output, which may exceed
-        # max_num_tokens; it is chunked even when chunked context is off.
-        if not (self.cfg.enable_chunked_context or req.stats.num_preemptions):
+        # max_num_tokens, and tokens a guided request's grammar forced (jump-forward)
+        # may too: either is chunked even when chunked context is off.
+        if not (self.cfg.enable_chunked_context or req.stats.num_preemptions or req.num_output):
             return 0
         # A chunk that is not the last ends on a block boundary, so every
         # block but the last is complete (and publishable for reuse) after it.

@@ -291,3 +291,5 @@ def _json_value(text: str, field: str, what: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise bad_request(f"{field} must be {what}: {exc}", field) from None
+    except RecursionError:  # JSON text nested past the interpreter's stack
+        raise bad_request(f"{field} must be {what}: it is nested too deeply", field) from None

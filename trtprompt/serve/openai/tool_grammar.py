@@ -17,12 +17,10 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
-from trtprompt.engine.guide import closed_objects
+from trtprompt.engine.guide import JSON_DEFAULTS, closed_objects
 from trtprompt.error_codes import FieldError
 from trtprompt.serve.openai.tool_parsers import TOOL_PARSERS
 
-# Must agree with engine/guide.py JSON_DEFAULTS: the separators parse_tool_calls writes arguments with.
-_X_GUIDANCE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Keywords that only mean something at a schema's root: kept out of a tool's parameters once they are nested.
 _ROOT_ONLY = ("$schema", "$id", "x-guidance")
 
@@ -45,7 +43,9 @@ def tool_call_grammar(parser: str, tools: Sequence[Mapping[str, Any]], name: str
             array["maxItems"] = 1
         return 'start: "[TOOL_CALLS]" calls\ncalls: %json ' + json.dumps(_rooted(array, defs))
     if parser == "hermes":
-        head = 'call: "<tool_call>\\n" obj "\\n</tool_call>"\n'
+        # The markers as literals of their own: the engine lets each also be the vocabulary's one token
+        # for it (engine/guide.py with_marker_tokens; Qwen and Hermes have <tool_call> as a token).
+        head = 'call: "<tool_call>" "\\n" obj "\\n" "</tool_call>"\n'
         start = 'start: call ("\\n" call)*\n' if parallel else "start: call\n"
     else:
         head = "call: obj\n"
@@ -92,7 +92,8 @@ def _call_schema(specs: Mapping[str, Mapping[str, Any]], args_key: str) -> tuple
 
 def _rooted(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """The schema at the %json root, with the writing options and the tools' $defs, where the refs point."""
-    return {"x-guidance": _X_GUIDANCE, "$defs": defs, **schema}
+    # engine/guide.py's JSON_DEFAULTS: the separators parse_tool_calls writes arguments with, too.
+    return {"x-guidance": dict(JSON_DEFAULTS), "$defs": defs, **schema}
 
 
 def _parameters(params: Mapping[str, Any], base: str) -> Any:
