@@ -189,3 +189,33 @@ def wait_for(predicate: Callable[[], object], what: str | Callable[[], str], tim
     while not predicate():
         assert time.monotonic() < deadline, f"{what() if callable(what) else what} within {timeout_s:.0f}s"
         time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- the OpenAI front end, as the tests call it
+
+def openai_client(served: Served) -> Any:
+    """The official openai client on served's OpenAI port (no retries: a failure is the test's)."""
+    import openai
+
+    return openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0)
+
+
+def openai_model(served: Served) -> str:
+    """The model name served's front end answers to."""
+    from trtprompt.serve.openai.config import FrontendConfig
+
+    return FrontendConfig.for_engine(served.engine_dir, "127.0.0.1:1").limits.name
+
+
+def openai_post(served: Served, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST a JSON body to served's OpenAI port: (status, JSON answer), whatever the status."""
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", served.openai, timeout=120)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()

@@ -13,11 +13,12 @@ import numpy as np
 import openai
 import pytest
 import torch
-
 from engine_helpers import _hf_model
 from serve_fixtures import Oracle, Served, check_stopped_cleanly, start_server
+from serve_fixtures import openai_client as client
+from serve_fixtures import openai_model as model
+
 from trtprompt.client import LLMClient, StreamResult, text_inputs, token_inputs
-from trtprompt.serve.openai.config import FrontendConfig
 
 pytestmark = pytest.mark.server
 PROMPT = "The quick brown fox"
@@ -143,14 +144,6 @@ def test_beams_refuse_what_they_do_not_take(beamed: Served, oracle: Oracle, name
     result = infer(beamed, model, inputs)
     assert result.error is not None and f"input '{name}'" in result.error, result.error
     beamed.assert_healthy()
-
-
-def client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0)
-
-
-def model(served: Served) -> str:
-    return FrontendConfig.for_engine(served.engine_dir, "127.0.0.1:1").limits.name
 
 
 def test_openai_use_beam_search_equals_transformers(beamed: Served, oracle: Oracle, checkpoint: Path) -> None:

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import http.client
 import json
 import re
 from typing import Any
 
-import openai
 import pydantic
 import pytest
 from serve_fixtures import Served
+from serve_fixtures import openai_client as client
+from serve_fixtures import openai_model as model
+from serve_fixtures import openai_post as post
 
 from trtprompt.engine.guide import MAX_GUIDE_BYTES
-from trtprompt.serve.openai.config import FrontendConfig
 from trtprompt.serve.openai.errors import APIError, bad_request
 from trtprompt.serve.openai.guided import Guide, choice_regex, client_error, parse_guide
 from trtprompt.serve.openai.params import ModelLimits, parse_request
@@ -230,23 +230,6 @@ class Item(pydantic.BaseModel):
 
 # As `parse` sends it (strict): no properties beyond the model's, which the tiny model would go on writing.
 ITEM_SCHEMA = Item.model_json_schema() | {"additionalProperties": False}
-
-
-def client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0)
-
-
-def model(served: Served) -> str:
-    return FrontendConfig.for_engine(served.engine_dir, "127.0.0.1:1").limits.name
-
-
-def post(served: Served, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    conn = http.client.HTTPConnection("127.0.0.1", served.openai, timeout=120)
-    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    out = resp.status, json.loads(resp.read())
-    conn.close()
-    return out
 
 
 def complete(served: Served, max_tokens: int = 32, **guide: Any) -> tuple[str, str]:

@@ -10,18 +10,17 @@ Triton path refusing by name what it cannot carry.
 
 from __future__ import annotations
 
-import http.client
-import json
 from pathlib import Path
 from typing import Any, Callable
 
-import openai
 import pytest
 import torch
 from serve_fixtures import Oracle, Served
+from serve_fixtures import openai_client as client
+from serve_fixtures import openai_model as model
+from serve_fixtures import openai_post as post
 
 from trtprompt.serve.openai.answer_params import bad_word_ids
-from trtprompt.serve.openai.config import FrontendConfig
 from trtprompt.serve.openai.errors import APIError
 from trtprompt.serve.openai.params import ModelLimits, parse_request
 from trtprompt.serve.openai.to_triton import NOT_THROUGH_TRITON, _refuse_answer_fields
@@ -110,23 +109,6 @@ def test_the_triton_path_refuses_what_it_cannot_carry(body: dict[str, Any], para
 
 
 # ---------------------------------------------------------------- against the real server
-
-def client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0)
-
-
-def model(served: Served) -> str:
-    return FrontendConfig.for_engine(served.engine_dir, "127.0.0.1:1").limits.name
-
-
-def post(served: Served, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    conn = http.client.HTTPConnection("127.0.0.1", served.openai, timeout=120)
-    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    out = resp.status, json.loads(resp.read())
-    conn.close()
-    return out
-
 
 @pytest.fixture(scope="module")
 def hf_logprobs(tiny_checkpoint_factory: Callable[..., Path]) -> Callable[[list[int]], torch.Tensor]:

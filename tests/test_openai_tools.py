@@ -15,7 +15,6 @@ parallel_tool_calls false gives one call, a history of calls and results renders
 
 from __future__ import annotations
 
-import http.client
 import json
 from typing import Any
 
@@ -23,12 +22,14 @@ import jsonschema
 import openai
 import pytest
 from serve_fixtures import Served
+from serve_fixtures import openai_client as client
+from serve_fixtures import openai_model as model
+from serve_fixtures import openai_post as post
 
 from trtprompt.prompt.budget import PromptError
 from trtprompt.prompt.chat import encode_messages, parse_messages
 from trtprompt.prompt.chat_tools import ChatRender, calls_text, knows_tools, template_inputs
 from trtprompt.serve.openai.chat_answer import ChoiceStream, assembled
-from trtprompt.serve.openai.config import FrontendConfig
 from trtprompt.serve.openai.errors import APIError
 from trtprompt.serve.openai.params import ModelLimits, parse_request
 from trtprompt.serve.openai.parser_options import ServedParsers, served_parsers
@@ -344,14 +345,6 @@ def test_serve_hands_the_parser_options_to_the_front_end() -> None:
 # ---------------------------------------------------------------- against the session server
 
 
-def client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0)
-
-
-def model(served: Served) -> str:
-    return FrontendConfig.for_engine(served.engine_dir, "127.0.0.1:1").limits.name
-
-
 def call_args(served: Served, **extra: Any) -> dict[str, Any]:
     return dict(model=model(served), messages=USER, tools=TOOLS, max_tokens=96, temperature=0) | extra
 
@@ -390,16 +383,6 @@ def test_parallel_tool_calls_false_gives_exactly_one_call(served: Served) -> Non
     args = call_args(served, tool_choice="required", parallel_tool_calls=False, n=2, temperature=1.0, seed=7)
     for choice in client(served).chat.completions.create(**args).choices:  # each choice: its own parse
         assert choice.finish_reason == "tool_calls" and len(valid_calls(choice.message.tool_calls)) == 1
-
-
-def post(served: Served, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    conn = http.client.HTTPConnection("127.0.0.1", served.openai, timeout=120)
-    try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
 
 
 def test_a_history_of_calls_and_results_renders_and_is_answered(served: Served) -> None:
