@@ -232,6 +232,15 @@ def test_a_forced_call_cut_short_is_length_with_no_content() -> None:
     assert called and content is None and [name for name, _ in calls] == ["get_weather"]
 
 
+def test_parallel_tool_calls_false_keeps_the_first_of_auto_calls() -> None:
+    text, _ = SCRIPTED["hermes"]
+    single = plan("hermes", parallel=False)
+    calls = assembled(text, single).message()["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    deltas, called = streamed(single, text, 4)
+    assert called and [name for name, _ in accumulated(deltas)[1]] == ["get_weather"]
+
+
 def test_tool_calls_after_reasoning_are_parsed_from_the_answer_only() -> None:
     thinking = plan("hermes", reasoning_parser="qwen3")
     text = f"<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{CALL}\n</tool_call>"

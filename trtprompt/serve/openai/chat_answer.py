@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trtprompt.serve.openai.reasoning import ReasoningStream, split_reasoning
-from trtprompt.serve.openai.tool_parsers import ContentDelta, ToolCallStream, parse_tool_calls
+from trtprompt.serve.openai.tool_parsers import ContentDelta, StreamEvent, ToolCallStream, parse_tool_calls
 from trtprompt.serve.openai.tools import ChatPlan
 
 TOOL_CALLS = "tool_calls"
@@ -54,7 +54,7 @@ def assembled(text: str, plan: ChatPlan) -> Assembled:
     calls: list[dict[str, Any]] = []
     if plan.parses_tools and plan.tool_parser is not None:
         content, parsed = parse_tool_calls(plan.tool_parser, content or "")
-        calls = [c.message() for c in parsed]
+        calls = [c.message() for c in parsed[:None if plan.parallel else 1]]
         if plan.forces_call:  # the grammar allowed calls only: what is left is a call max_tokens cut short
             content = None
     shows = plan.splits_reasoning and plan.include_reasoning
@@ -72,6 +72,9 @@ class ChoiceStream:
             else None
         self._include_reasoning = plan.include_reasoning
         self._forced = plan.forces_call  # content outside calls is a call cut short (assembled says why)
+        # parallel_tool_calls false: the first call only (the grammar holds forced choices to one; under
+        # "auto" the model may write more, and the answer keeps one, as OpenAI's does)
+        self._max_calls = None if plan.parallel else 1
 
     @property
     def called(self) -> bool:
@@ -99,4 +102,9 @@ class ChoiceStream:
         if self._tools is None:
             return [{"content": text}] if text else []
         events = (self._tools.feed(text) if text else []) + (self._tools.finish() if last else [])
-        return [e.delta() for e in events if not (self._forced and isinstance(e, ContentDelta))]
+        return [e.delta() for e in events if self._shown(e)]
+
+    def _shown(self, event: StreamEvent) -> bool:
+        if isinstance(event, ContentDelta):
+            return not self._forced
+        return self._max_calls is None or event.index < self._max_calls
