@@ -39,6 +39,13 @@ DEFAULT_GRPC_URL = f"{DEFAULT_HOST}:{GRPC_PORT}"
 # its names, types and meaning: token ranges [start, end) of the prompt (end -1: to the prompt's end) each with a
 # priority 0-100 and a duration in ms, then one priority and duration for the blocks decoding fills.
 # docs/prefix-pool.md "Retention" maps them, and the OpenAI endpoint's cache_control / retention, to the engine.
+# tensorrtllm_backend's guided decoding inputs (docs/structured-outputs.md, "Triton"), on both targets' models,
+# and the guide types the torch target takes on them: tensorrtllm_backend 1.2 maps the first four; TensorRT-LLM's
+# executor also has structural_tag, taken in vLLM's / xgrammar's form (engine/guide.py).
+GUIDE_TYPE_INPUT, GUIDE_INPUT = "guided_decoding_guide_type", "guided_decoding_guide"
+GUIDE_INPUTS: tuple[Tensor, ...] = ((GUIDE_TYPE_INPUT, "STRING", [1], True), (GUIDE_INPUT, "STRING", [1], True))
+TRITON_GUIDE_TYPES: tuple[str, ...] = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
+
 RETENTION_INPUTS: tuple[Tensor, ...] = (
     ("retention_token_range_starts", "INT32", [-1], True),
     ("retention_token_range_ends", "INT32", [-1], True),

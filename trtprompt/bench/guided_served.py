@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
-from trtprompt.bench.guided import markdown
+from trtprompt.bench.guided import markdown, summary
 from trtprompt.bench.openai_client import API_KEY_ENVS
 from trtprompt.bench.schemas import SUITE, SchemaCase
 
@@ -95,11 +95,7 @@ def served(base_url: str, model: str | None = None, requests: int = 64, concurre
     result: dict[str, Any] = {"setup": {"requests": requests, "concurrency": concurrency, "max_tokens": max_tokens,
                                         "reps": reps}, "base_url": base_url, "model": model}
     for variant, rs in runs.items():
-        result[variant] = {"median_output_tok_s": statistics.median(r["output_tok_s"] for r in rs),
-                           "output_tok_s": [r["output_tok_s"] for r in rs],
-                           "mean_output_tokens": statistics.fmean(r["mean_output_tokens"] for r in rs),
-                           "median_latency_s": statistics.median(r["median_latency_s"] for r in rs),
-                           "finish_reasons": rs[-1]["finish_reasons"]}
+        result[variant] = summary(rs)
     result["json_schema"]["cold_output_tok_s"] = cold["output_tok_s"]
     result["json_schema"]["finished_valid"] = valid_share(cases, runs["json_schema"][-1]["replies"])
     result["ratio"] = {"median": statistics.median(ratios), "all": ratios}

@@ -186,14 +186,7 @@ def _structural_tag_grammar(text: str) -> str:
             raise FieldError("guide", f"structures[{i}].begin {s['begin']!r} starts with none of the triggers")
         tags.append(StructTag(trigger=trigger, begin=s["begin"], grammar=s["schema"], end=s["end"]))
     # Triggers are matched as text: a template's <...> tag is text in most vocabularies.
-    return _as_grammar(StructTag.to_grammar(tags, assume_special=False))
-
-
-def _as_grammar(lark_or_json: str) -> str:
-    """StructTag gives Lark, or the JSON form when it needs side grammars: either as a grammar."""
-    from llguidance import LLMatcher
-
-    return lark_or_json if lark_or_json.lstrip().startswith("{") else LLMatcher.grammar_from_lark(lark_or_json)
+    return str(StructTag.to_grammar(tags, assume_special=False))  # Lark, or the JSON form with side grammars
 
 
 def _as_json(grammar: str) -> str:

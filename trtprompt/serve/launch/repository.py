@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from trtprompt.interface import PERF_FLAG, PERF_OUTPUTS, RETENTION_INPUTS, Tensor
+from trtprompt.interface import GUIDE_INPUTS, PERF_FLAG, PERF_OUTPUTS, RETENTION_INPUTS, TRITON_GUIDE_TYPES, Tensor
 from trtprompt.serve.launch.options import EngineInfo, ServeOptions
 from trtprompt.serve.wire import requests as inputs
 from trtprompt.serve.wire.model_config import check_config_text
@@ -77,14 +77,10 @@ BIAS_WORD_INPUTS: tuple[Tensor, ...] = (
 # tensorrtllm_backend's guided decoding inputs (both models; serve/triton_models/guided.py). The upstream
 # ensemble hands them to preprocessing, which checks them and answers the core's pair on every request
 # (empty strings: no guide), so the trtllm target's C++ core never sees a guide it would drop silently.
-GUIDE_INPUTS: tuple[Tensor, ...] = (
-    ("guided_decoding_guide_type", "STRING", [1], True),
-    ("guided_decoding_guide", "STRING", [1], True),
-)
 PRE_GUIDE: tuple[Tensor, ...] = tuple((name.upper(), dtype, dims, True) for name, dtype, dims, _ in GUIDE_INPUTS)
 # The guide types each target's core serves (preprocessing refuses the others, naming the input): the torch
 # engine every tensorrtllm_backend type and structural_tag; the trtllm target's in trtllm_model_config.
-TORCH_GUIDE_TYPES: tuple[str, ...] = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
+TORCH_GUIDE_TYPES = TRITON_GUIDE_TYPES
 # The torch target's tensorrt_llm model: llguidance serves every guide (xgrammar is accepted as a synonym).
 GUIDED_DECODING_BACKEND = "llguidance"
 # The fused ensemble's inputs the upstream layout's ensemble does not declare: its preprocessing and

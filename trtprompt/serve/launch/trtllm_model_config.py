@@ -27,7 +27,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from trtprompt import knobs
-from trtprompt.interface import PERF_OUTPUTS, RETENTION_INPUTS, Tensor
+from trtprompt.interface import GUIDE_INPUTS, PERF_OUTPUTS, RETENTION_INPUTS, Tensor
 
 MODEL_NAME = "tensorrt_llm"
 BACKEND = "tensorrtllm"
@@ -52,8 +52,6 @@ SCALAR_INPUTS: tuple[tuple[str, str], ...] = (
 GUIDED_DECODING_BACKEND = "xgrammar"  # the only value the 1.2 C++ backend accepts
 XGRAMMAR_TOKENIZER_INFO = "xgrammar_tokenizer_info.json"  # the name generate_xgrammar_tokenizer_info.py writes
 TRTLLM_GUIDE_TYPES: tuple[str, ...] = ("json", "json_schema", "regex", "ebnf_grammar")
-GUIDE_INPUTS: tuple[Tensor, ...] = (("guided_decoding_guide_type", "STRING", [1], True),
-                                    ("guided_decoding_guide", "STRING", [1], True))
 RAGGED_INPUTS: tuple[Tensor, ...] = (
     ("stop_words_list", "INT32", [2, -1], True),
     ("bad_words_list", "INT32", [2, -1], True),

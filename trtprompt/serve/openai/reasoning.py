@@ -60,8 +60,9 @@ def parser_for_template(chat_template: str | None) -> str | None:
     return "qwen3"
 
 
-def _held(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag` (held until decided)."""
+def held_back(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag` (held until decided); the tool-call
+    stream holds its markers back by the same rule."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
             return n
@@ -134,7 +135,7 @@ class ReasoningStream:
     def _reasoning(self) -> tuple[str, str, bool]:
         i = self._pending.find(END_TAG)
         if i < 0:
-            keep = _held(self._pending, END_TAG)
+            keep = held_back(self._pending, END_TAG)
             text = self._pending[:len(self._pending) - keep]
             self._pending = self._pending[len(self._pending) - keep:]
             return self._reason(text), "", False

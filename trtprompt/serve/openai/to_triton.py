@@ -24,6 +24,7 @@ from tritonclient.grpc import InferInput, InferResult, service_pb2
 
 from trtprompt.client import aio_channel, grpc_call_metadata, resolve_api_key, stream_request, text_inputs
 from trtprompt.engine.request import SamplingParams
+from trtprompt.interface import GUIDE_INPUT, GUIDE_TYPE_INPUT
 from trtprompt.serve.openai.errors import APIError, from_triton, unavailable
 from trtprompt.serve.openai.guided import choice_regex, client_error
 from trtprompt.serve.openai.logprobs import TokenLogprob
@@ -80,7 +81,6 @@ def ensemble_sampling(params: SamplingParams) -> dict[str, Any]:
 OPENAI_FIELD = {"extra_end_ids": "stop_token_ids"}
 # SamplingParams' guide, sent as tensorrtllm_backend's two guided_decoding inputs instead (_guide_inputs).
 GUIDE_FIELDS = ("guide_type", "guide", "guide_after")
-GUIDE_TYPE_INPUT, GUIDE_INPUT = "guided_decoding_guide_type", "guided_decoding_guide"
 # Guide types tensorrtllm_backend's guided_decoding_guide_type has no value for (choice goes as a regex).
 ENGINE_PATH_GUIDES = ("lark_grammar", "structural_tag")
 

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 
 from trtprompt.engine.guide import JSON_DEFAULTS, closed_objects
 from trtprompt.error_codes import FieldError
-from trtprompt.serve.openai.tool_parsers import TOOL_PARSERS
+from trtprompt.serve.openai.tool_parsers import check_parser
 
 # Keywords that only mean something at a schema's root: kept out of a tool's parameters once they are nested.
 _ROOT_ONLY = ("$schema", "$id", "x-guidance")
@@ -27,8 +27,7 @@ _ROOT_ONLY = ("$schema", "$id", "x-guidance")
 
 def tool_call_grammar(parser: str, tools: Sequence[Mapping[str, Any]], name: str | None, parallel: bool) -> str:
     """The Lark grammar of a forced call: any of `tools`, or exactly `name`; several when `parallel`."""
-    if parser not in TOOL_PARSERS:
-        raise ValueError(f"tool call parser must be one of {', '.join(TOOL_PARSERS)}, got {parser!r}")
+    check_parser(parser)
     specs = tool_specs(tools)
     if name is not None:
         if name not in specs:

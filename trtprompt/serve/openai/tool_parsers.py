@@ -26,6 +26,8 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+from trtprompt.serve.openai.reasoning import held_back
+
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
 # OpenAI's call ids: "call_" and 24 letters and digits.
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -162,14 +164,6 @@ def _loads(text: str) -> Any:
         return None
 
 
-def _held(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `marker` (held until decided)."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 def _first_visible(text: str) -> int | None:
     """Index of the first non-whitespace character, None when there is none."""
     stripped = len(text) - len(text.lstrip())
@@ -281,7 +275,7 @@ class _Machine:
         """Content up to the family's marker; True (the marker consumed into `raw`) when it appears."""
         i = self.pending.find(self.marker)
         if i < 0:
-            keep = _held(self.pending, self.marker)
+            keep = held_back(self.pending, self.marker)
             self.content(self.pending[:len(self.pending) - keep])
             self.pending = self.pending[len(self.pending) - keep:]
             return False
@@ -435,7 +429,7 @@ class _Mistral(_Machine):
     def _name(self) -> bool:
         """The newer form's name, up to `[ARGS]`; a character no name has means the marker was text."""
         j = self.pending.find(_MISTRAL_ARGS)
-        name = self.pending[:j] if j >= 0 else self.pending[:len(self.pending) - _held(self.pending, _MISTRAL_ARGS)]
+        name = self.pending[:j] if j >= 0 else self.pending[:len(self.pending) - held_back(self.pending, _MISTRAL_ARGS)]
         if (j >= 0 or name) and not _MISTRAL_NAME.fullmatch(name):
             self.fail()
             return True

@@ -10,12 +10,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from trtprompt.error_codes import BadRequestError
+from trtprompt.interface import GUIDE_INPUT as GUIDE_INPUT
+from trtprompt.interface import GUIDE_TYPE_INPUT as GUIDE_TYPE_INPUT
+from trtprompt.interface import TRITON_GUIDE_TYPES as TRITON_GUIDE_TYPES
 from trtprompt.serve.wire.protocol import EngineError
 
-GUIDE_TYPE_INPUT, GUIDE_INPUT = "guided_decoding_guide_type", "guided_decoding_guide"
-# tensorrtllm_backend 1.2 maps the first four (its utils); TensorRT-LLM's executor also has structural_tag,
-# which the torch target takes in vLLM's / xgrammar's form (engine/guide.py).
-TRITON_GUIDE_TYPES: tuple[str, ...] = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
 # SamplingParams field -> the input that sets it (the engine's refusals name the field).
 INPUT_OF_FIELD: Mapping[str, str] = {"guide_type": GUIDE_TYPE_INPUT, "guide": GUIDE_INPUT}
 # The torch target serves every guide with llguidance; xgrammar (TensorRT-LLM's name) is taken as a synonym.
