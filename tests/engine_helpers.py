@@ -14,6 +14,7 @@ from trtprompt.engine.engine import LLMEngine
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.model import load_model_from_safetensors
 from trtprompt.engine.request import Request, RetentionConfig, SamplingParams
+from trtprompt.engine.speculation.config import SpeculationConfig
 
 ARCHS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
@@ -65,7 +66,8 @@ def make_engine(path: Path, *, reuse: bool = True, chunked: bool = True, max_num
                 linear_backend: str = "reference",
                 attention_backend: str = DEFAULT_ATTENTION_BACKEND,
                 eviction_policy: str = KvCacheConfig.eviction_policy, end_ids: tuple[int, ...] = (EOS,),
-                tokenizer_dir: Path | None = None, jump_forward: bool = True) -> LLMEngine:
+                tokenizer_dir: Path | None = None, jump_forward: bool = True,
+                speculation: SpeculationConfig | None = None) -> LLMEngine:
     mc = model_config(path)
     cfg = EngineConfig(
         model=mc,
@@ -77,6 +79,7 @@ def make_engine(path: Path, *, reuse: bool = True, chunked: bool = True, max_num
         linear_backend=linear_backend,
         attention_backend=attention_backend,
         guided_jump_forward=jump_forward,
+        speculation=speculation,
     )
     model = load_model_from_safetensors(path / "model.safetensors", mc, torch.float32,
                                         torch.device("cpu"), linear_backend)

@@ -28,6 +28,11 @@ QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "int8_w8a8", "fp8", "int4_a
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8")
 # config.json names each as TensorRT-LLM does (quantization.kv_cache_quant_algo): the build writes, the engine reads.
 KV_CACHE_QUANT_ALGOS: dict[str, str | None] = {"auto": None, "int8": "INT8"}
+# The torch target's speculative decoding (engine/speculation/): the llmapi target's decoding_type of each.
+SPECULATIVE_MODES: tuple[str, ...] = ("none", "ngram", "draft_target")
+LLMAPI_DECODING_TYPES: dict[str, str] = {"ngram": "NGram", "draft_target": "DraftTarget"}
+# Above this many running requests speculation pauses (measured: docs/speculative-decoding.md, "Where it pauses").
+SPECULATION_MAX_CONCURRENCY = 8
 CAPACITY_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 # Strictest first (trtprompt/prompt/budget.py: a request may move left of its profile's policy, never right).
 OVERFLOW_POLICIES: tuple[str, ...] = ("reject", "truncate_middle", "truncate_left")
@@ -232,6 +237,35 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _k("guided_jump_forward", "serve", bool, True, "Append the tokens a guided request's grammar forces (keys, "
        "punctuation, enum tails) as one chunk instead of one model step each (torch target).", engine=True,
        serve=True, flag="--guided-jump-forward/--no-guided-jump-forward"),
+    # The torch target's speculative decoding (engine/speculation/, docs/speculative-decoding.md); TensorRT-LLM's
+    # NGramDecodingConfig names where it has them (the llmapi target writes speculative_config from these).
+    _k("speculative_decoding", "serve", str, "ngram", "Speculative decoding: ngram (drafts from the request's own "
+       "prompt and output, and from recent requests with the same cache_salt), draft_target (a smaller engine, "
+       "--speculative-model, drafts) or none. Greedy tokens are unchanged; sampled ones keep their distribution.",
+       choices=SPECULATIVE_MODES, llmapi="speculative_config.decoding_type", engine=True, serve=True),
+    _k("max_draft_len", "serve", int, 6, "Most draft tokens verified per request and step (each request adapts "
+       "its own below this from its recent acceptance).", low=1, high=64,
+       llmapi="speculative_config.max_draft_len", engine=True, serve=True),
+    _k("max_matching_ngram_size", "serve", int, 3, "ngram: the longest run of last tokens looked up; shorter runs "
+       "are tried down to one token.", low=1, high=32, llmapi="speculative_config.max_matching_ngram_size",
+       engine=True, serve=True),
+    _k("is_keep_all", "serve", bool, True, "ngram: keep every earlier continuation of a run of tokens (false: "
+       "only the newest).", llmapi="speculative_config.is_keep_all", engine=True, serve=True,
+       flag="--is-keep-all/--no-is-keep-all"),
+    _k("is_use_oldest", "serve", bool, True, "ngram: draft the oldest continuation kept (false: the newest).",
+       llmapi="speculative_config.is_use_oldest", engine=True, serve=True,
+       flag="--is-use-oldest/--no-is-use-oldest"),
+    _k("is_public_pool", "serve", bool, True, "ngram: also draft from recent requests' prompts and outputs, only "
+       "those with the same cache_salt (false: each request's own tokens only).",
+       llmapi="speculative_config.is_public_pool", engine=True, serve=True,
+       flag="--is-public-pool/--no-is-public-pool"),
+    _k("speculation_max_concurrency", "serve", int, SPECULATION_MAX_CONCURRENCY, "Speculation pauses while more "
+       "requests than this run: the batch is then compute-bound and verifying drafts costs more than it saves "
+       "(measured: docs/speculative-decoding.md).", low=1, high=BIG, nullable=True,
+       llmapi="speculative_config.max_concurrency", engine=True, serve=True),
+    _k("speculative_model", "serve", str, None, "draft_target: the draft engine's directory, a trtprompt engine "
+       "with the same tokenizer (unset: none).", nullable=True, llmapi="speculative_config.speculative_model",
+       engine=True, serve=True),
     _k("cancellation_check_period_ms", "serve", int, 100, "How often cancelled requests are looked for.",
        low=1, high=BIG, trtllm="cancellation_check_period_ms", serve=True),
     _k("stats_check_period_ms", "serve", int, 100, "How often engine statistics are published.", low=1,

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from trtprompt import rules
 from trtprompt.engine.kv_events import KvEventsConfig
+from trtprompt.engine.speculation.config import SpeculationConfig
 from trtprompt.engine.tiers.config import TierConfig
 from trtprompt.knobs import CAPACITY_POLICIES, KNOBS
 
@@ -173,6 +174,8 @@ class EngineConfig:
     # Guided decoding's jump-forward (engine/guided.py): tokens a grammar forces are appended and computed as
     # one chunk. False: one step per token, as the peers do (the benchmark's baseline).
     guided_jump_forward: bool = True
+    # Speculative decoding (engine/speculation/, docs/speculative-decoding.md); None: off.
+    speculation: SpeculationConfig | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def kv_num_blocks(self, bytes_per_token: int) -> int:

@@ -34,8 +34,17 @@ from trtprompt.engine.request import (
     TokenLogprob,
 )
 from trtprompt.engine.runner import ModelRunner, PromptRows, StepLogits
-from trtprompt.engine.sampler import SampleFailure, attach_logprobs, logprob_entries, raw_logprobs, sample
-from trtprompt.engine.scheduler import Scheduler, SchedulerOutput
+from trtprompt.engine.sampler import (
+    SampleFailure,
+    attach_logprobs,
+    greedy_tokens,
+    logprob_entries,
+    raw_logprobs,
+    sample,
+    sample_with_draft,
+)
+from trtprompt.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from trtprompt.engine.speculation.drafting import Drafter, DraftModel
 from trtprompt.engine.stopping import check_stop, visible_output_len
 from trtprompt.engine.tiers.config import TIER_KNOBS, TierConfig
 from trtprompt.engine.tiers.fingerprint import fingerprint_engine_files
@@ -79,15 +88,28 @@ class EngineStats:
     pool_hit_blocks: int = 0
     loading_requests: int = 0  # waiting for their prefix blocks from a tier
     kv_tiers: tuple[TierSnapshot, ...] = ()
+    # Speculative decoding totals (engine/speculation/drafting.py SpecCounters; zero without it).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Why one request fails in a step that goes on for the others (its one final output's error)."""
+
+    message: str
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: DecoderModel, end_ids: Sequence[int],
                  fingerprint: bytes | None = None, tier_stores: Sequence[BlockStore] | None = None,
-                 tokenizer_dir: Path | None = None) -> None:
+                 tokenizer_dir: Path | None = None, draft_model: DraftModel | None = None) -> None:
         """fingerprint: the engine's (tiers/fingerprint.py), needed with tiers; tier_stores: stores to use
         instead of those config.tiers names; tokenizer_dir: the checkpoint's tokenizer (guided decoding
-        reads it; an engine without one refuses guided requests)."""
+        reads it; an engine without one refuses guided requests); draft_model: the drafter of
+        speculative_decoding draft_target (speculation/draft_model.py)."""
         self.config = config
         self.model_config = config.model
         self.scheduler_config = config.scheduler
@@ -120,6 +142,7 @@ class LLMEngine:
         self.kv_events = self._open_kv_events(config)
         self.end_ids = frozenset(end_ids)
         self.guides = GuideCompiler(tokenizer_dir, sorted(self.end_ids), config.model.vocab_size)
+        self.drafter = None if config.speculation is None else Drafter(config.speculation, draft_model)
         self.limits = RequestLimits(config.scheduler.max_input_len, config.scheduler.max_seq_len,
                                     config.model.vocab_size, num_blocks, tpb, config.scheduler.max_batch_size)
         self.requests: dict[str, Request] = {}  # by engine id: a request's sequences each have one
@@ -171,7 +194,11 @@ class LLMEngine:
         if config.tiers.enabled:
             layout = kv_layout(config.model, config.kv_cache.tokens_per_block, dtype, config.kv_cache.kv_cache_dtype)
             fingerprint = fingerprint_engine_files(files.weights_path, files.tokenizer_dir, layout, config.dtype)
-        engine = cls(config, model, end_ids, fingerprint, tokenizer_dir=files.tokenizer_dir)
+        draft = None
+        if config.speculation is not None and config.speculation.mode == "draft_target":
+            from trtprompt.engine.speculation.draft_model import open_draft_model  # only this mode loads a model
+            draft = open_draft_model(config.speculation, files, config)
+        engine = cls(config, model, end_ids, fingerprint, tokenizer_dir=files.tokenizer_dir, draft_model=draft)
         engine.files = files
         return engine
 
@@ -297,14 +324,28 @@ class LLMEngine:
                 return outputs
             self._record_prompt_rows(logits)
             samplers = [s.request for s in sched.scheduled if s.samples]
-            plain = [j for j, r in enumerate(samplers) if not self.beams.owns(r)]
+            # A speculating request's rows (its last token's, then one per draft) are verified on their own.
+            verify = {r.request_id: torch.cat([logits.sampled[j:j + 1], logits.drafts[r.request_id]])
+                      for j, r in enumerate(samplers) if r.request_id in logits.drafts}
+            plain = [j for j, r in enumerate(samplers) if not self.beams.owns(r) and r.request_id not in verify]
             rows = logits.sampled if len(plain) == len(samplers) else logits.sampled[plain]
             tokens, logprobs, raw_rows = self._sample(rows, [samplers[j] for j in plain])
-            outputs.extend(self._update(sched, tokens, logprobs, raw_rows))
+            outputs.extend(self._update(sched, tokens, logprobs, raw_rows, verify))
             for j, req in enumerate(samplers):
                 if self.beams.owns(req) and not req.is_finished:
                     outputs.extend(self._beam_step(req, logits.sampled[j]))
+            self._propose(sched)
         return outputs
+
+    def _propose(self, sched: SchedulerOutput) -> None:
+        """Drafts for the requests of this step that generate next (none while the batch is compute-bound)."""
+        if self.drafter is None or self.drafter.paused(len(self.scheduler.running)):
+            return
+        self.drafter.propose([s.request for s in sched.scheduled if self._speculates(s.request)])
+
+    def _speculates(self, req: Request) -> bool:
+        return (not req.is_finished and req.params.speculative_decoding and req.num_output > 0
+                and req.num_tokens - req.num_computed_tokens == 1 and not self.beams.owns(req))
 
     def _beam_step(self, req: Request, row: torch.Tensor) -> list[RequestOutput]:
         """Hand a beam's row to its search; the request's outputs once the search is done."""
@@ -346,6 +387,25 @@ class LLMEngine:
         tokens = sample(rows, reqs)
         return tokens, attach_logprobs(raw, reqs, tokens), kept
 
+    def _sample_row(self, row: torch.Tensor, req: Request, draft: int | None) -> tuple[
+            int | SampleFailure, TokenLogprob | None, torch.Tensor | None]:
+        """_sample for one speculating request's row [1, vocab] (draft: the token it verifies, if any)."""
+        if draft is None:
+            tokens, logprobs, kept = self._sample(row, [req])
+            return tokens[0], logprobs[0], kept[0]
+        raw = raw_logprobs(row, [req])
+        kept_row = row[0].clone() if req.params.return_generation_logits else None
+        guide_rows(row, [req], self.guides)
+        token = sample_with_draft(row[0], req, draft)
+        return token, attach_logprobs(raw, [req], [token])[0], kept_row
+
+    @staticmethod
+    def _plain_greedy(req: Request) -> bool:
+        """Greedy with nothing that changes a row between tokens: its drafts verify by one argmax."""
+        p = req.params
+        return (p.greedy and not p.has_penalties and not p.min_tokens and not p.has_vocabulary_controls
+                and req.matcher is None and not req.reports_extras)
+
     @staticmethod
     def _record_prompt_rows(logits: StepLogits) -> None:
         """Consume the prompt positions' logits: prompt log probabilities, context logits."""
@@ -381,51 +441,94 @@ class LLMEngine:
                 self._finish(member, reason)
 
     def _update(self, sched: SchedulerOutput, tokens: list[int | SampleFailure],
-                logprobs: list[TokenLogprob | None], raw_rows: list[torch.Tensor | None]) -> list[RequestOutput]:
+                logprobs: list[TokenLogprob | None], raw_rows: list[torch.Tensor | None],
+                verify: dict[str, torch.Tensor]) -> list[RequestOutput]:
+        """Take each sampling request's token(s): tokens (and their extras) in order for the plain ones,
+        verify's rows for the speculating ones."""
         outputs = []
         now = time.time_ns()
         it = iter(zip(tokens, logprobs, raw_rows))
         for s in sched.scheduled:
             req = s.request
-            req.num_computed_tokens = s.context_len + s.num_new_tokens
+            req.num_computed_tokens = s.context_len + s.num_new_tokens - s.num_draft
             if s.is_context:
                 req.stats.prefill_tokens_computed += s.num_new_tokens
             self.kv.cache_computed(req)
             if not s.samples or self.beams.owns(req):
                 continue
-            token, logprob, raw_row = next(it)
+            if s.num_draft:
+                result = None if req.is_finished else self._verify(req, s, verify[req.request_id])
+            else:
+                token, logprob, raw_row = next(it)
+                result = None if req.is_finished else self._take(req, token, logprob, raw_row)
             if req.is_finished:  # a sibling's failure earlier in this step ended its whole request
-                continue
-            if isinstance(token, SampleFailure):
-                log.warning("request %s failed sampling: %s", req.request_id, token.reason)
-                outputs.append(self._fail(req, f"engine error: sampling failed for this request "
-                                               f"(the rest of its batch went on): {token.reason}"))
                 continue
             self._release_forks(req)
             if req.stats.first_token_time_ns is None:
                 req.stats.first_token_time_ns = now
             req.stats.last_token_time_ns = now
-            # max_tokens 0 (prompt scoring): the prompt is computed, nothing is generated.
-            before = req.num_output
-            if req.matcher is not None and not self._advance_guide(req, token):
-                outputs.append(self._fail(req, "engine error: guided decoding: the grammar refused the sampled "
-                                               f"token {token}: {req.matcher.get_error()}"))
-                continue
-            reason = FinishReason.LENGTH if req.max_output_tokens == 0 else check_stop(req, token, logprob)
-            if raw_row is not None and req.num_output > before:
-                req.generation_logits.append(raw_row)
-            if reason is None and req.matcher is not None:
-                reason = self._guide_end_or_jump(req)
+            if result is None and req.matcher is not None:
+                result = self._guide_end_or_jump(req)
                 if req.matcher.is_error():
-                    outputs.append(self._fail(req, f"engine error: guided decoding: {req.matcher.get_error()}"))
-                    continue
-            if reason is not None:
-                self._finish(req, reason)
+                    result = Fault(f"engine error: guided decoding: {req.matcher.get_error()}")
+            if isinstance(result, Fault):
+                outputs.append(self._fail(req, result.message))
+                continue
+            if result is not None:
+                self._finish(req, result)
             out = self._output(req)
             if out.new_token_ids or out.sequence_finished or out.prompt_logprobs is not None \
                     or out.context_logits is not None:
                 outputs.append(out)
         return outputs
+
+    def _take(self, req: Request, token: int | SampleFailure, logprob: TokenLogprob | None,
+              raw_row: torch.Tensor | None) -> FinishReason | Fault | None:
+        """Record one sampled token: the request's grammar, its end conditions, its logits row. Returns
+        why it finished, or the Fault that fails it, or None while it goes on."""
+        if isinstance(token, SampleFailure):
+            log.warning("request %s failed sampling: %s", req.request_id, token.reason)
+            return Fault(f"engine error: sampling failed for this request (the rest of its batch went on): "
+                         f"{token.reason}")
+        before = req.num_output
+        if req.matcher is not None and not self._advance_guide(req, token):
+            return Fault(f"engine error: guided decoding: the grammar refused the sampled token {token}: "
+                         f"{req.matcher.get_error()}")
+        # max_tokens 0 (prompt scoring): the prompt is computed, nothing is generated.
+        reason = FinishReason.LENGTH if req.max_output_tokens == 0 else check_stop(req, token, logprob)
+        if raw_row is not None and req.num_output > before:
+            req.generation_logits.append(raw_row)
+        return reason
+
+    def _verify(self, req: Request, s: ScheduledRequest, rows: torch.Tensor) -> FinishReason | Fault | None:
+        """Speculative decoding's check of req's drafts: rows [1 + drafts, vocab] score its next token and each
+        draft's successor. Tokens are taken one row at a time, each row processed as it would be without
+        drafts (penalties, grammar, stop conditions see the tokens accepted before it); the first token that
+        differs from its draft is the last one. KV written for rejected drafts is dropped (kv.trim)."""
+        drafts = req.drafts[:s.num_draft]
+        fast = greedy_tokens(rows) if self._plain_greedy(req) else None
+        accepted, result = 0, None
+        for j in range(len(drafts) + 1):
+            draft = drafts[j] if j < len(drafts) else None
+            token: int | SampleFailure
+            if fast is not None:
+                token, logprob, raw_row = fast[0][j], None, None
+                if fast[1][j]:
+                    token = SampleFailure("its logits are NaN or all -inf")
+            else:
+                token, logprob, raw_row = self._sample_row(rows[j:j + 1], req, draft)
+            result = self._take(req, token, logprob, raw_row)
+            if draft is None or token != draft:
+                break
+            accepted += 1
+            if result is not None:
+                break
+            req.num_computed_tokens += 1  # the draft's KV, written this step, holds
+        assert self.drafter is not None
+        self.drafter.verified(req, len(drafts), accepted)
+        self.kv.cache_computed(req)
+        self.kv.trim(req)
+        return result
 
     @staticmethod
     def _advance_guide(req: Request, token: int) -> bool:
@@ -453,6 +556,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
+        if self.drafter is not None:
+            self.drafter.finished(req)
         if req.held_fork:
             req.status = RequestStatus.FINISHED  # the scheduler never had it
         else:
@@ -534,8 +639,15 @@ class LLMEngine:
             scheduled_requests=len(last.scheduled), context_requests=last.num_context_requests,
             generation_requests=last.num_generation_requests,
             total_context_tokens=last.total_context_tokens, paused_requests=sched.num_paused,
-            timestamp_ns=time.time_ns(), **self._tier_stats(),
+            timestamp_ns=time.time_ns(), **self._tier_stats(), **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.drafter is None:
+            return {}
+        c = self.drafter.counters
+        return {"spec_num_drafts": c.num_drafts, "spec_num_draft_tokens": c.num_draft_tokens,
+                "spec_num_accepted_tokens": c.num_accepted_tokens, "spec_accepted_per_pos": tuple(c.accepted_per_pos)}
 
     def _tier_stats(self) -> dict[str, Any]:
         tiers = self.kv.tiers

@@ -264,6 +264,19 @@ class KVCacheManager:
         return [content_of(req.all_token_ids, req.block_hashes, first + j, self.tokens_per_block, req.cache_salt)
                 for j in range(len(hashes))]
 
+    def trim(self, req: Request) -> None:
+        """Free req's blocks past those its tokens need (speculative decoding: blocks only rejected drafts
+        were written to). They were never published: only computed full blocks are."""
+        table = self.block_tables.get(req.request_id)
+        keep = self.blocks_for(req.num_tokens)
+        if not table or len(table) <= keep:
+            return
+        freed = table[keep:]
+        del table[keep:]
+        self.num_held_blocks -= len(freed)
+        req.stats.kv_cache_alloc_total_blocks = len(table)
+        self.pool.free(reversed(freed))
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request_id, ())]
 

@@ -23,6 +23,7 @@ from trtprompt.engine.config import (
     SchedulerConfig,
 )
 from trtprompt.engine.engine_dir import EngineDir, read_engine_dir
+from trtprompt.engine.speculation.config import SpeculationConfig
 from trtprompt.errors import EngineDirError
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
         linear_backend=overrides.get("linear_backend") or "onednn",
         attention_backend=overrides.get("attention_backend") or DEFAULT_ATTENTION_BACKEND,
         guided_jump_forward=_chosen(overrides.get("guided_jump_forward"), knobs.KNOBS["guided_jump_forward"].default),
+        speculation=SpeculationConfig.from_knobs(overrides),
     )
 
 

@@ -14,6 +14,8 @@ if TYPE_CHECKING:  # for annotations only: nothing else here needs torch or llgu
     import torch
     from llguidance import LLMatcher
 
+    from trtprompt.engine.speculation.ngram import NgramIndex
+
 
 @dataclass(frozen=True)
 class Bound:
@@ -136,6 +138,9 @@ class SamplingParams:
     guide_type: str | None = None
     guide: str | None = None
     guide_after: str | None = None
+    # False: this request takes no drafts where the engine speculates (docs/speculative-decoding.md); its
+    # greedy tokens are the same either way, its sampled ones are drawn from the same distribution.
+    speculative_decoding: bool = True
 
     def __post_init__(self) -> None:
         scoring_only = self.max_tokens == 0 and self.prompt_logprobs is not None
@@ -326,6 +331,10 @@ class RequestStats:
     kv_cache_alloc_total_blocks: int = 0
     prefill_tokens_computed: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens verified for this request, and those accepted (TensorRT-LLM's
+    # per-request total_draft_tokens / total_accepted_draft_tokens).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -424,6 +433,13 @@ class Request:
         self.context_logits: list[torch.Tensor] = []  # params.return_context_logits: per chunk
         self.generation_logits: list[torch.Tensor] = []  # params.return_generation_logits: per token
         self.matcher: LLMatcher | None = None  # params.guide_type: this sequence's grammar state (engine/guided.py)
+        # Speculative decoding (engine/speculation/): tokens proposed to follow all_token_ids when it held
+        # drafts_at tokens (stale once it holds more), the adaptive draft length, the own n-gram index.
+        self.draft_token_ids: list[int] = []
+        self.drafts_at = 0
+        self.draft_len: int | None = None
+        self.ngram: NgramIndex | None = None
+        self.ngram_id = 0
 
     @property
     def reuses_prefix(self) -> bool:
@@ -444,6 +460,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def drafts(self) -> list[int]:
+        """The draft tokens to verify with the next token's step (none once tokens came after them)."""
+        return self.draft_token_ids if self.drafts_at == len(self.all_token_ids) else []
 
     @property
     def num_prompt_tokens(self) -> int:

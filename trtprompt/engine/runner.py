@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,9 +36,10 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     # Packed rows whose logits are wanted: the sampled rows in scheduling order, then each
-    # PromptRows' rows in turn.
+    # PromptRows' rows in turn, then each speculating request's draft rows (draft_rows) in turn.
     logits_rows: torch.Tensor
     prompt_rows: tuple[PromptRows, ...] = ()
+    draft_rows: tuple[tuple[Request, int], ...] = ()  # (request, its drafts this step)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class StepLogits:
 
     sampled: torch.Tensor
     prompt: tuple[tuple[PromptRows, torch.Tensor], ...] = ()
+    # By request id: the rows after each of its draft tokens ([drafts, vocab]); the row before its first
+    # draft is its row of `sampled`.
+    drafts: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def prompt_positions(req: Request, start: int, end: int) -> range:
@@ -81,14 +85,20 @@ class ModelRunner:
         logits_rows: list[int] = []
         prompt_rows: list[PromptRows] = []
         extra_rows: list[int] = []
+        draft_rows: list[tuple[Request, int]] = []
+        draft_row_ids: list[int] = []
         for s in out.scheduled:
             start, end = s.context_len, s.context_len + s.num_new_tokens
             first_row = len(ids)
-            ids.extend(s.request.all_token_ids[start:end])
+            ids.extend(s.request.all_token_ids[start:end - s.num_draft])
+            ids.extend(s.request.drafts[:s.num_draft])
             positions.extend(range(start, end))
             slices.append(SeqSlice(start, s.num_new_tokens, kv.block_ids(s.request.request_id)))
             if s.samples:
-                logits_rows.append(len(ids) - 1)
+                logits_rows.append(len(ids) - 1 - s.num_draft)
+            if s.num_draft:
+                draft_rows.append((s.request, s.num_draft))
+                draft_row_ids.extend(range(len(ids) - s.num_draft, len(ids)))
             wanted = prompt_positions(s.request, start, end)
             if wanted:
                 prompt_rows.append(PromptRows(s.request, wanted.start, len(wanted)))
@@ -97,8 +107,8 @@ class ModelRunner:
         return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev),
                           self.metadata(slices),
-                          torch.tensor(logits_rows + extra_rows, dtype=torch.long, device=dev),
-                          tuple(prompt_rows))
+                          torch.tensor(logits_rows + extra_rows + draft_row_ids, dtype=torch.long, device=dev),
+                          tuple(prompt_rows), tuple(draft_rows))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (source id, destination id) in every layer, K and V."""
@@ -116,9 +126,14 @@ class ModelRunner:
         step = self.prepare(out, kv)
         logits: torch.Tensor = self.model(step.input_ids, step.positions, step.meta, self.kv_caches,
                                           step.logits_rows, self.ops)  # nn.Module calls are typed Any
-        num_sampled = len(step.logits_rows) - sum(r.count for r in step.prompt_rows)
+        num_sampled = len(step.logits_rows) - sum(r.count for r in step.prompt_rows) \
+            - sum(n for _, n in step.draft_rows)
         prompt, at = [], num_sampled
         for rows in step.prompt_rows:
             prompt.append((rows, logits[at:at + rows.count]))
             at += rows.count
-        return StepLogits(logits[:num_sampled], tuple(prompt))
+        drafts = {}
+        for req, n in step.draft_rows:
+            drafts[req.request_id] = logits[at:at + n]
+            at += n
+        return StepLogits(logits[:num_sampled], tuple(prompt), drafts)

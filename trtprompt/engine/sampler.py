@@ -104,14 +104,47 @@ def sampling_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample_row(row: torch.Tensor, req: Request) -> int:
-    p = req.params
+def generator_of(req: Request, device: torch.device) -> torch.Generator:
+    """req's random stream, seeded on first use."""
     if req.generator is None:
-        gen = torch.Generator(device=row.device)
+        gen = torch.Generator(device=device)
         # Sequence i of a request with n > 1 draws from seed + i: its own stream, reproducible.
-        gen.manual_seed(((p.seed if p.seed is not None else 0) + req.sequence_index) % 2**64)
+        gen.manual_seed(((req.params.seed if req.params.seed is not None else 0) + req.sequence_index) % 2**64)
         req.generator = gen
-    return int(torch.multinomial(sampling_probs(row, p), 1, generator=req.generator).item())
+    return req.generator
+
+
+def sample_row(row: torch.Tensor, req: Request) -> int:
+    gen = generator_of(req, row.device)
+    return int(torch.multinomial(sampling_probs(row, req.params), 1, generator=gen).item())
+
+
+def accept_or_resample(probs: torch.Tensor, draft: int, gen: torch.Generator) -> int:
+    """Speculative sampling against a deterministic draft: keep the draft with probability p(draft), else draw
+    from p with the draft removed. The token is then distributed exactly as p (P(draft) = p(draft); any other x:
+    (1 - p(draft)) p(x) / (1 - p(draft))), the rule of Leviathan et al. with a draft distribution that puts
+    all its mass on the draft (every drafter here drafts deterministically)."""
+    total = probs.sum()
+    if float(torch.rand((), generator=gen, device=probs.device)) * float(total) < float(probs[draft]):
+        return draft
+    rest = probs.clone()
+    rest[draft] = 0.0
+    return int(torch.multinomial(rest, 1, generator=gen).item())
+
+
+def sample_with_draft(row: torch.Tensor, req: Request, draft: int) -> int | SampleFailure:
+    """One row of a speculating request (processed in place, as sample() does): its token, which equals draft
+    exactly when the draft is accepted. Greedy: the argmax; sampled: accept_or_resample."""
+    try:
+        _prepare_row(row, req)
+        best = row.max()
+        if torch.isnan(best) or torch.isneginf(best):
+            return SampleFailure("its logits are NaN or all -inf")
+        if req.params.greedy:
+            return int(row.argmax().item())
+        return accept_or_resample(sampling_probs(row, req.params), draft, generator_of(req, row.device))
+    except Exception as exc:  # noqa: BLE001 - fails this request only
+        return SampleFailure(f"{type(exc).__name__}: {exc}")
 
 
 @dataclass(frozen=True)

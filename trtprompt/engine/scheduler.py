@@ -24,13 +24,16 @@ from trtprompt.engine.running import RunningRequests
 class ScheduledRequest:
     request: Request
     context_len: int      # tokens already in the KV cache before this step
-    num_new_tokens: int
+    num_new_tokens: int  # the draft tokens among them
     is_context: bool
+    # Draft tokens verified after the request's last token (speculative decoding): the last num_draft of
+    # the new tokens, request.drafts[:num_draft], not yet part of the request.
+    num_draft: int = 0
 
     @property
     def samples(self) -> bool:
         """True when this step computes the request's last token, so it yields logits."""
-        return self.context_len + self.num_new_tokens == self.request.num_tokens
+        return self.context_len + self.num_new_tokens - self.num_draft == self.request.num_tokens
 
 
 @dataclass
@@ -53,9 +56,9 @@ class _Step:
         self.out = SchedulerOutput()
         self.ids: set[str] = set()
 
-    def add(self, req: Request, num_new: int, is_context: bool) -> None:
+    def add(self, req: Request, num_new: int, is_context: bool, num_draft: int = 0) -> None:
         self.out.scheduled.append(
-            ScheduledRequest(req, req.num_computed_tokens, num_new, is_context))
+            ScheduledRequest(req, req.num_computed_tokens, num_new, is_context, num_draft))
         self.ids.add(req.request_id)
         self.budget -= num_new
         if is_context:
@@ -136,11 +139,13 @@ class Scheduler:
             if self.is_generation(req) != generation or req.request_id in step.ids:
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
-            num_new = 1 if generation else self._chunk(req, remaining, step.budget)
+            # A generating request verifies its drafts (if any) in its step, as far as the budget goes.
+            num_draft = min(len(req.drafts), step.budget - 1) if generation else 0
+            num_new = 1 + num_draft if generation else self._chunk(req, remaining, step.budget)
             if num_new == 0:
                 continue
             if self._allocate_or_preempt(req, num_new, step):
-                step.add(req, num_new, is_context=not generation)
+                step.add(req, num_new, is_context=not generation, num_draft=num_draft)
 
     def _allocate_or_preempt(self, req: Request, num_new: int, step: _Step) -> bool:
         while not self.kv.allocate(req, num_new):

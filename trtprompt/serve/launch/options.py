@@ -54,6 +54,16 @@ class ServeOptions(knobs.BackendParams):
     kv_tier_write_policy: str = knobs.runtime_default("kv_tier_write_policy")
     kv_cache_eviction_policy: str = knobs.runtime_default("kv_cache_eviction_policy")
     guided_jump_forward: bool = knobs.runtime_default("guided_jump_forward")  # the torch engine's (engine/guided.py)
+    # Speculative decoding (engine/speculation/, docs/speculative-decoding.md): the torch engine's; the llmapi
+    # target writes them as speculative_config.
+    speculative_decoding: str = knobs.runtime_default("speculative_decoding")
+    max_draft_len: int = knobs.runtime_default("max_draft_len")
+    max_matching_ngram_size: int = knobs.runtime_default("max_matching_ngram_size")
+    is_keep_all: bool = knobs.runtime_default("is_keep_all")
+    is_use_oldest: bool = knobs.runtime_default("is_use_oldest")
+    is_public_pool: bool = knobs.runtime_default("is_public_pool")
+    speculation_max_concurrency: int | None = knobs.runtime_default("speculation_max_concurrency")
+    speculative_model: str | None = knobs.runtime_default("speculative_model")
     # KV events for routers (trtprompt/engine/kv_events.py, docs/kv-events.md): read by the engine process.
     kv_events_endpoint: str | None = knobs.runtime_default("kv_events_endpoint")
     kv_events_replay_endpoint: str | None = knobs.runtime_default("kv_events_replay_endpoint")
