@@ -53,14 +53,14 @@ class NgramIndex:
         sid = self._next_id
         self._next_id += 1
         self._seqs[sid] = (tokens, salt)
-        self._indexed[sid] = 1  # position 0 follows no run
+        self._indexed[sid] = 0
         self.extend(sid)
         return sid
 
     def extend(self, sid: int) -> None:
         """Index the positions sequence sid gained since the last call."""
         tokens, salt = self._seqs[sid]
-        for e in range(self._indexed[sid], len(tokens)):
+        for e in range(max(self._indexed[sid], 1), len(tokens)):  # position 0 follows no run
             for n in range(1, min(self.max_n, e) + 1):
                 self._record((salt, tuple(tokens[e - n:e])), (sid, e))
         self.num_tokens += len(tokens) - self._indexed[sid]
