@@ -139,13 +139,20 @@ class Scheduler:
             if self.is_generation(req) != generation or req.request_id in step.ids:
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
-            # A generating request verifies its drafts (if any) in its step, as far as the budget goes.
-            num_draft = min(len(req.drafts), step.budget - 1) if generation else 0
+            num_draft = self._drafts_that_fit(req, step.budget) if generation else 0
             num_new = 1 + num_draft if generation else self._chunk(req, remaining, step.budget)
             if num_new == 0:
                 continue
-            if self._allocate_or_preempt(req, num_new, step):
+            if num_draft or self._allocate_or_preempt(req, num_new, step):
                 step.add(req, num_new, is_context=not generation, num_draft=num_draft)
+
+    def _drafts_that_fit(self, req: Request, budget: int) -> int:
+        """Draft tokens a generating request verifies in its step (allocated here): as many as the token
+        budget leaves, and none unless their blocks are free: drafts never preempt anyone."""
+        num_draft = min(len(req.drafts), budget - 1)
+        if num_draft and not self.kv.allocate(req, 1 + num_draft):
+            return 0
+        return num_draft
 
     def _allocate_or_preempt(self, req: Request, num_new: int, step: _Step) -> bool:
         while not self.kv.allocate(req, num_new):
