@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import click
 
+from trtprompt.engine.speculation.config import SPECULATION_KNOBS
 from trtprompt.knobs import KNOBS, Knob, in_section
 
 # The runtime policy `build` records and `serve` overrides: what the embedded engine takes.
@@ -17,11 +18,13 @@ RUNTIME_POLICY: tuple[str, ...] = tuple(k for k in in_section("runtime") if KNOB
 BUILD_OPTIONS: tuple[str, ...] = (*in_section("build"), *RUNTIME_POLICY, "overflow")
 SERVE_OPTIONS: tuple[str, ...] = (*RUNTIME_POLICY, "max_batch_size", "max_num_tokens", "max_beam_width",
                                   "exclude_input_in_output",
-                                  "cancellation_check_period_ms", "stats_check_period_ms", "engine_threads", "compute_dtype",
+                                  "cancellation_check_period_ms", "stats_check_period_ms", "engine_threads",
+                                  "compute_dtype",
                                   "layout",
                                   "disk_cache_path", "disk_cache_size", "kv_remote_url", "kv_remote_password_file",
                                   "kv_tier_write_policy", "replicas",
                                   "kv_cache_eviction_policy", "guided_jump_forward",
+                                  *SPECULATION_KNOBS,
                                   "kv_cache_host_memory_bytes", "kv_cache_onboard_blocks",
                                   "secondary_offload_min_priority", "cold_tier_offload_min_priority",
                                   "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",

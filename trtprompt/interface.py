@@ -21,6 +21,11 @@ PERF_OUTPUTS: tuple[Tensor, ...] = (
     ("first_scheduled_time_ns", "INT64", [1], False),
     ("first_token_time_ns", "INT64", [1], False),
     ("last_token_time_ns", "INT64", [1], False),
+    # Speculative decoding (TensorRT-LLM's speculative_decoding perf metrics): accepted / verified draft tokens
+    # (0 with none), and the two totals; 0 for a request that took no drafts.
+    ("acceptance_rate", "FP32", [1], False),
+    ("total_accepted_draft_tokens", "INT32", [1], False),
+    ("total_draft_tokens", "INT32", [1], False),
 )
 
 # preprocessing's BOOL output the trtllm target's ensemble maps to the core's return_perf_metrics.
@@ -45,6 +50,11 @@ DEFAULT_GRPC_URL = f"{DEFAULT_HOST}:{GRPC_PORT}"
 GUIDE_TYPE_INPUT, GUIDE_INPUT = "guided_decoding_guide_type", "guided_decoding_guide"
 GUIDE_INPUTS: tuple[Tensor, ...] = ((GUIDE_TYPE_INPUT, "STRING", [1], True), (GUIDE_INPUT, "STRING", [1], True))
 TRITON_GUIDE_TYPES: tuple[str, ...] = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
+# trtprompt's per-request speculative decoding opt-out (docs/speculative-decoding.md), on the torch target's
+# ensemble and token model (absent: true): false, this request takes no drafts (its greedy tokens are the same,
+# its sampled ones drawn from the same distribution). TensorRT-LLM's models have no such input.
+SPECULATION_INPUT = "speculative_decoding"
+SPECULATION_INPUTS: tuple[Tensor, ...] = ((SPECULATION_INPUT, "BOOL", [1], True),)
 
 RETENTION_INPUTS: tuple[Tensor, ...] = (
     ("retention_token_range_starts", "INT32", [-1], True),

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from trtprompt.knobs import KNOBS
+from trtprompt.knobs import KNOBS, LLMAPI_DECODING_TYPES
 from trtprompt.plan import BuildPlan
 
 BACKEND = "pytorch"
@@ -39,6 +39,13 @@ RUNTIME_KNOBS: tuple[str, ...] = ("enable_chunked_context", "enable_kv_cache_reu
                                   "kv_cache_host_memory_bytes")
 BOUND_KNOBS: tuple[str, ...] = ("max_batch_size", "max_num_tokens", "max_seq_len", "max_input_len", "max_beam_width",
                                 "tokens_per_block")
+# The speculation knobs each speculative_decoding mode writes into speculative_config (under their LLM API
+# names, tests/fixtures/trtllm_names.json): NGramDecodingConfig's, and DraftTargetDecodingConfig's; the
+# decoding_type of each is knobs.LLMAPI_DECODING_TYPES'.
+SPECULATION_KNOBS_OF: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "ngram": ("max_draft_len", "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool",
+              "speculation_max_concurrency"),
+    "draft_target": ("max_draft_len", "speculative_model", "speculation_max_concurrency")})
 # The LLM API's CapacitySchedulerPolicy members are the upper-case names of the 1.2 values.
 ARG_CLASSES: tuple[tuple[str, str], ...] = (("tensorrt_llm.llmapi", "TorchLlmArgs"), ("tensorrt_llm.llmapi", "LlmArgs"))
 
@@ -71,6 +78,27 @@ def llmapi_value(name: str, value: Any) -> Any:
     if name == "kv_cache_host_memory_bytes" and not value:
         return None  # 0 means no host tier: leave the LLM API's default (None) in place
     return value
+
+
+def speculative_config(values: Mapping[str, Any]) -> dict[str, Any] | None:
+    """model.yaml's speculative_config from the speculation knobs' values (absent or None: the knob's default;
+    an unset one stays out), decoding_type first; None for speculative_decoding none (no speculative_config)."""
+    def value(name: str) -> Any:
+        given = values.get(name)
+        return KNOBS[name].default if given is None else given
+
+    mode = value("speculative_decoding")
+    KNOBS["speculative_decoding"].check(mode)
+    if mode == "none":
+        return None
+    if mode == "draft_target" and value("speculative_model") is None:
+        raise ValueError("speculative_decoding draft_target needs speculative_model: the draft model's directory")
+    args: dict[str, Any] = {}
+    put_arg(args, str(KNOBS["speculative_decoding"].llmapi), LLMAPI_DECODING_TYPES[mode])
+    for name in SPECULATION_KNOBS_OF[mode]:
+        if value(name) is not None:
+            put_arg(args, str(KNOBS[name].llmapi), KNOBS[name].check(value(name)))
+    return dict(args["speculative_config"])
 
 
 def llm_args(plan: BuildPlan, runtime: Mapping[str, Any], paths: LlmapiPaths, tp_size: int = 1,

@@ -10,7 +10,8 @@ Models:
                 installed tensorrtllm backend models, never a copy of ours, found when the
                 repository is written (find_llmapi_model); `1/model.yaml` is the engine
                 directory's, with its paths pointing at the engine directory where it is now
-                and the serve options applied under their LLM API names.
+                and the serve options applied under their LLM API names
+                (speculative_config from the speculation options, none where speculative_decoding is none).
 
 Where TensorRT-LLM's model is not installed (any machine but the GPU container), the repository
 is still written, with `tensorrt_llm/1/MODEL_PY_FROM_CONTAINER.txt` saying where model.py comes
@@ -28,6 +29,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from trtprompt.engine.engine_dir import LLMAPI_TARGET
+from trtprompt.engine.speculation.config import SPECULATION_KNOBS
 from trtprompt.errors import TargetUnavailableError
 from trtprompt.interface import PERF_OUTPUTS, RETENTION_INPUTS, Tensor
 from trtprompt.knobs import KNOBS
@@ -35,12 +37,14 @@ from trtprompt.serve.launch.options import EngineInfo, ServeOptions
 from trtprompt.serve.launch.repository import ENSEMBLE_INPUTS, _base, _write_model
 from trtprompt.serve.wire import requests as wire
 from trtprompt.targets.kv_offload import llmapi_offload_args
+from trtprompt.targets.llmapi_build import CHECKPOINT_DIR, MODEL_YAML
 from trtprompt.targets.llmapi_config import (
     GUIDED_DECODING_BACKEND,
     TRITON_CONFIG,
     from_yaml,
     llmapi_value,
     put_arg,
+    speculative_config,
     to_yaml,
 )
 
@@ -98,6 +102,27 @@ def find_llmapi_model(env: Mapping[str, str] = os.environ, roots: Iterable[Path]
     return next((c for c in candidates if (c / "1" / "model.py").is_file()), None)
 
 
+def draft_model(value: str) -> str:
+    """speculative_model as TensorRT-LLM loads it: an llmapi engine directory's checkpoint/ (a Hugging Face
+    checkpoint), any other existing directory as an absolute path (model.yaml is read from elsewhere), and a
+    name that is no path here as it is (a Hugging Face Hub id, which TensorRT-LLM downloads)."""
+    path = Path(value).expanduser()
+    if not path.exists():
+        return value
+    path = path.resolve()
+    if (path / MODEL_YAML).is_file() and (path / CHECKPOINT_DIR).is_dir():
+        return str(path / CHECKPOINT_DIR)
+    return str(path)
+
+
+def speculation_values(options: ServeOptions) -> dict[str, Any]:
+    """The speculation knobs' serve values, speculative_model as TensorRT-LLM loads it."""
+    values = {name: getattr(options, name) for name in SPECULATION_KNOBS}
+    if options.speculative_model is not None:
+        values["speculative_model"] = draft_model(options.speculative_model)
+    return values
+
+
 def serve_model_yaml(engine: EngineInfo, options: ServeOptions, trtllm_version: str | None = None) -> dict[str, Any]:
     """The engine's model.yaml, its paths at the engine's current place, the serve options applied; the host
     and disk tier fields only where TensorRT-LLM trtllm_version (None: the newest release read) has them."""
@@ -110,6 +135,10 @@ def serve_model_yaml(engine: EngineInfo, options: ServeOptions, trtllm_version: 
             put_arg(args, str(KNOBS[name].llmapi), value)
     for field, value in llmapi_offload_args(options, trtllm_version).items():
         put_arg(args, f"kv_cache_config.{field}", value)
+    args.pop("speculative_config", None)  # the serve options decide, none included (no speculative_config)
+    spec = speculative_config(speculation_values(options))
+    if spec is not None:
+        args["speculative_config"] = spec
     args["triton_config"] = {**dict(args.get("triton_config") or {}), **TRITON_CONFIG}
     return args
 

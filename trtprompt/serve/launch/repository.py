@@ -14,6 +14,7 @@ Layouts (docs/design.md, "Architecture"):
 
 from __future__ import annotations
 
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +23,23 @@ from typing import Iterable, Mapping
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from trtprompt.interface import GUIDE_INPUTS, PERF_FLAG, PERF_OUTPUTS, RETENTION_INPUTS, TRITON_GUIDE_TYPES, Tensor
+from trtprompt import knobs
+from trtprompt.engine.speculation.config import SPECULATION_KNOBS, SpeculationConfig
+from trtprompt.interface import (
+    GUIDE_INPUTS,
+    PERF_FLAG,
+    PERF_OUTPUTS,
+    RETENTION_INPUTS,
+    SPECULATION_INPUTS,
+    TRITON_GUIDE_TYPES,
+    Tensor,
+)
 from trtprompt.serve.launch.options import EngineInfo, ServeOptions
 from trtprompt.serve.wire import requests as inputs
 from trtprompt.serve.wire.model_config import check_config_text
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "triton_models" / "models"  # files tritonserver loads
+log = logging.getLogger("trtprompt.serve")
 
 # (name, type, dims, optional); dims exclude the batch dimension.
 # Inputs a TensorRT-LLM client may send that the torch target cannot honour;
@@ -118,6 +130,7 @@ ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     *FUSED_ONLY_INPUTS,
     *LOGITS_INPUTS,
     *GUIDE_INPUTS,
+    *SPECULATION_INPUTS,  # the torch core's per-request opt-out (the upstream ensemble hands it to that core)
 ) + UNSUPPORTED_INPUTS
 ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
     ("text_output", "STRING", [-1], False),
@@ -155,6 +168,7 @@ TOKEN_INPUTS: tuple[Tensor, ...] = (
     *RETENTION_INPUTS,
     *LOGITS_INPUTS,
     *GUIDE_INPUTS,
+    *SPECULATION_INPUTS,
 ) + UNSUPPORTED_INPUTS
 TOKEN_OUTPUTS: tuple[Tensor, ...] = (
     ("output_ids", "INT32", [-1, -1], False),
@@ -278,6 +292,23 @@ def kv_event_parameters(o: ServeOptions) -> dict[str, object]:
             "kv_events_topic": o.kv_events_topic, "kv_events_layout": o.kv_events_layout}
 
 
+def speculation_parameters(o: ServeOptions) -> dict[str, object]:
+    """The torch engine's speculative decoding settings (docs/speculative-decoding.md), read by the engine
+    process (engine_overrides), every one written so the repository shows what runs. The draft engine's path
+    is made absolute: the engine process may run in another directory."""
+    params: dict[str, object] = {name: getattr(o, name) for name in SPECULATION_KNOBS}
+    if o.speculative_model is not None:
+        params["speculative_model"] = str(Path(o.speculative_model).resolve())
+    # Refused here, naming the option, rather than by an engine process that would then restart in a loop.
+    config = SpeculationConfig.from_knobs(params)
+    if config is not None and config.mode == "draft_target" and config.draft_engine_dir is not None:
+        draft = EngineInfo.read(config.draft_engine_dir)
+        if draft.target != "torch":
+            raise ValueError(f"speculative_model {draft.path} is a {draft.target} engine: speculative_decoding "
+                             "draft_target drafts with an engine built for the torch target")
+    return params
+
+
 def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
     """tensorrt_llm's parameters, named as the TensorRT-LLM backend names them."""
     o = ctx.options
@@ -301,6 +332,7 @@ def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
         **kv_event_parameters(o),
         "kv_cache_eviction_policy": o.kv_cache_eviction_policy,  # the engine process's pool (engine_overrides)
         "guided_jump_forward": o.guided_jump_forward,  # the engine process's (engine_overrides)
+        **speculation_parameters(o),
         "guided_decoding_backend": GUIDED_DECODING_BACKEND,  # checked when the model loads (guided.check_backend)
     }
 
@@ -439,6 +471,7 @@ def _core_step(cfg: mc.ModelConfig, ctx: RepoContext) -> None:
     outputs |= {name: name for name, *_ in PERF_OUTPUTS} | {name: name for name in COUNT_OUTPUTS}
     if ctx.engine.target != "trtllm":  # preprocessing's counts, handed back by the core on every response
         inputs |= {name: f"_{name}" for name in PROMPT_OUTPUTS} | {name: name for name, *_ in LOGITS_INPUTS}
+        inputs |= {name: name for name, *_ in SPECULATION_INPUTS}  # the torch core's opt-out, as sent
         outputs |= {name: name for name in PROMPT_OUTPUTS + LOGPROB_OUTPUTS + _names(LOGITS_OUTPUTS)}
     _step(cfg, "tensorrt_llm", inputs, outputs)
 
@@ -453,7 +486,8 @@ def upstream_ensemble_config(ctx: RepoContext) -> mc.ModelConfig:
     supported = [t for t in ENSEMBLE_INPUTS if t not in UNSUPPORTED_INPUTS + FUSED_ONLY_INPUTS and t[0] not in
                  ("min_length", "random_seed", "perf_metrics_final_only")
                  and (core_takes_retention(ctx) or t not in RETENTION_INPUTS)
-                 and (torch_core or t not in LOGITS_INPUTS)]  # the C++ core's logits: its engine's build flags
+                 and (torch_core or t not in LOGITS_INPUTS)  # the C++ core's logits: its engine's build flags
+                 and (torch_core or t not in SPECULATION_INPUTS)]  # and its speculation: its engine's build
     from_core = PROMPT_OUTPUTS + LOGPROB_OUTPUTS + _names(LOGITS_OUTPUTS)  # the torch core's, as they are
     outputs = [t for t in ENSEMBLE_OUTPUTS if t[0] in ("text_output", *COUNT_OUTPUTS)
                or (torch_core and t[0] in from_core)] + list(PERF_OUTPUTS)
@@ -479,11 +513,31 @@ def _write_model(root: Path, cfg: mc.ModelConfig, source: str | None) -> None:
         shutil.copyfile(MODELS_DIR / source, model_dir / "1" / "model.py")
 
 
+def untaken_speculation(o: ServeOptions) -> tuple[int, str] | None:
+    """The trtllm target's (log level, line) about the torch engine's speculation options, which its
+    TensorRT-LLM 1.2 engine cannot act on (not refused: speculative_decoding's default is ngram); a warning
+    naming the options given (those off their defaults), a note for the defaults alone; None for
+    speculative_decoding none, which is what runs there."""
+    if o.speculative_decoding == "none":
+        return None
+    given = [f"{name}={getattr(o, name)}" for name in SPECULATION_KNOBS
+             if getattr(o, name) != knobs.runtime_default(name)]
+    what = f"the option(s) {', '.join(given)} are" if given else \
+        f"speculative_decoding (default {o.speculative_decoding}) is"
+    return (logging.WARNING if given else logging.INFO,
+            f"trtprompt serve: {what} not applied on the trtllm target: a TensorRT-LLM 1.2 engine speculates only "
+            "when built for it (trtllm-build --speculative_decoding_mode), and its tensorrtllm backend takes no "
+            "such serve option; the torch target speculates (docs/speculative-decoding.md)")
+
+
 def model_configs(ctx: RepoContext) -> list[tuple[mc.ModelConfig, str | None]]:
     """(config, python model file or None) for every model of the layout."""
     if ctx.engine.target == "trtllm":  # upstream layout around the tensorrtllm C++ backend, 1.2's tensors added
         from trtprompt.serve.launch.trtllm_model_config import params_for, trtllm_model_configs
 
+        note = untaken_speculation(ctx.options)
+        if note is not None:
+            log.log(*note)
         return trtllm_model_configs(params_for(ctx), preprocessing_config(ctx), postprocessing_config(ctx),
                                     upstream_ensemble_config(ctx))
     core = (tensorrt_llm_python_config(ctx), "tensorrt_llm.py")

@@ -13,9 +13,9 @@ to each request), and benchmark clients send vLLM's. Each field here is, by its 
 
 The extensions this server honours (top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
 stop_token_ids, cache_salt, skip_special_tokens, retention, use_beam_search, length_penalty,
-early_stopping; prompt_logprobs, allowed_token_ids, bad_words, include_stop_str_in_output in
-answer_params.py; the structured-output fields, guided_* and structured_outputs, SGLang's regex, ebnf
-and json_schema, in guided.py) are parsed in params.py. docs/openai.md,
+early_stopping and trtprompt's own speculative_decoding; prompt_logprobs, allowed_token_ids, bad_words,
+include_stop_str_in_output in answer_params.py; the structured-output fields, guided_* and
+structured_outputs, SGLang's regex, ebnf and json_schema, in guided.py) are parsed in params.py. docs/openai.md,
 "Extension fields", is the table of both.
 """
 
@@ -91,7 +91,9 @@ EXTENSIONS: tuple[Extension, ...] = (
     _e("request_id", (), NOTE, "answers carry this server's own ids"),
     _e("rid", (), NOTE, "answers carry this server's own ids"),
     _e("custom_labels", (), NOTE, "this server's metrics have fixed labels"),
-    _e("ngram_corpus_id", (), NOTE, "no speculative decoding here (it would not change the tokens)"),
+    _e("ngram_corpus_id", (), NOTE, "not taken: n-gram drafts come from the request's own tokens and from recent "
+       "requests with the same cache_salt, which picks the pool here (docs/speculative-decoding.md); drafts never "
+       "change the tokens"),
     _e("mm_processor_kwargs", (), NOTE, "text-only models: no multimodal processor"),
     _e("images_config", (), NOTE, "text-only models: no multimodal processor"),
     _e("max_dynamic_patch", (), NOTE, "text-only models: no multimodal processor", ("chat",)),

@@ -30,11 +30,13 @@ from trtprompt.serve.openai.tools import message_fields as tool_message_fields
 
 # Parameters with no effect on the output that clients commonly send.
 METADATA_FIELDS = ("user", "metadata", "store", "service_tier")
-# The vLLM/SGLang extensions honoured here (docs/openai.md, "Extension fields").
+# trtprompt's own extension: false opts the request out of speculative decoding's drafts (docs/speculative-decoding.md).
+SPECULATION_FIELDS = ("speculative_decoding",)
+# The vLLM/SGLang extensions honoured here, and trtprompt's (docs/openai.md, "Extension fields").
 HONOURED_EXTENSIONS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
                        "cache_salt", "skip_special_tokens", "retention", "prompt_logprobs", "allowed_token_ids",
                        "bad_words", "include_stop_str_in_output", "use_beam_search", "length_penalty",
-                       "early_stopping") + GUIDE_FIELDS
+                       "early_stopping") + GUIDE_FIELDS + SPECULATION_FIELDS
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                  "frequency_penalty", "stream", "stream_options", "n", "logprobs", "logit_bias",
                  "best_of") + HONOURED_EXTENSIONS + METADATA_FIELDS
@@ -318,7 +320,9 @@ def _sampling_params(body: Mapping[str, Any], max_tokens: int, limits: ModelLimi
     if max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0  # echo alone with max_tokens 0: the engine's prompt-scoring request, shown as text
     answer: dict[str, Any] = {"n": shape.sequences, "logprobs": shape.engine_logprobs,
-                              "prompt_logprobs": prompt_logprobs}
+                              "prompt_logprobs": prompt_logprobs,
+                              # with or without beams: it changes no token, only whether drafts are verified
+                              "speculative_decoding": flag(body, "speculative_decoding", True)}
     fields, beams = _sampling(body, max_tokens, limits), _beam_search(body, shape, max_tokens)
     if beams:  # every other field asks nothing here (_beam_search refused those that did)
         fields = {k: v for k, v in fields.items() if k in BEAM_KEPT} | beams

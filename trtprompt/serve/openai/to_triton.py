@@ -24,7 +24,7 @@ from tritonclient.grpc import InferInput, InferResult, service_pb2
 
 from trtprompt.client import aio_channel, grpc_call_metadata, resolve_api_key, stream_request, text_inputs
 from trtprompt.engine.request import SamplingParams
-from trtprompt.interface import GUIDE_INPUT, GUIDE_TYPE_INPUT
+from trtprompt.interface import GUIDE_INPUT, GUIDE_TYPE_INPUT, SPECULATION_INPUT
 from trtprompt.serve.openai.errors import APIError, from_triton, unavailable
 from trtprompt.serve.openai.guided import choice_regex, client_error
 from trtprompt.serve.openai.logprobs import TokenLogprob
@@ -227,6 +227,10 @@ class TritonEnsemble:
                            "invalid_request_error", "cache_salt", "unsupported_parameter")
         _refuse_answer_fields(gen)
         optional: dict[str, Any] = ensemble_sampling(gen.sampling)
+        if SPECULATION_INPUT not in declared:
+            # The opt-out asks for no token of its own (greedy tokens and sampled distributions are the same
+            # with drafts or without): where the model cannot take it there is nothing to refuse.
+            optional.pop(SPECULATION_INPUT, None)
         _refuse_undeclared(gen, prompt, optional, declared, self.model)
         optional.update(_guide_inputs(gen, declared, self.model))
         optional.update(self._retention(gen, declared))
