@@ -148,13 +148,54 @@ def test_bench_reads_the_served_series_by_their_declared_names() -> None:
 
 
 def test_perf_outputs_are_declared_once_and_read_from_the_request_stats() -> None:
-    from dataclasses import fields
-
     from trtprompt.client import PERF_OUTPUTS
-    from trtprompt.serve.triton_models.inputs import perf_values
     from trtprompt.interface import PERF_OUTPUTS as DECLARED
+    from trtprompt.serve.engine_process.server import request_stats
+    from trtprompt.serve.triton_models.inputs import perf_values
 
     assert PERF_OUTPUTS == tuple(name for name, *_ in DECLARED)
-    assert set(PERF_OUTPUTS) <= {f.name for f in fields(RequestStats)}
-    values = perf_values({"kv_cache_reused_blocks": 3, "first_token_time_ns": None})
+    assert set(PERF_OUTPUTS) <= set(request_stats(RequestStats()))  # the frame's stats carry every one
+    values = perf_values({"kv_cache_reused_blocks": 3, "first_token_time_ns": None, "acceptance_rate": 0.75})
     assert values["kv_cache_reused_blocks"] == (3, "int32") and values["first_token_time_ns"] == (0, "int64")
+    assert values["acceptance_rate"] == (0.75, "float32") and values["total_draft_tokens"] == (0, "int32")
+
+
+def test_a_requests_draft_tokens_travel_under_tensorrt_llms_names() -> None:
+    from trtprompt.serve.engine_process.server import request_stats
+
+    wire = request_stats(RequestStats(num_draft_tokens=12, num_accepted_draft_tokens=9))
+    assert (wire["total_draft_tokens"], wire["total_accepted_draft_tokens"], wire["acceptance_rate"]) == (12, 9, 0.75)
+    assert request_stats(RequestStats())["acceptance_rate"] == 0.0  # no drafts: 0, as TensorRT-LLM reports it
+    assert "num_draft_tokens" not in wire  # one name per figure on the wire
+
+
+SPEC = {"spec_num_drafts": 10, "spec_num_draft_tokens": 40, "spec_num_accepted_tokens": 25,
+        "spec_accepted_per_pos": (8, 7, 6, 4)}
+
+
+def test_spec_decode_series_from_the_engines_counts() -> None:
+    values = {s.name: (s.kind, s.source(SPEC)) for s in C.SERIES if s.name.startswith("trtprompt_spec_decode_")}
+    assert values == {C.SPEC_DRAFTS: ("counter", 10.0), C.SPEC_DRAFT_TOKENS: ("counter", 40.0),
+                      C.SPEC_ACCEPTED_TOKENS: ("counter", 25.0), C.SPEC_ACCEPTANCE_RATE: ("gauge", 0.625),
+                      C.SPEC_ACCEPTANCE_LENGTH: ("gauge", 3.5)}
+    assert C.spec_position_values(SPEC) == {(C.SPEC_ACCEPTED_PER_POS, "0"): 8.0, (C.SPEC_ACCEPTED_PER_POS, "1"): 7.0,
+                                            (C.SPEC_ACCEPTED_PER_POS, "2"): 6.0, (C.SPEC_ACCEPTED_PER_POS, "3"): 4.0}
+    # Accepted drafts are a prefix: the per-position counts add up to the accepted tokens.
+    assert sum(SPEC["spec_accepted_per_pos"]) == SPEC["spec_num_accepted_tokens"]
+    none = {"spec_num_drafts": 0, "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0,
+            "spec_accepted_per_pos": ()}  # speculative_decoding none
+    assert C.spec_acceptance_rate(none) == C.spec_acceptance_length(none) == 0.0
+    assert C.spec_position_values(none) == {}
+    assert C.SPEC_ACCEPTED_PER_POS in C.trtprompt_families()
+
+
+def test_the_publisher_counts_every_spec_series_from_one_stats_reply() -> None:
+    from trtprompt.serve.triton_models.metrics_publisher import counter_values
+
+    stats = {**SPEC, "reused_blocks": 0, "missed_blocks": 0, "queried_tokens": 0, "hit_tokens": 0,
+             "evicted_blocks": 0, "preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "restarts": 0,
+             "process_cpu_seconds": 0.0, "finished": {}, **{field: 0 for _h, field in C.KV_EVENT_COUNTERS.values()}}
+    counts = counter_values(stats)
+    assert {k: v for k, v in counts.items() if k[0].startswith("trtprompt_spec_decode_")} == {
+        (C.SPEC_DRAFTS, ""): 10.0, (C.SPEC_DRAFT_TOKENS, ""): 40.0, (C.SPEC_ACCEPTED_TOKENS, ""): 25.0,
+        **C.spec_position_values(SPEC)}

@@ -125,7 +125,7 @@ def _core_response(tokens: list[int], perf: dict[str, int], last_token_ns: int) 
     arrays = {"TOKENS_BATCH": np.array([[tokens]], dtype=np.int32),
               "SEQUENCE_LENGTH": np.array([[len(tokens)]], dtype=np.int32)}
     arrays |= {name.upper(): np.array([[values[name]]], dtype=np.int32 if dtype == "INT32" else np.int64)
-               for name, dtype, *_ in PERF_OUTPUTS}
+               for name, dtype, *_ in PERF_OUTPUTS if name in values}  # the speculative decoding ones left out
     out = []
     for name, array in arrays.items():
         tensor = http.InferInput(name, list(array.shape), "INT32" if array.dtype == np.int32 else "INT64")

@@ -7,7 +7,9 @@ shown in milliseconds in tables. KV reuse comes from the per-request
 full blocks before the last prompt token (which is always recomputed), as
 the engine counts hits and misses. Where the reused blocks came from (the
 pool, or a tier below it: disk, redis) comes from the server's per-tier
-counters on /metrics, before and after the measured window.
+counters on /metrics, before and after the measured window, and so do the
+speculative decoding figures (draft and accepted tokens, acceptance rate and
+length) when the server speculated.
 """
 
 from __future__ import annotations
@@ -109,7 +111,34 @@ def server_summary(result: RunResult) -> dict[str, Any]:
     hits = series_delta(result, C.PREFIX_HIT_BLOCKS)
     tier_hits = sum(t["hit_blocks"] for t in out["tiers"].values())
     out["pool_hit_blocks"] = None if hits is None else hits - tier_hits
+    out["speculation"] = spec_summary(result)
     return out
+
+
+def _positions(metrics: Mapping[str, float]) -> list[str]:
+    """The draft positions the server exports an acceptance counter for, in order."""
+    found = {_labels(k)[1].get(C.SPEC_POSITION_LABEL) for k in metrics if _labels(k)[0] == C.SPEC_ACCEPTED_PER_POS}
+    return sorted((p for p in found if p is not None), key=int)
+
+
+def spec_summary(result: RunResult) -> dict[str, Any] | None:
+    """What speculative decoding did in the measured window, from the server's spec_decode counters: drafts
+    (verifications), draft and accepted tokens, acceptance rate (accepted / draft tokens), mean accepted
+    length (1 + accepted / drafts: tokens per verification, the model's own one included) and, per draft
+    position, the share of drafts whose token there was accepted. None when the server exports no such series;
+    the rates None when it drafted nothing.
+    """
+    drafts = series_delta(result, C.SPEC_DRAFTS)
+    drafted = series_delta(result, C.SPEC_DRAFT_TOKENS)
+    accepted = series_delta(result, C.SPEC_ACCEPTED_TOKENS)
+    if drafts is None or drafted is None or accepted is None:
+        return None
+    per_pos = [series_delta(result, C.SPEC_ACCEPTED_PER_POS, position=p) or 0.0
+               for p in _positions(result.metrics_after)]
+    return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "acceptance_length": 1.0 + accepted / drafts if drafts else None,
+            "accepted_per_position": [n / drafts for n in per_pos] if drafts else None}
 
 
 def _tier_field(family: str) -> str:
@@ -201,6 +230,29 @@ def _tier(tier: str, field: str, fmt: str = "{:.0f}", scale: float = 1.0) -> Any
     return cell
 
 
+def _spec(field: str, fmt: str) -> Any:
+    def cell(s: Mapping[str, Any]) -> str:
+        spec = s["server"].get("speculation")
+        return "–" if spec is None else _num(spec[field], fmt)
+    return cell
+
+
+def _per_position(s: Mapping[str, Any]) -> str:
+    rates = (s["server"].get("speculation") or {}).get("accepted_per_position")
+    return " / ".join(f"{r:.0%}" for r in rates) if rates else "–"
+
+
+def spec_rows(summaries: Iterable[Mapping[str, Any]]) -> list[tuple[str, Any]]:
+    """Rows for speculative decoding, when any run drafted (from /metrics)."""
+    if not any((s["server"].get("speculation") or {}).get("draft_tokens") for s in summaries):
+        return []
+    return [("draft tokens", _spec("draft_tokens", "{:.0f}")),
+            ("accepted draft tokens", _spec("accepted_tokens", "{:.0f}")),
+            ("draft acceptance rate", _spec("acceptance_rate", "{:.1%}")),
+            ("mean accepted length (tokens / verification)", _spec("acceptance_length", "{:.2f}")),
+            ("accepted by draft position", _per_position)]
+
+
 def tier_rows(summaries: Iterable[Mapping[str, Any]]) -> list[tuple[str, Any]]:
     """Rows for the tiers below the pool, when any run used one: where the reused blocks came from
     (the pool or a tier, from /metrics) and what each tier did."""
@@ -231,7 +283,7 @@ def markdown_table(summaries: Mapping[str, Mapping[str, Any]], ratio: bool = Tru
     ratio_head = [f"{n} / {names[0]}" for n in names[1:]] if with_ratio else []
     lines = ["| metric | " + " | ".join(names + ratio_head) + " |",
              "| --- | " + " | ".join("---:" for _ in names + ratio_head) + " |"]
-    for label, fn in (*ROWS, *tier_rows(summaries.values())):
+    for label, fn in (*ROWS, *tier_rows(summaries.values()), *spec_rows(summaries.values())):
         cells = [fn(summaries[n]) for n in names]
         if with_ratio:
             cells += [_ratio(summaries[names[0]], summaries[n], label) for n in names[1:]]

@@ -101,6 +101,41 @@ KV_EVENT_COUNTERS: dict[str, tuple[str, str]] = {
                                                   "kv_events_replay_requests"),
 }
 
+# Speculative decoding (engine/speculation/, docs/speculative-decoding.md), from the engine's cumulative
+# EngineStats.spec_* counts; 0 without speculation. Named after vLLM's spec_decode counters (vllm:spec_decode_num_*,
+# exported with _total), two of which TensorRT-LLM's trtllm-serve exports under the same names
+# (trtllm_spec_decode_num_draft_tokens_total, trtllm_spec_decode_num_accepted_tokens_total, from its iteration
+# stats' specDecodingStats numDraftTokens / numAcceptedTokens). The Triton tensorrtllm backend exports none.
+SPEC_DRAFTS = "trtprompt_spec_decode_num_drafts_total"  # vllm:spec_decode_num_drafts
+SPEC_DRAFT_TOKENS = "trtprompt_spec_decode_num_draft_tokens_total"  # vllm:spec_decode_num_draft_tokens
+SPEC_ACCEPTED_TOKENS = "trtprompt_spec_decode_num_accepted_tokens_total"  # vllm:spec_decode_num_accepted_tokens
+# vllm:spec_decode_num_accepted_tokens_per_pos{position} (TensorRT-LLM: trtllm_spec_decode_accepted_tokens_total
+# {token_position}): one series per draft position 0 .. max_draft_len - 1, the verifications whose draft token
+# at that position was accepted (so position i's count over the drafts is the chance to get i + 1 drafts right).
+SPEC_ACCEPTED_PER_POS = "trtprompt_spec_decode_num_accepted_tokens_per_pos_total"
+SPEC_ACCEPTED_PER_POS_HELP = "Verifications whose draft token at `position` (0-based) was accepted"
+SPEC_POSITION_LABEL = "position"
+# Derived, since the engine process started (as the backend's cache_hit_rate): over a window, take the rate()
+# of the counters instead (docs/monitoring/README.md, "Speculative decoding").
+SPEC_ACCEPTANCE_RATE = "trtprompt_spec_decode_acceptance_rate"
+SPEC_ACCEPTANCE_LENGTH = "trtprompt_spec_decode_acceptance_length"  # TensorRT-LLM's acceptanceLength
+
+
+def spec_acceptance_rate(stats: Mapping[str, Any]) -> float:
+    """Accepted / drafted tokens (what TensorRT-LLM's per-request acceptance_rate is for one request); 0
+    before the first draft."""
+    drafted = stats["spec_num_draft_tokens"]
+    return stats["spec_num_accepted_tokens"] / drafted if drafted else 0.0
+
+
+def spec_acceptance_length(stats: Mapping[str, Any]) -> float:
+    """Tokens a verification yields on average: 1 + accepted / drafts (the token the target model adds after
+    the accepted drafts counts, as vLLM's mean acceptance length and TensorRT-LLM's acceptanceLength count
+    it); 0 before the first draft (a real value is >= 1)."""
+    drafts = stats["spec_num_drafts"]
+    return 1.0 + stats["spec_num_accepted_tokens"] / drafts if drafts else 0.0
+
+
 SERIES: tuple[Series, ...] = (
     Series(PREFIX_QUERIED_BLOCKS, "counter", "Full prompt blocks looked up in the prefix cache",
            lambda s: float(s["reused_blocks"] + s["missed_blocks"])),
@@ -122,6 +157,15 @@ SERIES: tuple[Series, ...] = (
     Series(PROCESS_CPU, "counter", "User and system CPU time of the engine process", key("process_cpu_seconds")),
     Series(PROCESS_RSS, "gauge", "Resident memory of the engine process", key("process_resident_memory_bytes")),
     *(Series(name, "counter", help_text, key(field)) for name, (help_text, field) in KV_EVENT_COUNTERS.items()),
+    Series(SPEC_DRAFTS, "counter", "Speculative decoding verifications of at least one draft token (one per "
+           "request and step)", key("spec_num_drafts")),
+    Series(SPEC_DRAFT_TOKENS, "counter", "Draft tokens verified by speculative decoding",
+           key("spec_num_draft_tokens")),
+    Series(SPEC_ACCEPTED_TOKENS, "counter", "Draft tokens the model accepted", key("spec_num_accepted_tokens")),
+    Series(SPEC_ACCEPTANCE_RATE, "gauge", "Accepted / verified draft tokens since the engine process started "
+           "(0 before the first draft)", spec_acceptance_rate),
+    Series(SPEC_ACCEPTANCE_LENGTH, "gauge", "Mean tokens per verification, 1 + accepted tokens / drafts, since the "
+           "engine process started (0 before the first draft)", spec_acceptance_length),
 )
 
 # Tiers below the KV pool (docs/prefix-pool.md), one counter family per figure with a `tier` label
@@ -138,6 +182,12 @@ TIER_COUNTERS: dict[str, tuple[str, str]] = {
     "trtprompt_kv_tier_errors_total": ("Faults a tier saw (I/O errors, timeouts, entries failing verification)",
                                        "errors"),
 }
+
+
+def spec_position_values(stats: Mapping[str, Any]) -> dict[tuple[str, str], float]:
+    """(SPEC_ACCEPTED_PER_POS, position) -> count, for every draft position the engine counts (none without
+    speculation)."""
+    return {(SPEC_ACCEPTED_PER_POS, str(i)): float(n) for i, n in enumerate(stats["spec_accepted_per_pos"])}
 
 
 def tier_counter_values(stats: Mapping[str, Any]) -> dict[tuple[str, str], float]:
@@ -197,4 +247,4 @@ TIER_LOAD = Histogram("trtprompt_kv_tier_load_seconds",
 def trtprompt_families() -> list[str]:
     """Every trtprompt_* family name (what `promtool check metrics` is run on)."""
     return ([s.name for s in SERIES] + [FINISHED, INFO] + [h.name for h in HISTOGRAMS] + list(TIER_COUNTERS)
-            + [TIER_LOAD.name])
+            + [TIER_LOAD.name, SPEC_ACCEPTED_PER_POS])

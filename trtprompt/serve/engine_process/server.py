@@ -49,12 +49,24 @@ from trtprompt.serve.wire.requests import retention_from_wire, sampling_from_wir
 
 log = logging.getLogger("trtprompt.engine_server")
 
-_STATS_FIELDS = tuple(f.name for f in fields(RequestStats))
+# RequestStats on the wire under the return_perf_metrics outputs' names (interface.PERF_OUTPUTS), which most
+# fields already are; the speculative decoding counts travel under TensorRT-LLM's names (request_stats).
+_SPEC_FIELDS = ("num_draft_tokens", "num_accepted_draft_tokens")
+_STATS_FIELDS = tuple(f.name for f in fields(RequestStats) if f.name not in _SPEC_FIELDS)
 
 
 def engine_overrides(params: Mapping[str, str]) -> dict[str, Any]:
     """LLMEngine.from_engine_dir keyword arguments from tensorrt_llm's parameters."""
     return knobs.from_parameters(params, knobs.ENGINE_KEYS)
+
+
+def request_stats(stats: RequestStats) -> dict[str, Any]:
+    """A request's stats as a frame carries them: the draft tokens it verified and accepted as TensorRT-LLM's
+    total_draft_tokens / total_accepted_draft_tokens, with its acceptance_rate (accepted / verified; 0 with
+    none), so the serving models return each under its output's name."""
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_draft_tokens
+    return {**{name: getattr(stats, name) for name in _STATS_FIELDS}, "total_draft_tokens": drafted,
+            "total_accepted_draft_tokens": accepted, "acceptance_rate": accepted / drafted if drafted else 0.0}
 
 
 def output_entry(out: RequestOutput, request_id: str, perf: bool) -> StepEntry:
@@ -74,7 +86,7 @@ def output_entry(out: RequestOutput, request_id: str, perf: bool) -> StepEntry:
         entry["finish_reason"] = out.finish_reason.value if out.finish_reason else None
         entry["warning"] = out.warning
     if out.finished or perf:
-        entry["stats"] = {name: getattr(out.stats, name) for name in _STATS_FIELDS}
+        entry["stats"] = request_stats(out.stats)
     return entry
 
 

@@ -67,10 +67,7 @@ OUTPUTS: tuple[Tensor, ...] = (
     ("output_log_probs", "FP32", [-1, -1], False),
     ("batch_index", "INT32", [1], False),
     ("sequence_index", "INT32", [1], False),
-    *PERF_OUTPUTS,
-    ("acceptance_rate", "FP32", [1], False),
-    ("total_accepted_draft_tokens", "INT32", [1], False),
-    ("total_draft_tokens", "INT32", [1], False),
+    *PERF_OUTPUTS,  # the speculative decoding ones (acceptance_rate, ...) included
     ("num_input_tokens", "INT32", [1], False),
     ("num_output_tokens", "INT32", [1], False),
 )

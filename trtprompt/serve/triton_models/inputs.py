@@ -15,7 +15,7 @@ import numpy as np
 
 from trtprompt.engine.request import FLOAT_BOUNDS, RetentionConfig, SamplingParams
 from trtprompt.error_codes import BadRequestError, FieldError, OverBoundError
-from trtprompt.interface import PERF_OUTPUTS
+from trtprompt.interface import PERF_OUTPUTS, SPECULATION_INPUT
 from trtprompt.prompt.chat import parse_messages
 from trtprompt.serve.triton_models import guided
 from trtprompt.serve.wire.requests import Outputs, TextRequest, TokenRequest, check_text_or_messages
@@ -215,6 +215,19 @@ def guide_controls(tensors: Tensors, i: int) -> dict[str, tuple[Any, str]]:
     return guided.guide_fields(guided.guide_of(kind, text))
 
 
+def speculation_controls(tensors: Tensors, i: int) -> dict[str, tuple[Any, str]]:
+    """SamplingParams.speculative_decoding from the speculative_decoding input (interface.SPECULATION_INPUT):
+    false opts this request out of drafts; empty when absent or true (the field's default)."""
+    if flag(tensors, SPECULATION_INPUT, i, True):
+        return {}
+    return {"speculative_decoding": (False, SPECULATION_INPUT)}
+
+
+def request_controls(tensors: Tensors, i: int, max_beam_width: int) -> dict[str, tuple[Any, str]]:
+    """The SamplingParams fields both models read alike: sequences and beams, the guide, the speculation opt-out."""
+    return sequence_controls(tensors, i, max_beam_width) | guide_controls(tensors, i) | speculation_controls(tensors, i)
+
+
 def word_ids(tensors: Tensors, name: str, i: int, encode: Encode) -> tuple[tuple[int, ...], ...]:
     """A words input as token sequences, each word tokenized alone without special tokens (tensorrtllm_backend's
     preprocessing, as for stop_words); a word of no tokens is dropped, as there."""
@@ -288,7 +301,7 @@ def parse_text_item(tensors: Tensors, i: int, exclude_default: bool, encode: Enc
     raw_messages, overflow, salt = (text_scalar(tensors, name, i) for name in ("messages", "overflow", "cache_salt"))
     check_text_or_messages(text, raw_messages)
     messages = None if raw_messages is None else tuple(parse_messages(raw_messages))  # parsed once, here
-    extra = sequence_controls(tensors, i, max_beam_width) | guide_controls(tensors, i)
+    extra = request_controls(tensors, i, max_beam_width)
     if words(tensors, "bad_words", i):
         extra["bad_words"] = (word_ids(tensors, "bad_words", i, encode), "bad_words")
     if BIAS_WORDS in tensors or BIAS_WEIGHTS in tensors:
@@ -344,7 +357,7 @@ def parse_token_item(tensors: Tensors, i: int, exclude_default: bool, max_input_
     """One row of a `tensorrt_llm` request (token ids in, token ids out); vocab_size checks embedding_bias."""
     check_unsupported(tensors, i)
     ids = prompt_ids(tensors, i, max_input_len)
-    extra = sequence_controls(tensors, i, max_beam_width) | guide_controls(tensors, i)
+    extra = request_controls(tensors, i, max_beam_width)
     for name, field in (("stop_words_list", "stop_token_ids"), ("bad_words_list", "bad_words")):
         extra[field] = (tuple(tuple(w) for w in words_list(_row(tensors, name, i), name)), name)
     extra["logit_bias"] = (bias_from_vector(tensors, i, vocab_size), "embedding_bias")
@@ -354,7 +367,8 @@ def parse_token_item(tensors: Tensors, i: int, exclude_default: bool, max_input_
                         retention=retention(tensors, i))
 
 
-def perf_values(stats: Mapping[str, Any]) -> dict[str, tuple[int, str]]:
+def perf_values(stats: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
     """The return_perf_metrics outputs (name -> (value, numpy dtype)) from an output frame's
     request stats, whose keys are the outputs' names; a time not reached yet is 0."""
-    return {name: (int(stats.get(name) or 0), dtype.lower()) for name, dtype, *_ in PERF_OUTPUTS}
+    return {name: (float(stats.get(name) or 0), "float32") if dtype == "FP32" else
+            (int(stats.get(name) or 0), dtype.lower()) for name, dtype, *_ in PERF_OUTPUTS}

@@ -41,6 +41,7 @@ def counter_values(stats: Mapping[str, Any]) -> dict[tuple[str, str], float]:
     out = {(s.name, ""): s.source(stats) for s in C.SERIES if s.kind == "counter"}
     out.update({(C.FINISHED, reason): float(stats["finished"].get(reason, 0)) for reason in C.FINISH_REASONS})
     out.update(C.tier_counter_values(stats))
+    out.update(C.spec_position_values(stats))
     return out
 
 
@@ -67,6 +68,15 @@ class _Families:
             for tier in C.TIERS:
                 self.counters[(family, tier)] = self.metric(family, help_text, "COUNTER", {"tier": tier})
         self.tier_loads = self._tier_histograms(C.TIER_LOAD)
+
+    def spec_positions(self, count: int) -> None:
+        """Have a per-position acceptance counter for draft positions 0 .. count - 1: the engine's max_draft_len,
+        known from its first stats reply (0 without speculation: no position series)."""
+        for position in map(str, range(count)):
+            if (C.SPEC_ACCEPTED_PER_POS, position) not in self.counters:
+                self.counters[(C.SPEC_ACCEPTED_PER_POS, position)] = self.metric(
+                    C.SPEC_ACCEPTED_PER_POS, C.SPEC_ACCEPTED_PER_POS_HELP, "COUNTER",
+                    {C.SPEC_POSITION_LABEL: position})
 
     def metric(self, name: str, help_text: str, kind: str, labels: dict[str, str]) -> Any:
         family = self.families.get(name)
@@ -208,6 +218,7 @@ class MetricsPublisher:
                 self._sent[key] = value
 
     def _advance_counters(self, stats: Mapping[str, Any]) -> None:
+        self._m.spec_positions(len(stats["spec_accepted_per_pos"]))
         for key, value in counter_values(stats).items():
             grown = value - self._counted.get(key, 0.0)
             if grown > 0:

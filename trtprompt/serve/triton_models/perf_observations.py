@@ -23,6 +23,12 @@ NS_PER_S = 1e9
 # The HISTOGRAMS (by timing key) and counters an observation feeds.
 TIMING_KEYS: tuple[str, ...] = ("queue_s", "ttft_s", "prefill_s", "cached_tokens")
 COUNTERS: tuple[str, ...] = (C.PREFIX_HIT_BLOCKS, C.PREFIX_QUERIED_BLOCKS)
+# The perf outputs a response must carry to be observed (TensorRT-LLM's KV-cache and timing ones). The speculative
+# decoding ones are not among them: their totals are final only at the request's last response, and a
+# request is observed at its first token, so the trtllm target publishes no spec_decode series.
+OBSERVED_OUTPUTS: tuple[str, ...] = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+                                     "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
+                                     "first_token_time_ns", "last_token_time_ns")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import triton_python_backend_utils as pb_utils
 from trtprompt.engine.engine_dir import read_engine_dir
 from trtprompt.engine.guide import check_guide
 from trtprompt.error_codes import BadRequestError, FieldError
-from trtprompt.interface import PERF_FLAG, PERF_OUTPUTS
+from trtprompt.interface import PERF_FLAG
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.chat import parse_messages
 from trtprompt.prompt.edge import PromptEdge, engine_dir_limits
@@ -30,7 +30,13 @@ from trtprompt.serve import metrics_catalog as C
 from trtprompt.serve.triton_models import guided, inputs
 from trtprompt.serve.triton_models import stub as io
 from trtprompt.serve.triton_models.inputs import Array
-from trtprompt.serve.triton_models.perf_observations import COUNTERS, TIMING_KEYS, FirstSeen, observation
+from trtprompt.serve.triton_models.perf_observations import (
+    COUNTERS,
+    OBSERVED_OUTPUTS,
+    TIMING_KEYS,
+    FirstSeen,
+    observation,
+)
 from trtprompt.serve.wire.refusals import refusal_reason, report_refused
 from trtprompt.serve.wire.requests import check_text_or_messages
 from trtprompt.tokenizer import StreamDetokenizer, Tokenizer
@@ -325,7 +331,7 @@ class RequestMetrics:
         """Observe each row whose perf outputs came (never fails the response it rides on)."""
         try:
             for i in range(n):
-                perf = {name: inputs.scalar(tensors, name.upper(), i, int) for name, *_ in PERF_OUTPUTS}
+                perf = {name: inputs.scalar(tensors, name.upper(), i, int) for name in OBSERVED_OUTPUTS}
                 if None not in perf.values():
                     self.observe(request_id, perf)
         except Exception as exc:  # noqa: BLE001 - metrics must never fail a response
