@@ -51,7 +51,8 @@ def test_non_streaming_returns_one_response(served: Served, oracle: Oracle) -> N
 
 def test_token_model_called_directly(served: Served, oracle: Oracle) -> None:
     gen = oracle.run(PROMPTS[0], 12)
-    streamed = served.tokens(gen.prompt_ids, 12)
+    # One response per step; without drafts a step yields one token (with them, several: docs/speculative-decoding.md).
+    streamed = served.tokens(gen.prompt_ids, 12, speculative_decoding=False)
     assert streamed.error is None, streamed.error
     assert streamed.output_ids == gen.output_ids
     assert len(streamed.responses) == 12
@@ -87,9 +88,10 @@ def test_perf_outputs_on_the_final_response_only_when_asked(served: Served) -> N
     """TensorRT-LLM attaches perf outputs to every response; perf_metrics_final_only keeps the
     per-token responses light (the OpenAI front end asks for it: it needs them once, for usage)."""
     prompt = "perf on the final response " * 6
-    every = served.text(prompt, 6, temperature=0.0, min_tokens=6, return_perf_metrics=True)
+    # Without drafts both runs take one response per token (drafts from the first could shorten the second's).
+    every = served.text(prompt, 6, temperature=0.0, min_tokens=6, return_perf_metrics=True, speculative_decoding=False)
     final_only = served.text(prompt, 6, temperature=0.0, min_tokens=6, return_perf_metrics=True,
-                             perf_metrics_final_only=True)
+                             perf_metrics_final_only=True, speculative_decoding=False)
     assert every.error is None and final_only.error is None
     assert len(every.responses) > 2 and len(final_only.responses) == len(every.responses)
     assert all("first_token_time_ns" in r for r in every.responses)
@@ -104,7 +106,10 @@ def test_only_the_outputs_a_client_names_come_back(served: Served, oracle: Oracl
     those: most of a streamed response's cost); naming none returns every declared output."""
     prompt = "name the outputs you read " * 4
     gen = oracle.run(prompt, 8)
-    reporting = dict(temperature=0.0, return_perf_metrics=True, return_num_output_tokens=True)
+    # Without drafts: one response per token, the same count for both runs (the first's answer would draft
+    # for the second).
+    reporting = dict(temperature=0.0, return_perf_metrics=True, return_num_output_tokens=True,
+                     speculative_decoding=False)
     every = served.text(prompt, 8, **reporting)
     named = served.text(prompt, 8, outputs=["text_output", "num_output_tokens", "first_token_time_ns"],
                         **reporting)
@@ -116,7 +121,7 @@ def test_only_the_outputs_a_client_names_come_back(served: Served, oracle: Oracl
         len(every.responses)
     assert named.text == every.text == oracle.tokenizer.decode(gen.output_ids)
     assert named.last("num_output_tokens") == len(gen.output_ids) and named.last("first_token_time_ns") > 0
-    ids = served.tokens(gen.prompt_ids, 8, outputs=["output_ids"])
+    ids = served.tokens(gen.prompt_ids, 8, outputs=["output_ids"], speculative_decoding=False)
     assert ids.error is None, ids.error
     assert [set(r) for r in ids.responses] == [{"output_ids"}] * len(gen.output_ids)
     assert ids.output_ids == gen.output_ids
