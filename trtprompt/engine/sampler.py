@@ -120,10 +120,11 @@ def sample_row(row: torch.Tensor, req: Request) -> int:
 
 
 def accept_or_resample(probs: torch.Tensor, draft: int, gen: torch.Generator) -> int:
-    """Speculative sampling against a deterministic draft: keep the draft with probability p(draft), else draw
-    from p with the draft removed. The token is then distributed exactly as p (P(draft) = p(draft); any other x:
-    (1 - p(draft)) p(x) / (1 - p(draft))), the rule of Leviathan et al. with a draft distribution that puts
-    all its mass on the draft (every drafter here drafts deterministically)."""
+    """Speculative sampling of one row against one draft token: keep the draft with probability p(draft), else
+    draw from p with the draft removed. The token is then distributed exactly as p (P(draft) = p(draft); any
+    other x: (1 - p(draft)) p(x) / (1 - p(draft))) for any draft chosen without this row's random draw:
+    Leviathan et al.'s rule with a draft distribution that puts all its mass on the draft. The drafters here
+    propose their most likely token (n-gram continuation, the draft model's argmax), the best bet for p."""
     total = probs.sum()
     if float(torch.rand((), generator=gen, device=probs.device)) * float(total) < float(probs[draft]):
         return draft
