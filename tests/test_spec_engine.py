@@ -16,7 +16,6 @@ from engine_helpers import make_engine, make_hf_model, run_to_completion
 
 from trtprompt.engine.engine import LLMEngine
 from trtprompt.engine.request import SamplingParams
-from trtprompt.engine.sampler import accept_or_resample
 from trtprompt.engine.speculation.config import SpeculationConfig
 
 SPEC = SpeculationConfig(max_draft_len=5, max_concurrency=None)
@@ -211,15 +210,15 @@ def test_temperature_one_keeps_the_token_distribution(tmp_path: Path) -> None:
         assert chi_square(counts[i], exact[i]) < CHI2_BOUND, (i, counts[i].tolist(), (exact[i] * SAMPLES).tolist())
 
 
-def test_accept_or_resample_draws_exactly_from_the_distribution() -> None:
-    """The acceptance rule alone, with enough draws to tell p from a near miss (keeping the draft in the
-    resample gives P(draft) = 0.3 + 0.7 x 0.3 = 0.51 here; accepting with sqrt(p) gives 0.62)."""
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
-    gen = torch.Generator().manual_seed(7)
-    counts = torch.zeros(4, dtype=torch.float64)
-    for _ in range(20_000):
-        counts[accept_or_resample(probs * 2.0, 1, gen)] += 1  # unnormalized, as sampling_probs may leave it
-    assert chi_square(counts, probs) < 17.7  # 3 degrees of freedom, p = 0.0005
+def test_seeded_sampling_gives_the_tokens_of_a_run_without_drafts(llama: Path) -> None:
+    """Each row draws once from the request's generator, as a one-token step does: seeded outputs are equal."""
+    params = [SamplingParams(max_tokens=30, temperature=0.8, top_k=20, top_p=0.95, seed=s) for s in range(6)]
+    prompt = PROMPTS["r2"]
+    spec = make_engine(llama, speculation=SPEC)
+    sample_all(spec, prompt, [SamplingParams(max_tokens=30, temperature=0.0)])  # its answer drafts for the others
+    before = spec.stats().spec_num_accepted_tokens
+    assert sample_all(spec, prompt, params) == sample_all(make_engine(llama), prompt, params)
+    assert spec.stats().spec_num_accepted_tokens > before  # sampled rows accepted drafts
 
 
 def sample_all(engine: LLMEngine, prompt: list[int], params: list[SamplingParams]) -> list[list[int]]:

@@ -41,7 +41,6 @@ from trtprompt.engine.sampler import (
     logprob_entries,
     raw_logprobs,
     sample,
-    sample_with_draft,
 )
 from trtprompt.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from trtprompt.engine.speculation.drafting import Drafter, DraftModel
@@ -387,18 +386,6 @@ class LLMEngine:
         tokens = sample(rows, reqs)
         return tokens, attach_logprobs(raw, reqs, tokens), kept
 
-    def _sample_row(self, row: torch.Tensor, req: Request, draft: int | None) -> tuple[
-            int | SampleFailure, TokenLogprob | None, torch.Tensor | None]:
-        """_sample for one speculating request's row [1, vocab] (draft: the token it verifies, if any)."""
-        if draft is None:
-            tokens, logprobs, kept = self._sample(row, [req])
-            return tokens[0], logprobs[0], kept[0]
-        raw = raw_logprobs(row, [req])
-        kept_row = row[0].clone() if req.params.return_generation_logits else None
-        guide_rows(row, [req], self.guides)
-        token = sample_with_draft(row[0], req, draft)
-        return token, attach_logprobs(raw, [req], [token])[0], kept_row
-
     @staticmethod
     def _plain_greedy(req: Request) -> bool:
         """Greedy with nothing that changes a row between tokens: its drafts verify by one argmax."""
@@ -502,9 +489,12 @@ class LLMEngine:
 
     def _verify(self, req: Request, s: ScheduledRequest, rows: torch.Tensor) -> FinishReason | Fault | None:
         """Speculative decoding's check of req's drafts: rows [1 + drafts, vocab] score its next token and each
-        draft's successor. Tokens are taken one row at a time, each row processed as it would be without
-        drafts (penalties, grammar, stop conditions see the tokens accepted before it); the first token that
-        differs from its draft is the last one. KV written for rejected drafts is dropped (kv.trim)."""
+        draft's successor. Each row is sampled exactly as a one-token step samples it (penalties, grammar, stop
+        conditions see the tokens accepted before it; a sampled row draws once from the request's generator), and
+        a draft is accepted when the row's token equals it. The tokens are those of decoding without drafts, draw
+        for draw, and a sampled draft is accepted with probability p(draft), as speculative sampling's rejection
+        rule accepts a draft it is certain of. The first token that differs from its draft is the step's last.
+        KV written for rejected drafts is dropped (kv.trim)."""
         drafts = req.drafts[:s.num_draft]
         fast = greedy_tokens(rows) if self._plain_greedy(req) else None
         accepted, result = 0, None
@@ -516,7 +506,8 @@ class LLMEngine:
                 if fast[1][j]:
                     token = SampleFailure("its logits are NaN or all -inf")
             else:
-                token, logprob, raw_row = self._sample_row(rows[j:j + 1], req, draft)
+                tokens, logprobs, kept = self._sample(rows[j:j + 1], [req])
+                token, logprob, raw_row = tokens[0], logprobs[0], kept[0]
             result = self._take(req, token, logprob, raw_row)
             if draft is None or token != draft:
                 break

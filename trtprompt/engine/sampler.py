@@ -119,35 +119,6 @@ def sample_row(row: torch.Tensor, req: Request) -> int:
     return int(torch.multinomial(sampling_probs(row, req.params), 1, generator=gen).item())
 
 
-def accept_or_resample(probs: torch.Tensor, draft: int, gen: torch.Generator) -> int:
-    """Speculative sampling of one row against one draft token: keep the draft with probability p(draft), else
-    draw from p with the draft removed. The token is then distributed exactly as p (P(draft) = p(draft); any
-    other x: (1 - p(draft)) p(x) / (1 - p(draft))) for any draft chosen without this row's random draw:
-    Leviathan et al.'s rule with a draft distribution that puts all its mass on the draft. The drafters here
-    propose their most likely token (n-gram continuation, the draft model's argmax), the best bet for p."""
-    total = probs.sum()
-    if float(torch.rand((), generator=gen, device=probs.device)) * float(total) < float(probs[draft]):
-        return draft
-    rest = probs.clone()
-    rest[draft] = 0.0
-    return int(torch.multinomial(rest, 1, generator=gen).item())
-
-
-def sample_with_draft(row: torch.Tensor, req: Request, draft: int) -> int | SampleFailure:
-    """One row of a speculating request (processed in place, as sample() does): its token, which equals draft
-    exactly when the draft is accepted. Greedy: the argmax; sampled: accept_or_resample."""
-    try:
-        _prepare_row(row, req)
-        best = row.max()
-        if torch.isnan(best) or torch.isneginf(best):
-            return SampleFailure("its logits are NaN or all -inf")
-        if req.params.greedy:
-            return int(row.argmax().item())
-        return accept_or_resample(sampling_probs(row, req.params), draft, generator_of(req, row.device))
-    except Exception as exc:  # noqa: BLE001 - fails this request only
-        return SampleFailure(f"{type(exc).__name__}: {exc}")
-
-
 @dataclass(frozen=True)
 class SampleFailure:
     """Why one request's row gave no token; the engine finishes that request with this error."""
