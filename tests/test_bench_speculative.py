@@ -57,8 +57,8 @@ def test_workloads_are_deterministic_and_end_with_a_user_turn() -> None:
     first, second = spec_workloads.workloads(), spec_workloads.workloads()
     assert first == second
     assert [w.name for w in first] == list(spec_workloads.WORKLOAD_NAMES)
-    assert first[0].messages[0][1].startswith("Rewrite this code with `failures` renamed to `errors`.")
-    assert "failures: dict[int, SampleFailure] = {}" in first[0].messages[0][1]  # the engine's own source
+    assert first[0].messages[0][1].startswith("Rewrite this code with `req` renamed to `request`.")
+    assert "if req.num_output >= req.max_output_tokens:" in first[0].messages[0][1]  # the engine's own source
     with pytest.raises(ValueError, match="must end with a user turn"):
         spec_workloads.Workload("x", (("assistant", "hi"),))
 

@@ -4,13 +4,16 @@ Four chat requests whose answer repeats its input, the cases n-gram drafting is 
 shipped in this repository (no downloads), read at run time by name (a function, a doc section, a JSON
 key), so a moved line does not change them:
 
-- `code_rewrite`: a function of this repository's engine (the sampler's `sample`), one identifier to rename;
+- `code_rewrite`: a function of this repository's engine (stopping.py's `check_stop`, about 30 lines), one
+  identifier to rename;
 - `extract_quotes`: a passage of docs/security.md, "copy every sentence that contains the word salt";
-- `json_reformat`: a test fixture's JSON object on one line, to pretty-print with its keys in camelCase;
+- `json_reformat`: a test fixture's JSON object, pretty-printed, to give back with its keys in camelCase;
 - `multi_turn_restate`: a conversation whose last user turn asks for a summary quoting the earlier answers.
 
 SmolLM2-135M-Instruct answers these phrasings by copying (measured): "quote, word for word" got a paraphrase,
-"repeat your first answer" got the latest one.
+"repeat your first answer" got the latest one, the sampler's 27-line `sample` got a shorter rewrite of its own,
+and a one-line JSON object to pretty-print got a differently spaced one (few runs of tokens in common). A model
+this small seldom performs the rename it is asked for: it copies, which is the part these workloads measure.
 
 Plus random prompts (token ids from a seeded generator, past the special tokens) for the throughput run.
 Everything is deterministic; `digest` names the exact token ids a run used, so two runs (or two peers)
@@ -94,8 +97,8 @@ def camel(name: str) -> str:
 
 
 def code_rewrite() -> Workload:
-    code = function_source("trtprompt/engine/sampler.py", "sample")
-    return Workload("code_rewrite", (("user", "Rewrite this code with `failures` renamed to `errors`. Output only "
+    code = function_source("trtprompt/engine/stopping.py", "check_stop")
+    return Workload("code_rewrite", (("user", "Rewrite this code with `req` renamed to `request`. Output only "
                                               f"the code.\n\n```python\n{code}\n```"),))
 
 
@@ -109,11 +112,10 @@ def json_reformat() -> Workload:
     config = json.loads(_read("tests/fixtures/trtllm/good/config.json"))["pretrained_config"]
     flat = {k: v for k, v in config.items() if not isinstance(v, dict)}  # the scalar fields
     example = next(k for k in flat if "_" in k)
-    return Workload("json_reformat", (("user", "Reformat this JSON object: pretty-print it with two-space indents "
-                                               "and rename every key from snake_case to camelCase (for example "
-                                               f"`{example}` becomes `{camel(example)}`). Keep "
-                                               "every value. Output only the JSON.\n\n"
-                                               + json.dumps(flat, separators=(",", ":"))),))
+    return Workload("json_reformat", (("user", "Rename every key of this JSON object from snake_case to camelCase "
+                                               f"(for example `{example}` becomes `{camel(example)}`). Keep every "
+                                               "value and the formatting. Output only the JSON.\n\n"
+                                               + json.dumps(flat, indent=2)),))
 
 
 def multi_turn_restate() -> Workload:

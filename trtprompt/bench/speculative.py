@@ -179,8 +179,11 @@ def variant_names(draft_lens: Sequence[int]) -> dict[str, int | None]:
     return {BASELINE: None, **{f"ngram-{d}": d for d in draft_lens}}
 
 
-def open_engines(engine_dir: Path, draft_lens: Sequence[int], max_ngram: int | None) -> dict[str, Any]:
+def open_engines(engine_dir: Path, draft_lens: Sequence[int], max_ngram: int | None,
+                 max_concurrency: int | None = None) -> dict[str, Any]:
+    """max_concurrency: the ngram variants' speculation_max_concurrency (None: the knob's default; 0: never pause)."""
     from trtprompt.engine.engine import LLMEngine
+    from trtprompt.knobs import BIG
 
     engines = {}
     for name, draft in variant_names(draft_lens).items():
@@ -189,7 +192,9 @@ def open_engines(engine_dir: Path, draft_lens: Sequence[int], max_ngram: int | N
                                                       enable_kv_cache_reuse=False)
         else:
             engines[name] = LLMEngine.from_engine_dir(engine_dir, speculative_decoding="ngram", max_draft_len=draft,
-                                                      max_matching_ngram_size=max_ngram, enable_kv_cache_reuse=False)
+                                                      max_matching_ngram_size=max_ngram, enable_kv_cache_reuse=False,
+                                                      speculation_max_concurrency=BIG if max_concurrency == 0
+                                                      else max_concurrency)
     return engines
 
 
@@ -253,8 +258,8 @@ def latency(engines: Mapping[str, Any], prompts: Mapping[str, list[int]], rounds
 def batch_run(engine: Any, prompts: Sequence[list[int]], params: Any, tag: str) -> dict[str, Any]:
     """Every prompt in flight at once; output tok/s over the whole run."""
     start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, params, cache_salt=tag)
+    for i, prompt in enumerate(prompts):  # a salt each: no request drafts from another's answer
+        engine.add_request(f"{tag}-{i}", prompt, params, cache_salt=f"{tag}-{i}")
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -268,11 +273,11 @@ def batch_run(engine: Any, prompts: Sequence[list[int]], params: Any, tag: str) 
 
 
 def throughput(engines: Mapping[str, Any], prompts: Sequence[list[int]], rounds: int, output_len: int,
-               speculating: str) -> dict[str, Any]:
+               speculating: str, ignore_eos: bool = True) -> dict[str, Any]:
     """`speculating` vs none on the same prompts, all in flight, rounds alternating which goes first."""
     from trtprompt.engine.request import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=ignore_eos)
     pair = {BASELINE: engines[BASELINE], speculating: engines[speculating]}
     for name, engine in pair.items():  # warm-up: the batch's shapes, a few tokens
         batch_run(engine, prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), f"warm-{name}")
@@ -353,6 +358,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--throughput-input", type=int, default=128)
     ap.add_argument("--throughput-output", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0, help="throughput: the random prompts' seed")
+    ap.add_argument("--throughput-prompts", choices=("random", "workloads"), default="random",
+                    help="throughput: random token prompts (EOS ignored), or the latency workloads in turn (greedy, "
+                         "EOS stops: the answers that copy their prompt)")
+    ap.add_argument("--spec-max-concurrency", type=int, default=None,
+                    help="speculation_max_concurrency of the ngram variants (unset: the knob's default; 0: never "
+                         "pause): find where speculation stops paying")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     args.only = [x for x in args.only.split(",") if x]
@@ -368,7 +379,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    engines = open_engines(args.engine_dir, args.draft_len, args.max_ngram)
+    engines = open_engines(args.engine_dir, args.draft_len, args.max_ngram, args.spec_max_concurrency)
     some = next(iter(engines.values()))
     tokenizer_dir = Path(some.guides.tokenizer_dir)
     setup = {"engine_dir": str(args.engine_dir), "max_tokens": args.max_tokens, "rounds": args.rounds,
@@ -389,9 +400,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if batch < args.concurrency:  # the rest would queue: a smaller batch than the peers run
             print(f"WARNING: the engine's max_batch_size {batch} < --concurrency {args.concurrency}: build one with "
                   f"--max-batch-size {args.concurrency} or more (docs/speculative-decoding.md, \"Measuring\")")
-        prompts_tp = spec_workloads.random_prompts(tokenizer, args.concurrency, args.throughput_input, args.seed)
+        if args.throughput_prompts == "random":
+            prompts_tp = spec_workloads.random_prompts(tokenizer, args.concurrency, args.throughput_input, args.seed)
+        else:
+            grounded = [spec_workloads.chat_token_ids(tokenizer, w) for w in spec_workloads.workloads()]
+            prompts_tp = [grounded[i % len(grounded)] for i in range(args.concurrency)]
         result["throughput"] = throughput(engines, prompts_tp, args.rounds, args.throughput_output,
-                                          next(n for n in engines if n != BASELINE))
+                                          next(n for n in engines if n != BASELINE),
+                                          ignore_eos=args.throughput_prompts == "random")
+        result["throughput"]["prompts"] = args.throughput_prompts
     result["tokens_identical"] = tokens_identical(result)
     result["machine"]["loadavg_end"] = os.getloadavg()
     return result
