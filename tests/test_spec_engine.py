@@ -15,7 +15,7 @@ import torch
 from engine_helpers import make_engine, make_hf_model, run_to_completion
 
 from trtprompt.engine.engine import LLMEngine
-from trtprompt.engine.request import SamplingParams
+from trtprompt.engine.request import FinishReason, SamplingParams
 from trtprompt.engine.speculation.config import SpeculationConfig
 
 SPEC = SpeculationConfig(max_draft_len=5, max_concurrency=None)
@@ -230,3 +230,25 @@ def sample_all(engine: LLMEngine, prompt: list[int], params: list[SamplingParams
         for out in engine.step():
             got[out.request_id].extend(out.new_token_ids)
     return [got[f"s{i}"] for i in range(len(params))]
+
+
+def test_a_grammar_completed_by_an_accepted_draft_ends_the_request(
+        tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    """Drafts running past the end of a grammar (here: a longer answer under a longer guide, from the pool) stop
+    where the grammar completes, even with ignore_eos (no token would be allowed after it)."""
+    checkpoint = tiny_checkpoint_factory("llama")
+    prompt = {"g": [5, 17, 33, 120, 64, 9] * 4}
+    got = {}
+    for name, spec in (("base", None), ("spec", SPEC)):
+        engine = make_engine(checkpoint, tokenizer_dir=checkpoint, speculation=spec, jump_forward=False)
+        sequences(engine, SamplingParams(max_tokens=60, temperature=0.0, guide_type="regex", guide="(ab|cd){12}"),
+                  prompt, tag="-long")  # its answer joins the pool
+        short = SamplingParams(max_tokens=60, temperature=0.0, guide_type="regex", guide="(ab|cd){3}",
+                               ignore_eos=True)
+        engine.add_request("short", prompt["g"], short)
+        outs = [o for _ in range(100) if engine.has_unfinished_requests() for o in engine.step()]
+        assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].error is None
+        got[name] = [t for o in outs for t in o.new_token_ids]
+        if spec is not None:
+            assert engine.stats().spec_num_accepted_tokens > 0
+    assert got["spec"] == got["base"]

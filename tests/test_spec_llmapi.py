@@ -14,15 +14,17 @@ import yaml
 from click.testing import CliRunner
 
 from trtprompt.cli import main
-from trtprompt.knobs import LLMAPI_DECODING_TYPES
+from trtprompt.knobs import KNOBS, LLMAPI_DECODING_TYPES
 from trtprompt.serve.launch.llmapi_repository import EDGE_INPUTS, draft_model, serve_model_yaml
 from trtprompt.serve.launch.options import EngineInfo, resolve_options
 from trtprompt.targets.llmapi_config import speculative_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "trtllm_names.json"
 LLMAPI = json.loads(FIXTURE.read_text(encoding="utf-8"))["releases"]["1.4.0rc4"]
-NGRAM_DEFAULTS = {"decoding_type": "NGram", "max_draft_len": 6, "max_matching_ngram_size": 3, "is_keep_all": True,
-                  "is_use_oldest": True, "is_public_pool": True, "max_concurrency": 8}
+# The knobs' defaults, under TensorRT-LLM's names.
+NGRAM_DEFAULTS = {"decoding_type": "NGram", **{KNOBS[k].llmapi.split(".")[-1]: KNOBS[k].default for k in (
+    "max_draft_len", "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool",
+    "speculation_max_concurrency")}}
 
 
 def _model_yaml(engine: Path, repo: Path, *options: str) -> dict[str, Any]:
@@ -37,7 +39,8 @@ def test_speculative_config_of_each_mode() -> None:
     assert speculative_config({"max_draft_len": 2, "is_public_pool": False, "speculation_max_concurrency": 1}) == \
         NGRAM_DEFAULTS | {"max_draft_len": 2, "is_public_pool": False, "max_concurrency": 1}
     assert speculative_config({"speculative_decoding": "draft_target", "speculative_model": "/d"}) == {
-        "decoding_type": "DraftTarget", "max_draft_len": 6, "speculative_model": "/d", "max_concurrency": 8}
+        "decoding_type": "DraftTarget", "max_draft_len": NGRAM_DEFAULTS["max_draft_len"], "speculative_model": "/d",
+        "max_concurrency": NGRAM_DEFAULTS["max_concurrency"]}
     with pytest.raises(ValueError, match="draft_target needs speculative_model"):
         speculative_config({"speculative_decoding": "draft_target"})
     with pytest.raises(ValueError, match="max_draft_len"):

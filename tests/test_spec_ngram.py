@@ -56,14 +56,21 @@ def test_the_pool_keeps_its_capacity_and_forgets_the_oldest() -> None:
 def test_public_pool_drafts_only_for_the_same_salt() -> None:
     drafter = Drafter(SpeculationConfig(max_draft_len=4))
     source = request("src", [40 + i for i in range(30)], salt="tenant-a")
-    source.finish_reason = FinishReason.STOP
-    drafter.finished(source)
+    drafter.admitted(source)  # its prompt drafts for requests running beside it
     later = [200, 201, 202, 40, 41, 42]
     for salt, expect in (("tenant-a", [43, 44, 45, 46]), ("tenant-b", []), (None, [])):
         req = request(f"later-{salt}", later, salt)
         drafter.propose([req])
         assert req.drafts == expect
+    for token in (90, 91, 92, 93):
+        source.append_token(token)
+    source.finish_reason = FinishReason.STOP
+    drafter.finished(source)  # then its answer, after the prompt's last tokens
+    req = request("after", [7, 68, 69, 90], "tenant-a")
+    drafter.propose([req])
+    assert req.drafts == [91, 92, 93]
     private = Drafter(SpeculationConfig(max_draft_len=4, is_public_pool=False))
+    private.admitted(source)
     private.finished(source)
     req = request("p", later, "tenant-a")
     private.propose([req])
@@ -81,15 +88,16 @@ def test_drafts_stop_at_max_tokens_and_go_stale_once_tokens_follow() -> None:
 
 
 def test_draft_length_adapts_to_acceptance() -> None:
-    assert next_draft_len(4, drafted=4, accepted=4, max_draft_len=6) == 6
-    assert next_draft_len(6, drafted=6, accepted=6, max_draft_len=6) == 6
-    assert next_draft_len(4, drafted=4, accepted=1, max_draft_len=6) == 3
-    assert next_draft_len(1, drafted=1, accepted=0, max_draft_len=6) == 1
+    assert next_draft_len(4, drafted=4, accepted=4, max_draft_len=16) == 8
+    assert next_draft_len(12, drafted=12, accepted=12, max_draft_len=16) == 16
+    assert next_draft_len(2, drafted=1, accepted=1, max_draft_len=16) == 4  # a short match, all accepted
+    assert next_draft_len(8, drafted=8, accepted=2, max_draft_len=16) == 3
+    assert next_draft_len(1, drafted=1, accepted=0, max_draft_len=16) == 1
     drafter = Drafter(SpeculationConfig(max_draft_len=6))
     req = request("r", [1, 2])
     drafter.propose([req])
     drafter.verified(req, drafted=5, accepted=2)
-    assert req.draft_len == 5 and req.stats.num_draft_tokens == 5 and req.stats.num_accepted_draft_tokens == 2
+    assert req.draft_len == 3 and req.stats.num_draft_tokens == 5 and req.stats.num_accepted_draft_tokens == 2
     assert drafter.counters.accepted_per_pos[:3] == [1, 1, 0]
 
 

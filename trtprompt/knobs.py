@@ -33,6 +33,8 @@ SPECULATIVE_MODES: tuple[str, ...] = ("none", "ngram", "draft_target")
 LLMAPI_DECODING_TYPES: dict[str, str] = {"ngram": "NGram", "draft_target": "DraftTarget"}
 # Above this many running requests speculation pauses (measured: docs/speculative-decoding.md, "Where it pauses").
 SPECULATION_MAX_CONCURRENCY = 8
+# The refusal of draft_target without its draft engine (the engine, serve and the llmapi target say the same).
+NO_DRAFT_MODEL = "speculative_decoding draft_target needs speculative_model: the draft engine's directory"
 CAPACITY_POLICIES: tuple[str, ...] = ("guaranteed_no_evict", "max_utilization")
 # Strictest first (trtprompt/prompt/budget.py: a request may move left of its profile's policy, never right).
 OVERFLOW_POLICIES: tuple[str, ...] = ("reject", "truncate_middle", "truncate_left")
@@ -243,7 +245,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
        "prompt and output, and from recent requests with the same cache_salt), draft_target (a smaller engine, "
        "--speculative-model, drafts) or none. Greedy tokens are unchanged; sampled ones keep their distribution.",
        choices=SPECULATIVE_MODES, llmapi="speculative_config.decoding_type", engine=True, serve=True),
-    _k("max_draft_len", "serve", int, 6, "Most draft tokens verified per request and step (each request adapts "
+    _k("max_draft_len", "serve", int, 10, "Most draft tokens verified per request and step (each request adapts "
        "its own below this from its recent acceptance).", low=1, high=64,
        llmapi="speculative_config.max_draft_len", engine=True, serve=True),
     _k("max_matching_ngram_size", "serve", int, 3, "ngram: the longest run of last tokens looked up; shorter runs "

@@ -22,7 +22,7 @@ from trtprompt.engine.guided import GuideCompiler, guide_rows
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.kv_events import KvEventPublisher, kv_events_config
 from trtprompt.engine.loader import engine_config, read_engine_files
-from trtprompt.engine.model import DecoderModel, load_model_from_safetensors
+from trtprompt.engine.model import DTYPES, DecoderModel, load_model_from_safetensors
 from trtprompt.engine.quant_w8a8 import bits_of
 from trtprompt.engine.request import (
     FinishReason,
@@ -39,6 +39,7 @@ from trtprompt.engine.sampler import (
     attach_logprobs,
     greedy_tokens,
     logprob_entries,
+    processes_rows,
     raw_logprobs,
     sample,
 )
@@ -55,7 +56,6 @@ from trtprompt.error_codes import ErrorCode
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -243,6 +243,8 @@ class LLMEngine:
             for req in group:
                 req.matcher = checked.matcher if req is group[0] else checked.matcher.deep_copy()
         self.groups[request_id] = group
+        if self.drafter is not None:
+            self.drafter.admitted(group[0])
         for fork in group[1:]:
             fork.held_fork = True
         if params.beam_width > 1:
@@ -389,9 +391,15 @@ class LLMEngine:
     @staticmethod
     def _plain_greedy(req: Request) -> bool:
         """Greedy with nothing that changes a row between tokens: its drafts verify by one argmax."""
-        p = req.params
-        return (p.greedy and not p.has_penalties and not p.min_tokens and not p.has_vocabulary_controls
-                and req.matcher is None and not req.reports_extras)
+        return req.params.greedy and not processes_rows(req) and req.matcher is None and not req.reports_extras
+
+    def _guide_takes_over(self, req: Request) -> bool:
+        """After an accepted draft: the grammar is complete, or forces the next tokens (jump-forward appends
+        them), so the rows after it are not what a step without drafts would sample."""
+        assert req.matcher is not None
+        if req.matcher.is_stopped():
+            return True
+        return self.config.guided_jump_forward and not req.reports_extras and bool(req.matcher.compute_ff_tokens())
 
     @staticmethod
     def _record_prompt_rows(logits: StepLogits) -> None:
@@ -515,6 +523,8 @@ class LLMEngine:
             if result is not None:
                 break
             req.num_computed_tokens += 1  # the draft's KV, written this step, holds
+            if req.matcher is not None and self._guide_takes_over(req):
+                break  # _update ends the request or appends the forced tokens, as it does without drafts
         assert self.drafter is not None
         self.drafter.verified(req, len(drafts), accepted)
         self.kv.cache_computed(req)

@@ -30,6 +30,9 @@ from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, resolve_w8a8_back
 from trtprompt.engine.rope import RotaryEmbedding
 from trtprompt.engine.weights import W8A8, LinearWeights, check_quant_algo, fuse_linears, take_linear, take_tensor
 
+# The engine dtypes' torch types (config.json's dtype names): the target engine and a draft engine load by it.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 class RMSNorm(torch.nn.Module):
     """transformers' RMSNorm (LayerOps.rms_norm)."""

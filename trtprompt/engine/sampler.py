@@ -146,6 +146,12 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     return index.tolist(), bad.tolist()
 
 
+def processes_rows(req: Request) -> bool:
+    """True when _prepare_row changes req's rows (a row then depends on the tokens before it)."""
+    p = req.params
+    return p.has_penalties or bool(p.min_tokens) or p.has_vocabulary_controls
+
+
 def _prepare_row(row: torch.Tensor, req: Request) -> None:
     if req.params.has_penalties:
         apply_penalties(row, req)

@@ -129,6 +129,7 @@ class Scheduler:
         self._schedule_running(step, generation=True)
         self._schedule_running(step, generation=False)
         self._admit_waiting(step)
+        self._grant_drafts(step)
         return step.out
 
     def _schedule_running(self, step: _Step, generation: bool) -> None:
@@ -139,20 +140,24 @@ class Scheduler:
             if self.is_generation(req) != generation or req.request_id in step.ids:
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
-            num_draft = self._drafts_that_fit(req, step.budget) if generation else 0
-            num_new = 1 + num_draft if generation else self._chunk(req, remaining, step.budget)
+            num_new = 1 if generation else self._chunk(req, remaining, step.budget)
             if num_new == 0:
                 continue
-            if num_draft or self._allocate_or_preempt(req, num_new, step):
-                step.add(req, num_new, is_context=not generation, num_draft=num_draft)
+            if self._allocate_or_preempt(req, num_new, step):
+                step.add(req, num_new, is_context=not generation)
 
-    def _drafts_that_fit(self, req: Request, budget: int) -> int:
-        """Draft tokens a generating request verifies in its step (allocated here): as many as the token
-        budget leaves, and none unless their blocks are free: drafts never preempt anyone."""
-        num_draft = min(len(req.drafts), budget - 1)
-        if num_draft and not self.kv.allocate(req, 1 + num_draft):
-            return 0
-        return num_draft
+    def _grant_drafts(self, step: _Step) -> None:
+        """Generating requests verify their drafts (speculative decoding) with what every other request left:
+        the token budget after all tokens and prompt chunks of the step, and blocks that are free now. Drafts
+        never take a token, a block or a preemption from anyone."""
+        scheduled = step.out.scheduled
+        for i, s in enumerate(scheduled):
+            if step.budget <= 0:
+                return
+            num_draft = 0 if s.is_context else min(len(s.request.drafts), step.budget)
+            if num_draft and self.kv.allocate(s.request, 1 + num_draft):
+                scheduled[i] = ScheduledRequest(s.request, s.context_len, 1 + num_draft, False, num_draft)
+                step.budget -= num_draft
 
     def _allocate_or_preempt(self, req: Request, num_new: int, step: _Step) -> bool:
         while not self.kv.allocate(req, num_new):

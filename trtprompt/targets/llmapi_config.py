@@ -23,7 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from trtprompt.knobs import KNOBS, LLMAPI_DECODING_TYPES
+from trtprompt.knobs import KNOBS, LLMAPI_DECODING_TYPES, NO_DRAFT_MODEL
 from trtprompt.plan import BuildPlan
 
 BACKEND = "pytorch"
@@ -92,7 +92,7 @@ def speculative_config(values: Mapping[str, Any]) -> dict[str, Any] | None:
     if mode == "none":
         return None
     if mode == "draft_target" and value("speculative_model") is None:
-        raise ValueError("speculative_decoding draft_target needs speculative_model: the draft model's directory")
+        raise ValueError(NO_DRAFT_MODEL)
     args: dict[str, Any] = {}
     put_arg(args, str(KNOBS["speculative_decoding"].llmapi), LLMAPI_DECODING_TYPES[mode])
     for name in SPECULATION_KNOBS_OF[mode]:

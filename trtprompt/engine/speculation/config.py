@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from trtprompt.knobs import KNOBS
+from trtprompt.knobs import KNOBS, NO_DRAFT_MODEL
 
 # The knobs this record takes, each under its registry name (trtprompt/knobs.py declares bounds and defaults).
 SPECULATION_KNOBS: tuple[str, ...] = ("speculative_decoding", "max_draft_len", "max_matching_ngram_size", "is_keep_all",
@@ -47,7 +47,7 @@ class SpeculationConfig:
                             ("speculative_model", self.draft_engine_dir)):
             KNOBS[name].check(value)
         if self.mode == "draft_target" and self.draft_engine_dir is None:
-            raise ValueError("speculative_decoding draft_target needs speculative_model: the draft engine's directory")
+            raise ValueError(NO_DRAFT_MODEL)
         if self.public_pool_tokens < 1:
             raise ValueError(f"public_pool_tokens must be >= 1, got {self.public_pool_tokens}")
 

@@ -22,16 +22,16 @@ from trtprompt.engine.config import DEFAULT_ATTENTION_BACKEND, EngineConfig, Mod
 from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.loader import engine_config, read_engine_files
-from trtprompt.engine.model import DecoderModel, load_model_from_safetensors
+from trtprompt.engine.model import DTYPES, DecoderModel, load_model_from_safetensors
 from trtprompt.engine.quant_w8a8 import bits_of
 from trtprompt.engine.request import Request, SamplingParams
 from trtprompt.engine.runner import ModelRunner
 from trtprompt.engine.scheduler import ScheduledRequest, SchedulerOutput
 from trtprompt.engine.speculation.config import SpeculationConfig
+from trtprompt.knobs import NO_DRAFT_MODEL
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A mirror samples nothing itself (drafts are argmax of its rows); it needs some params to be a Request.
 MIRROR_PARAMS = SamplingParams(max_tokens=1)
 # Differing tokens a refusal names, at most (a whole vocabulary would drown the message).
@@ -183,7 +183,7 @@ def open_draft_model(config: SpeculationConfig, target_files: EngineDir, target_
     the target's vocabulary. Its KV pool holds the target's max_batch_size full-length sequences, or less
     where the draft engine's own KV budget is smaller."""
     if config.draft_engine_dir is None:
-        raise ValueError("speculative_decoding draft_target needs speculative_model: the draft engine's directory")
+        raise ValueError(NO_DRAFT_MODEL)
     files = read_engine_files(config.draft_engine_dir)
     draft_model_config = ModelConfig.from_pretrained_config(files.pretrained_config)
     check_same_vocabulary(target_files, target_config.model, files, draft_model_config)
