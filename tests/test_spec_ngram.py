@@ -91,7 +91,8 @@ def test_draft_length_adapts_to_acceptance() -> None:
     assert next_draft_len(4, drafted=4, accepted=4, max_draft_len=16) == 8
     assert next_draft_len(12, drafted=12, accepted=12, max_draft_len=16) == 16
     assert next_draft_len(2, drafted=1, accepted=1, max_draft_len=16) == 4  # a short match, all accepted
-    assert next_draft_len(8, drafted=8, accepted=2, max_draft_len=16) == 3
+    assert next_draft_len(8, drafted=8, accepted=2, max_draft_len=16) == 4  # halved
+    assert next_draft_len(8, drafted=8, accepted=6, max_draft_len=16) == 7  # the accepted run + 1
     assert next_draft_len(1, drafted=1, accepted=0, max_draft_len=16) == 1
     drafter = Drafter(SpeculationConfig(max_draft_len=6))
     req = request("r", [1, 2])

@@ -245,7 +245,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
        "prompt and output, and from recent requests with the same cache_salt), draft_target (a smaller engine, "
        "--speculative-model, drafts) or none. Greedy tokens are unchanged; sampled ones keep their distribution.",
        choices=SPECULATIVE_MODES, llmapi="speculative_config.decoding_type", engine=True, serve=True),
-    _k("max_draft_len", "serve", int, 10, "Most draft tokens verified per request and step (each request adapts "
+    _k("max_draft_len", "serve", int, 16, "Most draft tokens verified per request and step (each request adapts "
        "its own below this from its recent acceptance).", low=1, high=64,
        llmapi="speculative_config.max_draft_len", engine=True, serve=True),
     _k("max_matching_ngram_size", "serve", int, 3, "ngram: the longest run of last tokens looked up; shorter runs "

@@ -22,13 +22,13 @@ class DraftModel(Protocol):
 
 def next_draft_len(current: int, drafted: int, accepted: int, max_draft_len: int) -> int:
     """A request's next draft length from its last verification: every draft accepted doubles it (a run of
-    matches tends to go on: a copied passage reaches max_draft_len in a few steps), a rejection cuts it to
-    the accepted run plus one (never below one). Each rejected draft token costs verification compute:
-    on text that repeats nothing, 16 drafts a step were measured 1.2-1.4x slower than none
-    (docs/speculative-decoding.md, "Draft length")."""
+    matches tends to go on: a copied passage reaches max_draft_len in a few steps), a rejection halves it, or
+    cuts it to the accepted run plus one where that is longer (never below one). Each rejected draft token
+    costs verification compute; collapsing at once, or never shrinking, measured worse on copying and on free
+    text respectively (docs/speculative-decoding.md, "Draft length")."""
     if accepted == drafted:
         return min(max_draft_len, max(2 * current, 1))
-    return max(1, min(current, accepted + 1))
+    return max(1, min(current, max(accepted + 1, current // 2)))
 
 
 @dataclass
