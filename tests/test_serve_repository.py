@@ -14,6 +14,9 @@ import numpy as np
 import pytest
 
 from serve_fixtures import ROOT, _alive
+
+from trtprompt.engine.speculation.config import SPECULATION_KNOBS
+from trtprompt.knobs import KNOBS
 from trtprompt.engine.request import SamplingParams
 from trtprompt.error_codes import RequestError
 from trtprompt.serve.triton_models import inputs
@@ -63,8 +66,8 @@ def test_fused_repository_parameters_and_interface(tiny_engine_dir: Path, tmp_pa
         "max_tokens_in_paged_kv_cache": "32768", "max_queue_size": "8", "max_beam_width": "1",
         "exclude_input_in_output": "false", "cancellation_check_period_ms": "100",
         "stats_check_period_ms": "100", "engine_threads": "3", "kv_cache_eviction_policy": "s3fifo", "guided_jump_forward": "true",
-        "speculative_decoding": "ngram", "max_draft_len": "6", "max_matching_ngram_size": "3", "is_keep_all": "true",
-        "is_use_oldest": "true", "is_public_pool": "true", "speculation_max_concurrency": "8",
+        # the speculation knobs' defaults (trtprompt/knobs.py), as config.pbtxt writes them
+        **{name: str(KNOBS[name].default).lower() for name in SPECULATION_KNOBS if name != "speculative_model"},
         "compute_dtype": "float32", "engine_socket": str(tmp_path / "repo" / "engine.sock"),
         "triton_max_batch_size": "16", "guided_decoding_backend": "llguidance",
     }
