@@ -434,12 +434,12 @@ class Request:
         self.generation_logits: list[torch.Tensor] = []  # params.return_generation_logits: per token
         self.matcher: LLMatcher | None = None  # params.guide_type: this sequence's grammar state (engine/guided.py)
         # Speculative decoding (engine/speculation/): tokens proposed to follow all_token_ids when it held
-        # drafts_at tokens (stale once it holds more), the adaptive draft length, the own n-gram index.
+        # drafts_at tokens (stale once it holds more), the adaptive draft length, the own n-gram index and
+        # this request's sequence in it.
         self.draft_token_ids: list[int] = []
-        self.drafts_at = 0
+        self.drafts_at: int | None = None
         self.draft_len: int | None = None
-        self.ngram: NgramIndex | None = None
-        self.ngram_id = 0
+        self.ngram: tuple[NgramIndex, int] | None = None
 
     @property
     def reuses_prefix(self) -> bool:

@@ -104,19 +104,14 @@ def sampling_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def generator_of(req: Request, device: torch.device) -> torch.Generator:
-    """req's random stream, seeded on first use."""
-    if req.generator is None:
-        gen = torch.Generator(device=device)
-        # Sequence i of a request with n > 1 draws from seed + i: its own stream, reproducible.
-        gen.manual_seed(((req.params.seed if req.params.seed is not None else 0) + req.sequence_index) % 2**64)
-        req.generator = gen
-    return req.generator
-
-
 def sample_row(row: torch.Tensor, req: Request) -> int:
-    gen = generator_of(req, row.device)
-    return int(torch.multinomial(sampling_probs(row, req.params), 1, generator=gen).item())
+    p = req.params
+    if req.generator is None:
+        gen = torch.Generator(device=row.device)
+        # Sequence i of a request with n > 1 draws from seed + i: its own stream, reproducible.
+        gen.manual_seed(((p.seed if p.seed is not None else 0) + req.sequence_index) % 2**64)
+        req.generator = gen
+    return int(torch.multinomial(sampling_probs(row, p), 1, generator=req.generator).item())
 
 
 @dataclass(frozen=True)

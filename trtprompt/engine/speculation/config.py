@@ -7,10 +7,14 @@ from typing import Any, Mapping
 
 from trtprompt.knobs import KNOBS, NO_DRAFT_MODEL
 
-# The knobs this record takes, each under its registry name (trtprompt/knobs.py declares bounds and defaults).
-SPECULATION_KNOBS: tuple[str, ...] = ("speculative_decoding", "max_draft_len", "max_matching_ngram_size", "is_keep_all",
-                                      "is_use_oldest", "is_public_pool", "speculation_max_concurrency",
-                                      "speculative_model")
+# The knobs this record takes, each under its registry name (trtprompt/knobs.py declares bounds and defaults),
+# and the field that holds it.
+FIELD_OF_KNOB: dict[str, str] = {
+    "speculative_decoding": "mode", "max_draft_len": "max_draft_len",
+    "max_matching_ngram_size": "max_matching_ngram_size", "is_keep_all": "is_keep_all",
+    "is_use_oldest": "is_use_oldest", "is_public_pool": "is_public_pool",
+    "speculation_max_concurrency": "max_concurrency", "speculative_model": "draft_engine_dir"}
+SPECULATION_KNOBS: tuple[str, ...] = tuple(FIELD_OF_KNOB)
 # Tokens the shared n-gram pool keeps over recent requests (is_public_pool): about 150 bytes each over
 # max_matching_ngram_size runs, so ~30 MB at the default; the oldest request's tokens leave first.
 PUBLIC_POOL_TOKENS = 65_536
@@ -36,16 +40,10 @@ class SpeculationConfig:
     public_pool_tokens: int = PUBLIC_POOL_TOKENS
 
     def __post_init__(self) -> None:
-        KNOBS["speculative_decoding"].check(self.mode)
+        for name, field_name in FIELD_OF_KNOB.items():
+            KNOBS[name].check(getattr(self, field_name))
         if self.mode == "none":
             raise ValueError("speculative_decoding none: the engine takes no SpeculationConfig (None) instead")
-        for name, value in (("max_draft_len", self.max_draft_len),
-                            ("max_matching_ngram_size", self.max_matching_ngram_size),
-                            ("is_keep_all", self.is_keep_all), ("is_use_oldest", self.is_use_oldest),
-                            ("is_public_pool", self.is_public_pool),
-                            ("speculation_max_concurrency", self.max_concurrency),
-                            ("speculative_model", self.draft_engine_dir)):
-            KNOBS[name].check(value)
         if self.mode == "draft_target" and self.draft_engine_dir is None:
             raise ValueError(NO_DRAFT_MODEL)
         if self.public_pool_tokens < 1:
@@ -54,10 +52,6 @@ class SpeculationConfig:
     @classmethod
     def from_knobs(cls, values: Mapping[str, Any]) -> SpeculationConfig | None:
         """The record for these knob values (unset ones, None, take their defaults); None for mode none."""
-        v = {name: (values[name] if values.get(name) is not None else _default(name)) for name in SPECULATION_KNOBS}
-        if v["speculative_decoding"] == "none":
-            return None
-        return cls(mode=v["speculative_decoding"], max_draft_len=v["max_draft_len"],
-                   max_matching_ngram_size=v["max_matching_ngram_size"], is_keep_all=v["is_keep_all"],
-                   is_use_oldest=v["is_use_oldest"], is_public_pool=v["is_public_pool"],
-                   max_concurrency=v["speculation_max_concurrency"], draft_engine_dir=v["speculative_model"])
+        chosen = {field_name: values[name] if values.get(name) is not None else _default(name)
+                  for name, field_name in FIELD_OF_KNOB.items()}
+        return None if chosen["mode"] == "none" else cls(**chosen)

@@ -80,11 +80,12 @@ class Drafter:
     def _ngram(self, req: Request, k: int) -> list[int]:
         if req.ngram is None:
             c = self.config
-            req.ngram = NgramIndex(c.max_matching_ngram_size, c.is_keep_all, c.is_use_oldest)
-            req.ngram_id = req.ngram.add(req.all_token_ids)
+            index = NgramIndex(c.max_matching_ngram_size, c.is_keep_all, c.is_use_oldest)
+            req.ngram = index, index.add(req.all_token_ids)
         else:
-            req.ngram.extend(req.ngram_id)
-        best: Match | None = req.ngram.propose(req.all_token_ids, k)
+            index, sid = req.ngram
+            index.extend(sid)
+        best: Match | None = index.propose(req.all_token_ids, k)
         if self.pool is not None:
             shared = self.pool.propose(req.all_token_ids, k, req.cache_salt)
             if shared is not None and (best is None or shared.run > best.run):
