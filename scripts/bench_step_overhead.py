@@ -156,7 +156,7 @@ def mixed_step(engine: LLMEngine, timer: PartTimer, chunk: int, steps: int) -> d
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    engine = LLMEngine.from_engine_dir(args.engine_dir, enable_kv_cache_reuse=False)
+    engine = LLMEngine.from_engine_dir(args.engine_dir, enable_kv_cache_reuse=False, speculative_decoding="none")
     timer = PartTimer()
     timer.install(engine)
     out: dict[str, Any] = {"engine": str(args.engine_dir), "layers": engine.model_config.num_hidden_layers,
