@@ -1,0 +1,285 @@
+// y = x @ W^T for a few rows of x (decode steps): the weight is streamed from memory once per
+// eight rows, each weight vector converted to float32 in registers and used by every row.
+//
+// With one to a few dozen tokens a step, a linear is bound by reading its weight, and a GEMM
+// library's per-call work (oneDNN's primitive lookup, blocking for large M) is a share of a
+// call that moves ~1 MB. This kernel does the least that reads each weight byte once: rows of W
+// split between threads, a float32 dot product per (row of x, row of W). Weight formats:
+//   float32 / bfloat16 [N, K]                    the engine dtype's weight
+//   int8 [N, K] + float32 scale [N]              per output channel (int8_wo, W8A16)
+//   uint8 [N, K / 2] + float32 scale [N, K / G]  int4 in groups of G columns (int4_wo, W4A16):
+//       value = (nibble - 8) * scale; within a group, byte b holds column b (low nibble) and
+//       column b + G / 2 (high nibble), so a vector of bytes unpacks into two runs of columns.
+// x is float32 or bfloat16 [M, K]; y [M, N] in x's dtype, accumulated in float32. Design and
+// figures: docs/design.md, "Few-rows linear".
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace trtprompt_vec;
+
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint8_t vub __attribute__((vector_size(kLanes)));
+typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+constexpr int64_t kRowsPerPass = 8;      // rows of x that share one read of the weight
+constexpr int64_t kOutRowsPerTask = 16;  // rows of W a thread takes at a time (parallel_for grain)
+
+// kLanes narrow values widened to int32 lanes. One instruction each with the variant's ISA; compilers
+// widen vector-extension types lane by lane, which made the kernel compute-bound.
+inline vi widen_u16(const uint16_t* p) {
+#if TRTPROMPT_LANES == 16 && defined(__AVX512F__)
+  return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif TRTPROMPT_LANES == 8 && defined(__AVX2__)
+  return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, vi);
+#endif
+}
+
+inline vi widen_s8(const int8_t* p) {
+#if TRTPROMPT_LANES == 16 && defined(__AVX512F__)
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif TRTPROMPT_LANES == 8 && defined(__AVX2__)
+  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  vub b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b ^ 0x80, vi) - 128;
+#endif
+}
+
+inline vi widen_u8(const uint8_t* p) {
+#if TRTPROMPT_LANES == 16 && defined(__AVX512F__)
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif TRTPROMPT_LANES == 8 && defined(__AVX2__)
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  vub b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vi);
+#endif
+}
+
+inline vf as_float(vi bits) {
+  vf f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The weight's kLanes values at column k of row n, as float32 (without the int formats' scales).
+struct F32Weight {
+  const float* w;
+  int64_t k_dim;
+  vf at(int64_t n, int64_t k) const { return load(w + n * k_dim + k); }
+};
+
+struct Bf16Weight {
+  const uint16_t* w;
+  int64_t k_dim;
+  vf at(int64_t n, int64_t k) const { return as_float(widen_u16(w + n * k_dim + k) << 16); }  // float32's top half
+};
+
+struct Int8Weight {
+  const int8_t* w;
+  int64_t k_dim;
+  vf at(int64_t n, int64_t k) const { return __builtin_convertvector(widen_s8(w + n * k_dim + k), vf); }
+};
+
+// Independent sums in flight: an FMA waits ~4 cycles for its accumulator, so one chain per row of W would
+// run at a quarter of the FMA rate. R rows of W at once give R * M chains (R * M >= 4 for every M).
+template <int M>
+constexpr int out_rows_at_once() {
+  return M >= 4 ? 1 : (M == 1 ? 4 : 2);
+}
+
+// Dot products of M rows of xf (float32 [M, K]) with rows [n0, n1) of W, into acc_out[(n - n0) * 8 + r].
+template <int M, typename W>
+void dot_rows(const float* xf, int64_t k_dim, const W& w, int64_t n0, int64_t n1, float* acc_out) {
+  constexpr int R = out_rows_at_once<M>();
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    vf acc[R][M] = {};
+    for (int64_t k = 0; k < k_dim; k += kLanes) {
+      for (int j = 0; j < R; ++j) {
+        const vf wv = w.at(n + j, k);
+        for (int r = 0; r < M; ++r) acc[j][r] += load(xf + r * k_dim + k) * wv;
+      }
+    }
+    for (int j = 0; j < R; ++j)
+      for (int r = 0; r < M; ++r) acc_out[(n + j - n0) * kRowsPerPass + r] = hsum(acc[j][r]);
+  }
+  for (; n < n1; ++n) {  // the last rows of a task when R does not divide it
+    vf acc[M] = {};
+    for (int64_t k = 0; k < k_dim; k += kLanes) {
+      const vf wv = w.at(n, k);
+      for (int r = 0; r < M; ++r) acc[r] += load(xf + r * k_dim + k) * wv;
+    }
+    for (int r = 0; r < M; ++r) acc_out[(n - n0) * kRowsPerPass + r] = hsum(acc[r]);
+  }
+}
+
+// int4 in groups: the group's scale is folded into each weight vector (one multiply per vector,
+// shared by the M rows), so the sum needs no per-group pass. Low and high nibbles feed separate
+// sums (two chains per row).
+template <int M>
+void dot_rows_int4(const float* xf, int64_t k_dim, const uint8_t* w, const float* scale, int64_t group,
+                   int64_t n0, int64_t n1, float* acc_out) {
+  const int64_t half = group / 2, groups = k_dim / group;
+  for (int64_t n = n0; n < n1; ++n) {
+    vf acc_lo[M] = {}, acc_hi[M] = {};
+    const uint8_t* row = w + n * (k_dim / 2);
+    for (int64_t g = 0; g < groups; ++g) {
+      const vf s = vf{} + scale[n * groups + g];
+      for (int64_t b = 0; b < half; b += kLanes) {
+        const vi q = widen_u8(row + g * half + b);
+        const vi lo = (q & 15) - 8, hi = (q >> 4) - 8;
+        const vf wlo = __builtin_convertvector(lo, vf) * s, whi = __builtin_convertvector(hi, vf) * s;
+        const int64_t k = g * group + b;
+        for (int r = 0; r < M; ++r) {
+          acc_lo[r] += load(xf + r * k_dim + k) * wlo;
+          acc_hi[r] += load(xf + r * k_dim + k + half) * whi;
+        }
+      }
+    }
+    for (int r = 0; r < M; ++r) acc_out[(n - n0) * kRowsPerPass + r] = hsum(acc_lo[r] + acc_hi[r]);
+  }
+}
+
+// Runs fn(m, n0, n1, buf) over the weight's rows in parallel; buf holds kOutRowsPerTask x kRowsPerPass sums.
+template <typename Fn>
+void for_each_task(int64_t n_dim, Fn&& fn) {
+  at::parallel_for(0, (n_dim + kOutRowsPerTask - 1) / kOutRowsPerTask, 1, [&](int64_t t0, int64_t t1) {
+    float buf[kOutRowsPerTask * kRowsPerPass];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kOutRowsPerTask, n1 = std::min(n_dim, n0 + kOutRowsPerTask);
+      fn(n0, n1, buf);
+    }
+  });
+}
+
+// Calls body(std::integral_constant<int, M>) for M in 1..kRowsPerPass.
+template <typename Body>
+void with_rows(int64_t m, Body&& body) {
+  switch (m) {
+    case 1: return body(std::integral_constant<int, 1>{});
+    case 2: return body(std::integral_constant<int, 2>{});
+    case 3: return body(std::integral_constant<int, 3>{});
+    case 4: return body(std::integral_constant<int, 4>{});
+    case 5: return body(std::integral_constant<int, 5>{});
+    case 6: return body(std::integral_constant<int, 6>{});
+    case 7: return body(std::integral_constant<int, 7>{});
+    default: return body(std::integral_constant<int, 8>{});
+  }
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& weight, int64_t k_dim) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "few_rows_linear: x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "few_rows_linear: x must be float32 or bfloat16");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "few_rows_linear: weight must be a contiguous 2-D tensor");
+  TORCH_CHECK(x.size(1) == k_dim, "few_rows_linear: x has ", x.size(1), " columns, the weight ", k_dim);
+  TORCH_CHECK(k_dim % kLanes == 0, "few_rows_linear: K (", k_dim, ") must be a multiple of ", kLanes);
+}
+
+// x rows [r0, r0 + m) as float32 [m, K].
+void rows_as_float(const at::Tensor& x, int64_t r0, int64_t m, float* dst) {
+  const int64_t k = x.size(1);
+  if (x.scalar_type() == at::kFloat) {
+    std::memcpy(dst, x.data_ptr<float>() + r0 * k, sizeof(float) * m * k);
+    return;
+  }
+  const c10::BFloat16* src = x.data_ptr<c10::BFloat16>() + r0 * k;
+  for (int64_t i = 0; i < m * k; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+void store_rows(at::Tensor& out, int64_t r0, int64_t m, int64_t n0, int64_t n1, const float* buf,
+                const float* row_scale) {
+  const int64_t n_dim = out.size(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const float s = row_scale ? row_scale[n] : 1.f;
+    for (int64_t r = 0; r < m; ++r) {
+      const float v = buf[(n - n0) * kRowsPerPass + r] * s;
+      if (out.scalar_type() == at::kFloat)
+        out.data_ptr<float>()[(r0 + r) * n_dim + n] = v;
+      else
+        out.data_ptr<c10::BFloat16>()[(r0 + r) * n_dim + n] = static_cast<c10::BFloat16>(v);
+    }
+  }
+}
+
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                           int64_t group) {
+  const auto wt = weight.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar || wt == at::kByte,
+              "few_rows_linear: weight must be float32, bfloat16, int8 or uint8 (packed int4)");
+  const bool int4 = wt == at::kByte;
+  const int64_t n_dim = weight.size(0), k_dim = int4 ? weight.size(1) * 2 : weight.size(1);
+  check_inputs(x, weight, k_dim);
+  const bool scaled = weight.scalar_type() == at::kChar || int4;
+  TORCH_CHECK(!scaled || (scale.has_value() && scale->scalar_type() == at::kFloat && scale->is_contiguous()),
+              "few_rows_linear: int8 and int4 weights need a contiguous float32 scale");
+  if (int4) {
+    TORCH_CHECK(group > 0 && group % (2 * kLanes) == 0 && k_dim % group == 0,
+                "few_rows_linear: int4 group (", group, ") must divide K and be a multiple of ", 2 * kLanes);
+    TORCH_CHECK(scale->numel() == n_dim * (k_dim / group), "few_rows_linear: int4 scale must be [N, K / group]");
+  } else if (scaled) {
+    TORCH_CHECK(scale->numel() == n_dim, "few_rows_linear: int8 scale must be [N]");
+  }
+  at::Tensor out = at::empty({x.size(0), n_dim}, x.options());
+  std::vector<float> xf(kRowsPerPass * k_dim);
+  const float* row_scale = (scaled && !int4) ? scale->data_ptr<float>() : nullptr;
+  for (int64_t r0 = 0; r0 < x.size(0); r0 += kRowsPerPass) {
+    const int64_t m = std::min(kRowsPerPass, x.size(0) - r0);
+    rows_as_float(x, r0, m, xf.data());
+    with_rows(m, [&](auto rows) {
+      constexpr int M = decltype(rows)::value;
+      for_each_task(n_dim, [&](int64_t n0, int64_t n1, float* buf) {
+        switch (weight.scalar_type()) {
+          case at::kFloat:
+            dot_rows<M>(xf.data(), k_dim, F32Weight{weight.data_ptr<float>(), k_dim}, n0, n1, buf);
+            break;
+          case at::kBFloat16:
+            dot_rows<M>(xf.data(), k_dim,
+                        Bf16Weight{reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>()), k_dim},
+                        n0, n1, buf);
+            break;
+          case at::kChar:
+            dot_rows<M>(xf.data(), k_dim, Int8Weight{weight.data_ptr<int8_t>(), k_dim}, n0, n1, buf);
+            break;
+          default:
+            dot_rows_int4<M>(xf.data(), k_dim, weight.data_ptr<uint8_t>(), scale->data_ptr<float>(), group, n0,
+                             n1, buf);
+        }
+        store_rows(out, r0, m, n0, n1, buf, row_scale);
+      });
+    });
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
+  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? scale, int group) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
+  m.impl("few_rows_linear", &few_rows_linear);
+}

@@ -1,0 +1,53 @@
+"""int4 weights in groups (int4_wo, quant_algo "W4A16" with a group_size): the format the build writes and
+the engine reads.
+
+A weight [out, in] is cut into groups of `group` consecutive input columns per output row; each group has
+one float32 scale = max|w| / 7 and values q = round(w / scale) in [-7, 7] (symmetric round-to-nearest, as
+GGUF's Q4_0 and OpenVINO's int4_sym are). Stored as nibble = q + 8 in [1, 15], two per byte: within a group,
+byte b holds column b in its low nibble and column b + group / 2 in its high one, so that a vector of bytes
+unpacks into two runs of consecutive columns (csrc/few_rows_linear.cpp reads it that way).
+
+    <name>.weight        uint8   [out, in / 2]
+    <name>.weight_scale  float32 [out, in / group]
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT4_QMAX = 7
+INT4_ZERO = 8  # nibble = q + 8
+INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)  # multiples of 2 x 16 lanes: the kernel's unpacking unit
+
+
+def check_group(group: int, in_features: int) -> None:
+    if group not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group}")
+    if in_features % group:
+        raise ValueError(f"int4 group_size {group} does not divide the linear's {in_features} input columns")
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 [out, in / 2], scale float32 [out, in / group]) of a float weight [out, in]."""
+    out_f, in_f = weight.shape
+    check_group(group, in_f)
+    w = weight.to(torch.float32).reshape(out_f, in_f // group, group)
+    scale = w.abs().amax(dim=-1).clamp(min=1e-12) / INT4_QMAX
+    nibbles = (torch.round(w / scale[..., None]).clamp(-INT4_QMAX, INT4_QMAX) + INT4_ZERO).to(torch.uint8)
+    half = group // 2
+    packed = nibbles[..., :half] | (nibbles[..., half:] << 4)
+    return packed.reshape(out_f, in_f // 2).contiguous(), scale.contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight [out, in] a packed int4 weight stands for (the reference path, and large-M calls)."""
+    out_f, groups = scale.shape
+    group = packed.shape[1] * 2 // groups
+    p = packed.reshape(out_f, groups, group // 2)
+    nibbles = torch.cat((p & 15, p >> 4), dim=-1).to(torch.float32) - INT4_ZERO
+    return (nibbles * scale.to(torch.float32)[..., None]).reshape(out_f, groups * group).to(dtype)
+
+
+def group_of(packed: torch.Tensor, scale: torch.Tensor) -> int:
+    """The group size a packed weight and its scales imply."""
+    return packed.shape[1] * 2 // scale.shape[1]
