@@ -33,6 +33,7 @@ from trtprompt.engine.attention import SeqSlice, allocate_kv_cache, build_attent
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.linear import onednn_available
 from trtprompt.engine.model import DecoderModel, load_model_from_safetensors
+from trtprompt.engine.quant_int4 import dequantize_int4, quantize_int4
 from trtprompt.engine.rope import rope_parameters
 
 TPB = 8  # tokens_per_block in these tests
@@ -310,6 +311,51 @@ def test_w8a16_matches_dequantized_reference(checkpoints, backend: str) -> None:
     work = [(f"s{i}", p, len(p)) for i, p in enumerate(batch)]
     for g, w in zip(PagedRun(q_model).step(work), PagedRun(d_model).step(work)):
         assert_close(g, w, atol=1e-3)
+
+
+def quantize_w4a16(tensors: dict[str, torch.Tensor], group: int) -> tuple[dict[str, torch.Tensor],
+                                                                         dict[str, torch.Tensor]]:
+    """(packed int4 + group scale tensors, the same weights dequantized) per the engine-dir format."""
+    quant, deq = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            quant[name], quant[name + "_scale"] = quantize_int4(w, group)
+            deq[name] = dequantize_int4(quant[name], quant[name + "_scale"], torch.float32)
+    return quant, deq
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weight_only_prefill_and_decode_match_dequantized_reference(checkpoints, backend: str, algo: str) -> None:
+    """Prefill rows run the dense path, the decode steps (2 rows) the few-rows kernel on onednn."""
+    ck = checkpoints["llama"]
+    quant, deq = quantize_w8a16(ck.tensors) if algo == "W8A16" else quantize_w4a16(ck.tensors, 32)
+    q_model = DecoderModel(ck.cfg, torch.float32, torch.device("cpu"), backend)
+    q_model.load_weights(quant, quant_algo=algo, group_size=32 if algo == "W4A16" else None)
+    d_model = DecoderModel(ck.cfg, torch.float32, torch.device("cpu"), "reference")
+    d_model.load_weights(deq)
+    seqs = prompts(9, [13, 21])
+    q_run, d_run = PagedRun(q_model), PagedRun(d_model)
+    work = [(f"s{i}", p, len(p)) for i, p in enumerate(seqs)]
+    for _ in range(4):
+        got, want = q_run.step(work), d_run.step(work)
+        for g, w in zip(got, want):
+            assert_close(g, w, atol=1e-3)
+        for (sid, tokens, _), w in zip(work, want):
+            tokens.append(int(w.argmax()))
+        work = [(sid, tokens, 1) for sid, tokens, _ in work]
+
+
+def test_w4a16_needs_its_group_size(checkpoints) -> None:
+    ck = checkpoints["llama"]
+    quant, _ = quantize_w4a16(ck.tensors, 32)
+    model = DecoderModel(ck.cfg, torch.float32, torch.device("cpu"), "reference")
+    with pytest.raises(ValueError, match="W4A16 needs a group_size"):
+        model.load_weights(quant, quant_algo="W4A16")
+    with pytest.raises(ValueError, match="must be uint8, got torch.int8"):
+        model.load_weights(quantize_w8a16(ck.tensors)[0], quant_algo="W4A16", group_size=32)
+    with pytest.raises(ValueError, match=r"has shape .*, expected"):
+        model.load_weights(quant, quant_algo="W4A16", group_size=64)
 
 
 def test_w8a16_rejects_unquantized_weights(checkpoints) -> None:

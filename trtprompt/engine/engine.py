@@ -22,8 +22,7 @@ from trtprompt.engine.guided import GuideCompiler, guide_rows
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.kv_events import KvEventPublisher, kv_events_config
 from trtprompt.engine.loader import engine_config, read_engine_files
-from trtprompt.engine.model import DTYPES, DecoderModel, load_model_from_safetensors
-from trtprompt.engine.quant_w8a8 import bits_of
+from trtprompt.engine.model import DTYPES, DecoderModel, load_engine_model
 from trtprompt.engine.request import (
     FinishReason,
     Request,
@@ -182,11 +181,9 @@ class LLMEngine:
         tiers = TierConfig(**{k: v for k, v in overrides.items() if k in TIER_KNOBS and v is not None})
         config = dataclasses.replace(engine_config(files, overrides), tiers=tiers,
                                      kv_events=kv_events_config(overrides))
-        quant = (files.pretrained_config.get("quantization") or {}).get("quant_algo")
         dtype = DTYPES[config.dtype]
-        model = load_model_from_safetensors(files.weights_path, config.model, dtype, torch.device(config.device),
-                                            config.linear_backend, quant,
-                                            bits_of(files.pretrained_config.get("quantization")))
+        model = load_engine_model(files.weights_path, config.model, dtype, torch.device(config.device),
+                                  config.linear_backend, files.pretrained_config.get("quantization"))
         eos = files.pretrained_config.get("eos_token_id")
         end_ids = [eos] if isinstance(eos, int) else list(eos or [])
         fingerprint = None

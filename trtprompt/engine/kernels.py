@@ -1,4 +1,4 @@
-"""The compiled kernels (csrc/): paged attention and fused layer ops, built on first use.
+"""The compiled kernels (csrc/): paged attention, fused layer ops and the few-rows linear, built on first use.
 
 One build per instruction set (isa.py chooses the variant from the CPU's flags).
 
@@ -29,7 +29,8 @@ from trtprompt.engine.isa import KernelVariant
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "fused_ops.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "fused_ops.cpp",
+           CSRC / "few_rows_linear.cpp")
 HEADERS = (CSRC / "vec.h", CSRC / "dtypes.h", CSRC / "paged_checks.h")
 # The kernel tiles rows by four; head sizes must be a multiple of the variant's vector width.
 TOKENS_PER_BLOCK_MULTIPLE = 4

@@ -3,10 +3,13 @@
 On our CPUs oneDNN with a weight reordered once into its blocked layout runs
 2.4-4.4x faster than torch's default (MKL) path (docs/design.md, "Machines"). It applies only on
 CPU for dtypes the CPU's oneDNN supports; everywhere else the reference path
-runs. W8A16 weights (int8 + per-output-channel scale) are dequantized once
-at load: torch's int8 weight-only matmul (`_weight_int8pack_mm`) ran at
-~2 GFLOP/s on our AVX2 CPUs, 30x slower than a dense fp32 GEMM. W8A8 weights
-stay int8 and run an int8 GEMM (quant_w8a8.py, docs/quantization.md).
+runs. Weight-only int8 (W8A16) and int4 (W4A16) weights stay quantized where the compiled
+few-rows kernel runs (csrc/few_rows_linear.cpp): a call of at most FEW_ROWS_MAX rows (a decode step
+of a few sequences, where a linear is bound by reading its weight) reads the int8 / int4 bytes once;
+a larger call dequantizes the weight into the compute dtype and runs a dense GEMM. Without the
+kernel (no compiler) or on the reference backend they are dequantized once at load, as before:
+torch's int8 weight-only matmul (`_weight_int8pack_mm`) ran at ~2 GFLOP/s with float32 activations.
+W8A8 weights stay int8 and run an int8 GEMM (quant_w8a8.py, docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ import os
 import torch
 import torch.nn.functional as F
 
+from trtprompt.engine.quant_int4 import dequantize_int4, group_of
 from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, make_w8a8_linear
 
 LINEAR_BACKENDS: tuple[str, ...] = ("onednn", "reference")
+# Rows a weight-only call runs on the few-rows kernel; above, the weight is dequantized for a dense GEMM
+# (docs/quantization.md, "Weight-only at run time", has the measurement behind it).
+FEW_ROWS_MAX = 8
 # The M a prepacked weight is tuned for; measured insensitive between decode and prefill sizes.
 ONEDNN_BATCH_HINT = 32
 # Two caches keep an entry per distinct input shape, and the engine's token count changes
@@ -104,18 +111,55 @@ class OneDnnLinear(torch.nn.Module):
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight of int8 [out, in] + scale [out], or of packed int4 (uint8) + scale [out, groups]."""
+    if qweight.dtype == torch.uint8:
+        return dequantize_int4(qweight, scale, dtype)
     return (qweight.float() * scale.float()[:, None]).to(dtype)
+
+
+def few_rows_available(dtype: torch.dtype, device: torch.device, in_features: int) -> bool:
+    """True when the compiled few-rows kernel runs here for activations of this dtype and width (a multiple
+    of the kernel variant's vector)."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    from trtprompt.engine import kernels  # builds or loads the compiled library once
+
+    return kernels.compiled_kernel_status()[0] and in_features % kernels.variant().lanes == 0
+
+
+class WeightOnlyLinear(torch.nn.Module):
+    """int8 [out, in] + scale [out], or packed int4 [out, in / 2] + scale [out, groups], kept quantized."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qweight, self.scale = qweight.contiguous(), scale.float().contiguous()
+        self.group = group_of(qweight, scale) if qweight.dtype == torch.uint8 else 0
+        self.bias, self.dtype = bias, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= FEW_ROWS_MAX:
+            out: torch.Tensor = torch.ops.trtprompt.few_rows_linear(rows.contiguous(), self.qweight, self.scale,
+                                                                   self.group)
+            out = out.view(*x.shape[:-1], out.shape[-1])
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, dequantize(self.qweight, self.scale, self.dtype), self.bias)
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, dtype: torch.dtype,
                 scale: torch.Tensor | None = None, w8a8_backend: str | None = None,
                 w8a8_bits: W8A8Bits = LEGACY_BITS) -> torch.nn.Module:
-    """A linear for `weight` [out, in] (int8 when `scale` is given) on an already resolved backend.
+    """A linear for `weight` [out, in] (int8 / packed int4 when `scale` is given) on an already resolved backend.
 
-    int8 weights run the W8A8 kernel `w8a8_backend` when one is given, else are dequantized (W8A16).
+    int8 weights run the W8A8 kernel `w8a8_backend` when one is given; weight-only int8 / int4 stay
+    quantized on the onednn backend where the few-rows kernel runs, else are dequantized at load.
     """
     if scale is not None and w8a8_backend is not None:
         return make_w8a8_linear(weight, scale, bias, w8a8_backend, w8a8_bits)
+    in_features = weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
+    if scale is not None and backend == "onednn" and few_rows_available(dtype, weight.device, in_features):
+        return WeightOnlyLinear(weight, scale, bias, dtype)
     if scale is not None:
         weight = dequantize(weight, scale, dtype)
     if backend == "onednn":

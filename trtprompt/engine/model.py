@@ -10,7 +10,7 @@ Logits are computed only at the rows asked for, and returned in float32.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +26,17 @@ from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model'
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.layer_ops import LayerOps, TorchOps
 from trtprompt.engine.linear import make_linear, resolve_backend
-from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, resolve_w8a8_backend
+from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, bits_of, resolve_w8a8_backend
 from trtprompt.engine.rope import RotaryEmbedding
-from trtprompt.engine.weights import W8A8, LinearWeights, check_quant_algo, fuse_linears, take_linear, take_tensor
+from trtprompt.engine.weights import (
+    W4A16,
+    W8A8,
+    LinearWeights,
+    check_quant_algo,
+    fuse_linears,
+    take_linear,
+    take_tensor,
+)
 
 # The engine dtypes' torch types (config.json's dtype names): the target engine and a draft engine load by it.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,6 +121,7 @@ class DecoderModel(torch.nn.Module):
         self.lm_head: torch.nn.Module | None = None
         self.w8a8_backend: str | None = None  # the int8 GEMM of W8A8 linears (quant_w8a8.py); None: not W8A8
         self.w8a8_bits = LEGACY_BITS  # their weight / activation bit split (config.json records it)
+        self.group_size: int | None = None  # int4 weights' group (W4A16); None: not int4
 
     # -- weights -----------------------------------------------------------------
 
@@ -129,7 +138,8 @@ class DecoderModel(torch.nn.Module):
         d, h = c.head_size, c.hidden_size
 
         def lin(name: str, out_features: int, in_features: int) -> LinearWeights:
-            return take_linear(tensors, p + name, (out_features, in_features), self.dtype, self.device, quantized)
+            return take_linear(tensors, p + name, (out_features, in_features), self.dtype, self.device, quantized,
+                               self.group_size)
 
         qkv = fuse_linears([lin("self_attn.q_proj", c.num_attention_heads * d, h),
                             lin("self_attn.k_proj", c.num_key_value_heads * d, h),
@@ -146,12 +156,16 @@ class DecoderModel(torch.nn.Module):
                             self._norm(tensors, p + "post_attention_layernorm.weight", h))
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], quant_algo: str | None = None,
-                     w8a8_bits: W8A8Bits = LEGACY_BITS) -> None:
-        """Load HF-named tensors; with a quant_algo the layer linears are int8 + `<name>_scale`."""
+                     w8a8_bits: W8A8Bits = LEGACY_BITS, group_size: int | None = None) -> None:
+        """Load HF-named tensors; with a quant_algo the layer linears are int8 + `<name>_scale` (W4A16: packed
+        int4 in groups of group_size, which it needs)."""
         check_quant_algo(quant_algo)
+        if (quant_algo == W4A16) != (group_size is not None):
+            raise ValueError(f"quant_algo {quant_algo!r} with group_size {group_size!r}: W4A16 needs a group_size "
+                             "(config.json quantization.group_size), the other algos take none")
         c = self.cfg
         quantized = quant_algo is not None
-        self.w8a8_bits = w8a8_bits
+        self.w8a8_bits, self.group_size = w8a8_bits, group_size
         self.w8a8_backend = resolve_w8a8_backend(self.linear_backend, w8a8_bits) if quant_algo == W8A8 else None
         embed_shape = (c.vocab_size, c.hidden_size)
         self.embed_tokens = take_tensor(tensors, "model.embed_tokens.weight", embed_shape, self.dtype, self.device)
@@ -192,10 +206,20 @@ class DecoderModel(torch.nn.Module):
 
 def load_model_from_safetensors(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                                 linear_backend: str, quant_algo: str | None = None,
-                                w8a8_bits: W8A8Bits = LEGACY_BITS) -> DecoderModel:
+                                w8a8_bits: W8A8Bits = LEGACY_BITS, group_size: int | None = None) -> DecoderModel:
     from safetensors.torch import load_file
 
     tensors = load_file(str(path), device="cpu")
     model = DecoderModel(cfg, dtype, device, linear_backend)
-    model.load_weights(tensors, quant_algo, w8a8_bits)
+    model.load_weights(tensors, quant_algo, w8a8_bits, group_size)
     return model
+
+
+def load_engine_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                      linear_backend: str, quantization: Mapping[str, Any] | None) -> DecoderModel:
+    """The model of an engine whose config.json records `quantization` (its quant_algo, W8A8 bit split,
+    int4 group_size)."""
+    q = quantization or {}
+    group = q.get("group_size") if q.get("quant_algo") == W4A16 else None
+    return load_model_from_safetensors(path, cfg, dtype, device, linear_backend, q.get("quant_algo"), bits_of(q),
+                                       None if group is None else int(group))

@@ -1,8 +1,9 @@
-"""Read decoder weights under their Hugging Face names, optionally with int8 linears.
+"""Read decoder weights under their Hugging Face names, optionally with int8 or int4 linears.
 
 With quant_algo "W8A16" (int8 weight-only) or "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN" (int8 weights and
 activations, docs/quantization.md) each linear inside the layers is int8 [out, in] with
-`<name>_scale` float32 [out] (w ~= int8 * scale[:, None]); embeddings, norms
+`<name>_scale` float32 [out] (w ~= int8 * scale[:, None]); with "W4A16" (int4_wo) it is packed int4
+uint8 [out, in / 2] with `<name>_scale` float32 [out, in / group_size] (quant_int4.py). Embeddings, norms
 and lm_head stay in the engine dtype.
 """
 
@@ -13,18 +14,21 @@ from typing import Mapping, Sequence
 
 import torch
 
+from trtprompt.engine.quant_int4 import check_group
+
 W8A16 = "W8A16"
+W4A16 = "W4A16"  # int4 weight-only in groups (config.json records group_size)
 # TensorRT-LLM's name for per-channel weight / per-token activation int8 (its SmoothQuant format; an
 # unsmoothed checkpoint is the case of smoothing factors 1).
 W8A8 = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
-QUANT_ALGOS: tuple[str, ...] = (W8A16, W8A8)
+QUANT_ALGOS: tuple[str, ...] = (W8A16, W8A8, W4A16)
 
 
 @dataclass(frozen=True)
 class LinearWeights:
-    weight: torch.Tensor  # [out, in]: engine dtype, or int8 when scale is set
+    weight: torch.Tensor  # [out, in]: engine dtype, or int8 when scale is set; uint8 [out, in / 2]: int4
     bias: torch.Tensor | None
-    scale: torch.Tensor | None  # float32 [out] for the int8 algos
+    scale: torch.Tensor | None  # float32 [out] for the int8 algos, [out, in / group_size] for int4
 
 
 def check_quant_algo(quant_algo: str | None) -> None:
@@ -43,26 +47,36 @@ def take_tensor(tensors: Mapping[str, torch.Tensor], name: str, shape: Sequence[
 
 
 def _take_quantized(tensors: Mapping[str, torch.Tensor], name: str, shape: Sequence[int],
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                    device: torch.device, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [out, in] + scale [out]; with group_size, packed int4 [out, in / 2] + scale [out, in / group_size]."""
     key = f"{name}.weight"
-    if key in tensors and tensors[key].dtype != torch.int8:
-        raise ValueError(f"quantized weight {key!r} must be int8, got {tensors[key].dtype}")
-    weight = take_tensor(tensors, key, shape, torch.int8, device)
-    scale = take_tensor(tensors, f"{key}_scale", shape[:1], torch.float32, device)
-    return weight, scale
+    stored = torch.int8 if group_size is None else torch.uint8
+    if key in tensors and tensors[key].dtype != stored:
+        want = str(stored).removeprefix("torch.")
+        raise ValueError(f"quantized weight {key!r} must be {want}, got {tensors[key].dtype}")
+    if group_size is None:
+        return (take_tensor(tensors, key, shape, torch.int8, device),
+                take_tensor(tensors, f"{key}_scale", shape[:1], torch.float32, device))
+    out_f, in_f = shape
+    check_group(group_size, in_f)
+    return (take_tensor(tensors, key, (out_f, in_f // 2), torch.uint8, device),
+            take_tensor(tensors, f"{key}_scale", (out_f, in_f // group_size), torch.float32, device))
 
 
 def take_linear(tensors: Mapping[str, torch.Tensor], name: str, shape: Sequence[int],
-                dtype: torch.dtype, device: torch.device, quantized: bool) -> LinearWeights:
-    """`name` without '.weight'; the bias is loaded whenever the checkpoint has one."""
+                dtype: torch.dtype, device: torch.device, quantized: bool,
+                group_size: int | None = None) -> LinearWeights:
+    """`name` without '.weight'; the bias is loaded whenever the checkpoint has one. group_size: int4's
+    (quantized only)."""
     bias_key = f"{name}.bias"
     bias = take_tensor(tensors, bias_key, shape[:1], dtype, device) if bias_key in tensors else None
     if quantized:
-        weight, scale = _take_quantized(tensors, name, shape, device)
+        weight, scale = _take_quantized(tensors, name, shape, device, group_size)
         return LinearWeights(weight, bias, scale)
     key = f"{name}.weight"
-    if key in tensors and tensors[key].dtype == torch.int8:
-        raise ValueError(f"weight {key!r} is int8 but quant_algo is not one of {', '.join(QUANT_ALGOS)}")
+    if key in tensors and tensors[key].dtype in (torch.int8, torch.uint8):
+        raise ValueError(f"weight {key!r} is {tensors[key].dtype} (quantized) but quant_algo is not one of "
+                         f"{', '.join(QUANT_ALGOS)}")
     return LinearWeights(take_tensor(tensors, key, shape, dtype, device), bias, None)
 
 

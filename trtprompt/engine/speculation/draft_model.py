@@ -22,8 +22,7 @@ from trtprompt.engine.config import DEFAULT_ATTENTION_BACKEND, EngineConfig, Mod
 from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.loader import engine_config, read_engine_files
-from trtprompt.engine.model import DTYPES, DecoderModel, load_model_from_safetensors
-from trtprompt.engine.quant_w8a8 import bits_of
+from trtprompt.engine.model import DTYPES, DecoderModel, load_engine_model
 from trtprompt.engine.request import Request, SamplingParams
 from trtprompt.engine.runner import ModelRunner
 from trtprompt.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -193,9 +192,8 @@ def open_draft_model(config: SpeculationConfig, target_files: EngineDir, target_
         overrides["memory_budget_bytes"] = target_config.kv_cache.memory_budget_bytes
     cfg = engine_config(files, overrides)
     dtype = DTYPES[cfg.dtype]
-    quant = files.pretrained_config.get("quantization")
-    model = load_model_from_safetensors(files.weights_path, cfg.model, dtype, torch.device(cfg.device),
-                                        cfg.linear_backend, (quant or {}).get("quant_algo"), bits_of(quant))
+    model = load_engine_model(files.weights_path, cfg.model, dtype, torch.device(cfg.device), cfg.linear_backend,
+                              files.pretrained_config.get("quantization"))
     kv_dtype = cfg.kv_cache.kv_cache_dtype
     per_token = cfg.model.kv_bytes_per_token(torch.finfo(dtype).bits // 8, kv_dtype)
     target = target_config.scheduler
