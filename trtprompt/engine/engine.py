@@ -125,6 +125,7 @@ class LLMEngine:
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device,
                                                            config.model.head_size, tpb)
         log_attention_backend(config.attention_backend, self.attention_backend)
+        log.info("compute: %s", model.compute_summary())
         slow_bf16 = isa.bf16_problem(isa.cpu_flags()) if dtype == torch.bfloat16 and self.device.type == "cpu" else None
         if slow_bf16 is not None:
             log.warning("dtype bfloat16: %s (compute_dtype bfloat16; unset, this CPU computes in float32)", slow_bf16)

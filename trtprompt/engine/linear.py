@@ -165,3 +165,25 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, d
     if backend == "onednn":
         return OneDnnLinear(weight, bias)
     return DenseLinear(weight, bias)
+
+
+# What each linear class computes with, for the one log line that says what runs (linear_summary).
+_LINEAR_KINDS: dict[str, str] = {
+    "DenseLinear": "F.linear (reference)",
+    "OneDnnLinear": "oneDNN prepacked",
+    "WeightOnlyLinear": f"weight-only kept quantized (few-rows kernel <= {FEW_ROWS_MAX} rows, dense above)",
+    "FbgemmW8A8Linear": "W8A8 int8 GEMM (fbgemm)",
+    "ReferenceW8A8Linear": "W8A8 in plain torch (reference)",
+}
+
+
+def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
+    """`<count> x <what runs>` per kind of linear, with the compute dtype and the weights' stored dtype."""
+    counts: dict[str, int] = {}
+    for m in linears:
+        held = m.qweight.dtype if isinstance(m, WeightOnlyLinear) else None
+        name = _LINEAR_KINDS.get(type(m).__name__, type(m).__name__)
+        key = f"{name}, {'int4' if held == torch.uint8 else 'int8' if held == torch.int8 else ''}".rstrip(", ")
+        counts[key] = counts.get(key, 0) + 1
+    parts = ", ".join(f"{n} x {k}" for k, n in counts.items())
+    return f"linears in {str(dtype).removeprefix('torch.')}: {parts}"

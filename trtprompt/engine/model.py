@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
+from trtprompt.engine import isa
 from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model's interface)
     AttentionMetadata,
     KvCache,
@@ -25,7 +26,7 @@ from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model'
 )
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.layer_ops import LayerOps, TorchOps
-from trtprompt.engine.linear import make_linear, resolve_backend
+from trtprompt.engine.linear import linear_summary, make_linear, resolve_backend
 from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, bits_of, resolve_w8a8_backend
 from trtprompt.engine.rope import RotaryEmbedding
 from trtprompt.engine.weights import (
@@ -177,6 +178,20 @@ class DecoderModel(torch.nn.Module):
         else:
             head = take_tensor(tensors, "lm_head.weight", embed_shape, self.dtype, self.device)
         self.lm_head = make_linear(head, None, self.linear_backend, self.dtype)
+
+    def compute_summary(self) -> str:
+        """What the linears run (engine.py logs it once with the attention path): kinds, counts, dtype."""
+        linears: list[torch.nn.Module] = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)  # for mypy: ModuleList items are Modules
+            linears += [layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down]
+        if self.lm_head is not None:
+            linears.append(self.lm_head)
+        summary = linear_summary(linears, self.dtype)
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu":
+            have = [f for f in isa.BF16_FLAGS if f in isa.cpu_flags()]
+            summary += f"; the CPU's bf16 instructions: {', '.join(have) if have else 'none (emulated)'}"
+        return summary
 
     # -- forward -----------------------------------------------------------------
 
