@@ -167,7 +167,7 @@ def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: Bu
             from trtprompt.targets.torch_build import write_weights
 
             smoothing = write_weights(tmp, ckpt, ckpt.pretrained_config, plan.dtype, plan.quantization,
-                                      req.progress, profile.smoothquant_alpha)
+                                      req.progress, profile.smoothquant_alpha, plan.int4_group_size)
         _copy_tokenizer(ckpt, tmp)
         meta = engine_meta(ckpt, profile, plan)
         if llmapi is not None:
@@ -187,6 +187,10 @@ def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: Bu
                 from trtprompt.targets.torch_build import w8a8_config_entries
 
                 config["pretrained_config"]["quantization"].update(w8a8_config_entries(smoothing))
+            if plan.int4_group_size is not None:  # int4_wo, torch target only (the plan refuses it elsewhere)
+                from trtprompt.targets.torch_build import int4_config_entries
+
+                config["pretrained_config"]["quantization"].update(int4_config_entries(plan.int4_group_size))
             write_json(tmp / "config.json", config)
     return Path(req.output)
 

@@ -22,7 +22,13 @@ STAGES: tuple[str, ...] = ("build", "runtime", "prompt", "serve")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # int8_w8a8: int8 weights per channel and activations per token (torch target; TensorRT-LLM's quant_algo
 # W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN, unsmoothed). docs/quantization.md.
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "int8_w8a8", "fp8", "int4_awq")
+# int4_wo: int4 weights in groups of int4_group_size input columns, a float32 scale per group (torch target;
+# TensorRT-LLM's quant_algo W4A16 with a group_size). docs/quantization.md, "int4_wo: the format".
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "int8_w8a8", "int4_wo", "fp8", "int4_awq")
+# The int4_wo group sizes the engine's kernel unpacks (multiples of 2 x 16 lanes). Declared here, not imported
+# from engine/quant_int4.py, because this module is standard library only (the CLI and the Triton stubs import
+# it without torch); tests/test_build_int4.py checks the two tuples are equal.
+INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 # auto: the engine's dtype; int8: int8 K/V with a float16 scale per (token, kv head) (torch target;
 # TensorRT-LLM's kv_cache_quant_algo INT8, vLLM's --kv-cache-dtype). docs/quantization.md, "KV cache int8".
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8")
@@ -62,7 +68,7 @@ class Knob:
     low: float | None = None
     high: float | None = None
     low_open: bool = False  # (low, high] instead of [low, high]
-    choices: tuple[str, ...] | None = None
+    choices: tuple[Any, ...] | None = None  # values of `kind` (str, or int for int4_group_size)
     nullable: bool = False
     power_of_two: bool = False
     trtllm: str | None = None  # TensorRT-LLM's name: BuildConfig field, or tensorrt_llm config.pbtxt parameter
@@ -86,7 +92,7 @@ class Knob:
 
     def allowed(self) -> str:
         if self.choices:
-            text = "one of " + ", ".join(self.choices)
+            text = "one of " + ", ".join(map(str, self.choices))
         elif self.kind is bool:
             text = "true or false"
         elif self.kind is str:
@@ -170,9 +176,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
        trtllm="multiple_profiles", flag="--multiple-profiles/--no-multiple-profiles"),
     _k("dtype", "build", str, None, "Engine dtype (unset or auto: the checkpoint's).", choices=DTYPES,
        nullable=True, trtllm="dtype", llmapi="dtype"),
-    _k("quantization", "build", str, "none", "Weight quantization (int8_w8a8: int8 activations too).",
-       choices=QUANTIZATIONS,
+    _k("quantization", "build", str, "none", "Weight quantization (int8_w8a8: int8 activations too; int4_wo: "
+       "int4 weights in groups of int4_group_size, torch target).", choices=QUANTIZATIONS,
        trtllm="quantization.quant_algo"),
+    # TensorRT-LLM's QuantConfig.group_size; the engine reads it back from config.json (engine/quant_int4.py).
+    _k("int4_group_size", "build", int, 32, "int4_wo only: the int4_wo group size, TensorRT-LLM's group_size "
+       "(input columns sharing one scale); smaller groups keep more quality and cost one float32 scale per group.",
+       choices=INT4_GROUP_SIZES),
     # SmoothQuant's migration strength (targets/smoothquant.py, docs/quantization.md "SmoothQuant"): 0 puts all of
     # an outlier channel's range on the activations, 1 all of it on the weights.
     _k("smoothquant_alpha", "build", float, None, "int8_w8a8 only: SmoothQuant strength alpha, factors "

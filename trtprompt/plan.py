@@ -29,13 +29,15 @@ TARGET_DTYPES: dict[str, tuple[str, ...]] = {
     "trtllm": ("float32", "bfloat16", "float16"),
 }
 TARGET_QUANTIZATIONS: dict[str, tuple[str, ...]] = {
-    "torch": ("none", "int8_wo", "int8_w8a8"),
+    "torch": ("none", "int8_wo", "int8_w8a8", "int4_wo"),
     "trtllm": ("none", "int8_wo", "fp8", "int4_awq"),
 }
 QUANT_ALGOS: dict[str, str | None] = {"none": None, "int8_wo": "W8A16", "fp8": "FP8", "int4_awq": "W4A16_AWQ",
-                                      "int8_w8a8": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"}
+                                      "int8_w8a8": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "int4_wo": "W4A16"}
 # The quantizations whose layer linears are stored int8 + a float32 scale per output row.
 INT8_WEIGHT_QUANTIZATIONS: tuple[str, ...] = ("int8_wo", "int8_w8a8")
+# int4_wo's layer linears: two int4 values per byte + a float32 scale per group of input columns (engine/quant_int4.py).
+INT4_WEIGHT_QUANTIZATIONS: tuple[str, ...] = ("int4_wo",)
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 NO_FACTOR_ROPE_TYPES: tuple[str, ...] = ("su", "longrope", "llama3")
 MAX_NUM_TOKENS_ADVISED = 16384
@@ -77,6 +79,7 @@ class BuildPlan:
     runtime_max_input_len: int  # what the engine will accept (TRT-LLM runtime rule)
     warnings: tuple[str, ...]
     kv_cache_dtype: str = "auto"  # knobs.KV_CACHE_DTYPES
+    int4_group_size: int | None = None  # input columns per int4 scale (int4_wo only; None: no int4 weights)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,16 +153,25 @@ def resolve_bounds(pc: Mapping[str, Any], profile: Profile) -> BuildBounds:
     )
 
 
-def weight_bytes(pc: Mapping[str, Any], dtype: str, quantization: str) -> int:
-    """Bytes of the engine's weights: int8 + a float32 scale per row for quantized linears."""
+def weight_bytes(pc: Mapping[str, Any], dtype: str, quantization: str, int4_group_size: int | None = None) -> int:
+    """Bytes of the engine's weights: int8 + a float32 scale per row for int8 linears, half a byte per weight
+    + a float32 scale per group of int4_group_size for int4 ones."""
     total = 0
     for name, shape in expected_weight_shapes(pc).items():
         count = math.prod(shape)
         if quantization in INT8_WEIGHT_QUANTIZATIONS and is_layer_linear(name):
             total += count + 4 * shape[0]
+        elif quantization in INT4_WEIGHT_QUANTIZATIONS and is_layer_linear(name) and int4_group_size:
+            total += count // 2 + 4 * shape[0] * (shape[1] // int4_group_size)
         else:
             total += count * DTYPE_BYTES[dtype]
     return total
+
+
+def int4_group_size(profile: Profile) -> int | None:
+    """The group size int4 weights are built with; None when the quantization stores no int4 weights (the knob
+    keeps its default then, and nothing records it)."""
+    return profile.int4_group_size if profile.quantization in INT4_WEIGHT_QUANTIZATIONS else None
 
 
 def resolve_dtype(profile: Profile, source_dtype: str, target: str) -> str:
@@ -177,6 +189,10 @@ def _check_target(profile: Profile, target: str) -> None:
     if target not in TARGETS:
         raise PlanError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     allowed = TARGET_QUANTIZATIONS[target]
+    if profile.quantization == "int4_wo" and target != "torch":
+        raise PlanError(f"quantization int4_wo (int4 weights in groups, rounded to nearest) is available on the torch "
+                        f"target only; on the {target} target use int4_awq, TensorRT-LLM's grouped int4 weights "
+                        "with AWQ calibration")
     if profile.quantization not in allowed:
         raise PlanError(f"quantization {profile.quantization} is not available on the {target} target; "
                         f"choose one of {', '.join(allowed)}")
@@ -198,7 +214,7 @@ def memory_plan(pc: Mapping[str, Any], profile: Profile, bounds: BuildBounds, dt
     tokens, blocks = pool if pool is not None else (None, None)
     per_seq = math.ceil(bounds.max_seq_len / tpb)
     return MemoryPlan(
-        weight_bytes=weight_bytes(pc, dtype, profile.quantization),
+        weight_bytes=weight_bytes(pc, dtype, profile.quantization, int4_group_size(profile)),
         kv_bytes_per_token=per_token, bytes_per_block=per_token * tpb,
         kv_budget_bytes=kv_budget_bytes, kv_budget_source=budget_source,
         kv_cache_tokens=tokens, num_blocks=blocks, blocks_per_sequence=per_seq,
@@ -240,4 +256,5 @@ def make_plan(pc: Mapping[str, Any], profile: Profile, target: str, source_dtype
     _check_memory(mem, bounds)
     runtime_input = rules.max_input_len(bounds.max_seq_len, bounds.max_num_tokens, profile.enable_chunked_context)
     return BuildPlan(target, dtype, profile.quantization, QUANT_ALGOS[profile.quantization], bounds, mem,
-                     runtime_input, _warnings(profile, bounds, dtype, target), profile.kv_cache_dtype)
+                     runtime_input, _warnings(profile, bounds, dtype, target), profile.kv_cache_dtype,
+                     int4_group_size(profile))

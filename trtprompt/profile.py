@@ -41,6 +41,7 @@ class Profile(knobs.RuntimePolicy):
     multiple_profiles: bool = knobs.default("multiple_profiles")
     dtype: str | None = knobs.default("dtype")
     quantization: str = knobs.default("quantization")
+    int4_group_size: int = knobs.default("int4_group_size")
     smoothquant_alpha: float | None = knobs.default("smoothquant_alpha")
     kv_cache_dtype: str = knobs.default("kv_cache_dtype")
     overflow: str = knobs.default("overflow")

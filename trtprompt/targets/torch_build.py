@@ -6,27 +6,32 @@ activations per token at run time, docs/quantization.md) each linear inside the
 layers becomes int8 [out, in] plus `<name>_scale` float32 [out], symmetric per
 output channel; embeddings, norms and lm_head stay in the engine dtype. int8_w8a8 smooths the
 float weights first (targets/smoothquant.py) and writes weights of quant_w8a8.BUILD_BITS' width.
+int4_wo (quant_algo "W4A16" + group_size) writes each layer linear as packed int4 uint8 [out, in / 2]
+plus `<name>_scale` float32 [out, in / group] (engine/quant_int4.py has the layout).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from trtprompt.checkpoint import Checkpoint, expected_weight_shapes, is_layer_linear, iter_tensors
+from trtprompt.engine.quant_int4 import quantize_int4
 from trtprompt.engine.quant_w8a8 import BUILD_BITS, WEIGHT_QMAX, quantize_int8
 from trtprompt.errors import CheckpointError
-from trtprompt.plan import INT8_WEIGHT_QUANTIZATIONS
+from trtprompt.plan import INT4_WEIGHT_QUANTIZATIONS, INT8_WEIGHT_QUANTIZATIONS
 from trtprompt.targets.smoothquant import SmoothQuantRecord, smooth
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
 }
 WEIGHTS_FILE = "rank0.safetensors"
+# A layer linear's float weight [out, in] -> (quantized weight, its `<name>_scale`).
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _ignorable(name: str, pc: Mapping[str, Any]) -> bool:
@@ -35,12 +40,31 @@ def _ignorable(name: str, pc: Mapping[str, Any]) -> bool:
 
 
 def _convert_one(name: str, tensor: torch.Tensor, dtype: torch.dtype,
-                 qmax: int | None) -> dict[str, torch.Tensor]:
-    """qmax: the int8 range of layer linears (None: not quantized)."""
-    if qmax is not None and is_layer_linear(name):
-        q, scale = quantize_int8(tensor, qmax)
+                 quantize: Quantizer | None) -> dict[str, torch.Tensor]:
+    """quantize: what layer linears become (None: not quantized)."""
+    if quantize is not None and is_layer_linear(name):
+        q, scale = quantize(tensor)
         return {name: q, f"{name}_scale": scale}
     return {name: tensor.to(dtype).contiguous()}
+
+
+def _quantizer(quantization: str, int4_group_size: int | None) -> Quantizer | None:
+    if quantization in INT4_WEIGHT_QUANTIZATIONS:
+        if int4_group_size is None:
+            raise ValueError(f"quantization {quantization} needs int4_group_size")
+        group = int4_group_size
+        return lambda w: quantize_int4(w, group)
+    qmax = _weight_qmax(quantization)
+    return None if qmax is None else lambda w: quantize_int8(w, qmax)
+
+
+def check_int4_groups(ckpt: Checkpoint, pc: Mapping[str, Any], group: int) -> None:
+    """Refuse, before reading any weight, a layer linear whose input columns the group does not divide."""
+    for name, shape in expected_weight_shapes(pc).items():
+        if is_layer_linear(name) and shape[1] % group:
+            raise CheckpointError(f"{ckpt.path}: tensor {name!r} has in_features {shape[1]}, which int4_group_size "
+                                  f"{group} does not divide; choose an int4_group_size that divides every layer "
+                                  "linear's input columns")
 
 
 def _weight_qmax(quantization: str) -> int | None:
@@ -58,18 +82,22 @@ def _tokenizer_json(ckpt: Checkpoint) -> Path:
 
 
 def convert_weights(ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str, quantization: str,
-                    progress: bool = True,
-                    smoothquant_alpha: float | None = None) -> tuple[dict[str, torch.Tensor], SmoothQuantRecord | None]:
+                    progress: bool = True, smoothquant_alpha: float | None = None,
+                    int4_group_size: int | None = None) -> tuple[dict[str, torch.Tensor], SmoothQuantRecord | None]:
     """Every expected tensor, shape-checked and cast (unknown tensors are an error, not dropped), and how
-    int8_w8a8's weights were smoothed (smoothquant_alpha None: searched per linear; other quantizations: None)."""
+    int8_w8a8's weights were smoothed (smoothquant_alpha None: searched per linear; other quantizations: None).
+    int4_group_size: int4_wo's group (the plan's; None for the other quantizations)."""
+    quantize = _quantizer(quantization, int4_group_size)
+    if quantization in INT4_WEIGHT_QUANTIZATIONS and int4_group_size is not None:
+        check_int4_groups(ckpt, pc, int4_group_size)
     tensors = _read_tensors(ckpt, pc, progress)
     record = None
     if quantization == "int8_w8a8":
         tensors, record = smooth(tensors, pc, smoothquant_alpha, _tokenizer_json(ckpt), progress, BUILD_BITS)
-    qmax, target = _weight_qmax(quantization), TORCH_DTYPES[dtype]
+    target = TORCH_DTYPES[dtype]
     out: dict[str, torch.Tensor] = {}
     for name in list(tensors):  # popped as converted: the read copy of each tensor goes as its output comes
-        out.update(_convert_one(name, tensors.pop(name), target, qmax))
+        out.update(_convert_one(name, tensors.pop(name), target, quantize))
     return out, record
 
 
@@ -102,11 +130,16 @@ def w8a8_config_entries(record: SmoothQuantRecord | None) -> dict[str, Any]:
     return {**BUILD_BITS.to_config(), **(record.config_entries() if record is not None else {})}
 
 
+def int4_config_entries(group: int) -> dict[str, Any]:
+    """What an int4_wo engine's pretrained_config.quantization adds: TensorRT-LLM's group_size."""
+    return {"group_size": group}
+
+
 def write_weights(out_dir: Path, ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str,
-                  quantization: str, progress: bool = True,
-                  smoothquant_alpha: float | None = None) -> SmoothQuantRecord | None:
+                  quantization: str, progress: bool = True, smoothquant_alpha: float | None = None,
+                  int4_group_size: int | None = None) -> SmoothQuantRecord | None:
     """Write rank0.safetensors; returns how its int8_w8a8 weights were smoothed (None: not smoothed)."""
-    tensors, record = convert_weights(ckpt, pc, dtype, quantization, progress, smoothquant_alpha)
+    tensors, record = convert_weights(ckpt, pc, dtype, quantization, progress, smoothquant_alpha, int4_group_size)
     save_file(tensors, str(out_dir / WEIGHTS_FILE),
               metadata={"format": "pt", "dtype": dtype, "quantization": quantization})
     return record
