@@ -1,17 +1,15 @@
 """bench/speculative.py end to end on the tiny engine (a few tokens), its timing arithmetic, and the pure parts of
-scripts/bench_spec_peers.py (command lines, run order; no peer started)."""
+bench/peers/spec_peers.py (command lines, run order; no peer started)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from trtprompt.bench import spec_workloads, speculative
-
-ROOT = Path(__file__).resolve().parent.parent
+from trtprompt.bench.peers import spec_peers
 
 
 def test_bench_speculative_writes_its_json(tiny_engine_dir: Path, tmp_path: Path,
@@ -63,25 +61,17 @@ def test_workloads_are_deterministic_and_end_with_a_user_turn() -> None:
         spec_workloads.Workload("x", (("assistant", "hi"),))
 
 
-def _peers_script():
-    spec = importlib.util.spec_from_file_location("bench_spec_peers", ROOT / "scripts/bench_spec_peers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_peer_command_lines_carry_the_same_draft_settings(tmp_path: Path) -> None:
-    peers = _peers_script()
-    args = peers.parse_args(["--peer", "vllm", "--draft-len", "5", "--max-ngram", "2",
-                             "--out", str(tmp_path / "v.json")])
-    spec = json.loads(peers.vllm_cmd(args, 8000, "ngram")[-1])
+    args = spec_peers.parse_args(["--peer", "vllm", "--draft-len", "5", "--max-ngram", "2",
+                                  "--out", str(tmp_path / "v.json")])
+    spec = json.loads(spec_peers.vllm_cmd(args, 8000, "ngram")[-1])
     assert spec == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
-    assert "--speculative-config" not in peers.vllm_cmd(args, 8000, "none")
-    args = peers.parse_args(["--peer", "llamacpp", "--draft-len", "5", "--max-ngram", "2", "--dtype", "bf16"])
+    assert "--speculative-config" not in spec_peers.vllm_cmd(args, 8000, "none")
+    args = spec_peers.parse_args(["--peer", "llamacpp", "--draft-len", "5", "--max-ngram", "2", "--dtype", "bf16"])
     assert args.gguf.name == "smollm2-bf16.gguf"
-    tail = [str(x) for x in peers.llama_cmd(args, 8000, "ngram")[-6:]]
+    tail = [str(x) for x in spec_peers.llama_cmd(args, 8000, "ngram")[-6:]]
     assert tail == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2", "--spec-ngram-simple-size-m", "5"]
     # Every workload runs on both variants each round; the first variant alternates.
-    order = peers.order(["a", "b"], 2)
+    order = spec_peers.order(["a", "b"], 2)
     assert order == [("a", "none"), ("a", "ngram"), ("b", "ngram"), ("b", "none"),
                      ("a", "ngram"), ("a", "none"), ("b", "none"), ("b", "ngram")]

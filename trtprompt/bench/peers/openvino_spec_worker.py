@@ -1,14 +1,14 @@
-#!/usr/bin/env python3
-"""OpenVINO GenAI's side of scripts/bench_spec_peers.py, run by the OpenVINO venv's python (not the project's).
+"""OpenVINO GenAI's side of spec_peers.py, run by path by the OpenVINO venv's python (not the project's).
 
-    PEERS/ov-venv/bin/python scripts/bench_spec_peers_ov_worker.py --model OV_DIR --jobs JOBS.json --out OUT.json
+    PEERS/ov-venv/bin/python trtprompt/bench/peers/openvino_spec_worker.py --model OV_DIR --jobs JOBS.json \
+        --out OUT.json
 
 JOBS.json: {"prompts": {name: [token ids]}, "rounds", "max_tokens", "draft_len", "max_ngram", "threads",
 "precision" (f32|bf16), "kv_precision", "order": [[workload, variant], ...]}. Two LLMPipelines in this process:
 "none" (plain) and "ngram" (prompt_lookup=True: drafts from the prompt and the output so far, GenerationConfig
 num_assistant_tokens / max_ngram_size). Each job runs alone, greedy; a streamer times every write() (token ids,
-one or several at a time). Writes the raw records; bench_spec_peers.py computes the figures with the engine
-bench's own functions. Standard library, numpy and openvino only.
+one or several at a time). Writes the raw records; spec_peers.py computes the figures with the engine bench's
+own functions. Standard library, numpy and openvino only (the venv has no trtprompt).
 """
 
 from __future__ import annotations
