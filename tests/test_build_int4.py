@@ -1,5 +1,5 @@
 """`trtprompt build --quantization int4_wo`: what the build writes (packed int4 + a scale per group), what it
-records, and what it refuses. Loading the engine is tested with the engine (not here)."""
+records, and what it refuses; and that the engine it makes gives the greedy tokens of its dequantized weights."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_default_group_on_the_tiny_checkpoint(tiny_checkpoint_factory: Callable[
 
 def test_the_knob_and_the_format_agree_on_the_group_sizes() -> None:
     # knobs.py is standard library only, so it declares the tuple the engine's quant_int4 holds.
-    assert knobs.INT4_GROUP_SIZES == INT4_GROUP_SIZES == knobs.KNOBS["int4_group_size"].choices == (32, 64, 128)
+    assert knobs.INT4_GROUP_SIZES is INT4_GROUP_SIZES and knobs.KNOBS["int4_group_size"].choices == (32, 64, 128)
     assert knobs.default("int4_group_size") == 32
 
 
@@ -128,3 +128,26 @@ def test_trtllm_refuses_int4_wo_and_names_int4_awq(tiny_checkpoint_factory: Call
                                         r"trtllm target use int4_awq, TensorRT-LLM's grouped int4 weights with AWQ "
                                         r"calibration"):
         make_plan(pc, Profile(quantization="int4_wo"), "trtllm", "float32")
+
+
+def test_int4_engine_serves_greedy_tokens_of_its_dequantized_weights(wide_checkpoint: Path, tmp_path: Path) -> None:
+    """The built engine on the fast path (int4 kept packed: prefill dense, decode on the few-rows kernel) and
+    on the reference backend (dequantized at load) give the same greedy tokens."""
+    from trtprompt.engine.engine import LLMEngine
+    from trtprompt.engine.linear import WeightOnlyLinear
+    from trtprompt.engine.request import SamplingParams
+
+    engine_dir = _build(wide_checkpoint, tmp_path / "e4", "--int4-group-size", "64")
+    outputs = []
+    for backend in ("onednn", "reference"):
+        engine = LLMEngine.from_engine_dir(engine_dir, linear_backend=backend, speculative_decoding="none")
+        fast = [m for m in engine.runner.model.modules() if isinstance(m, WeightOnlyLinear)]
+        assert len(fast) == (4 * 3 if backend == "onednn" else 0)  # qkv, o, gate_up, down per layer
+        for i, prompt in enumerate(([5, 9, 2, 7, 11], [3, 4, 5, 6, 7, 8, 9, 10, 12])):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+        done: dict[str, list[int]] = {"r0": [], "r1": []}
+        while engine.requests:
+            for out in engine.step():
+                done[out.request_id] += out.new_token_ids
+        outputs.append(done)
+    assert outputs[0] == outputs[1] and all(len(t) == 8 for t in outputs[0].values())

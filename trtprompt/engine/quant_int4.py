@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from trtprompt.knobs import INT4_GROUP_SIZES  # noqa: F401  (re-exported: the build knob's choices, declared once)
+
 INT4_QMAX = 7
 INT4_ZERO = 8  # nibble = q + 8
-INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)  # multiples of 2 x 16 lanes: the kernel's unpacking unit
 
 
 def check_group(group: int, in_features: int) -> None:
