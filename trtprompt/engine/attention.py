@@ -149,5 +149,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         # the new tokens' own K/V as stored.
         return meta.attend(q, dequantize_rows(k_rows, k.dtype), dequantize_rows(v_rows, v.dtype),
                            fill_scratch(kv_cache, meta.kv_blocks), scale)
-    write_kv(kv_cache, k, v, meta)
+    if isinstance(meta, attention_paged.PagedMetadata) and meta.compiled:
+        # One compiled call for both caches (write_kv's two index assignments are ~20 torch ops a layer).
+        torch.ops.trtprompt.write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_blocks, meta.slot_offsets)
+    else:
+        write_kv(kv_cache, k, v, meta)
     return meta.attend(q, k, v, kv_cache, scale)
