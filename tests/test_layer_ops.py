@@ -40,6 +40,22 @@ def test_rms_norm(dtype: torch.dtype, rows: int, n: int) -> None:
     close(TorchOps().rms_norm(x, w, 1e-6), CompiledOps().rms_norm(x, w, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 576), (37, 576), (4, 2048)])
+def test_add_rms_norm(dtype: torch.dtype, rows: int, n: int) -> None:
+    """The residual add rounded as torch's add, then the norm of the sum; and no add for the first layer."""
+    gen = torch.Generator().manual_seed(rows + n)
+    x, delta = (torch.randn(rows, n, generator=gen) * 3).to(dtype), torch.randn(rows, n, generator=gen).to(dtype)
+    w = torch.randn(n, generator=gen).to(dtype)
+    want_sum, want = TorchOps().add_rms_norm(x, delta, w, 1e-5)
+    got_sum, got = CompiledOps().add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(got_sum, want_sum) and torch.equal(want_sum, x + delta)
+    close(want, got)
+    first_sum, first = CompiledOps().add_rms_norm(x, None, w, 1e-5)
+    assert first_sum is x
+    close(TorchOps().rms_norm(x, w, 1e-5), first)
+
+
 def test_rms_norm_of_a_head_view() -> None:
     """q/k norms (Qwen3) normalise [T, heads, d] views of the fused qkv output."""
     gen = torch.Generator().manual_seed(1)

@@ -19,6 +19,9 @@ import torch.nn.functional as F
 class LayerOps(Protocol):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -38,6 +41,13 @@ class TorchOps:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, rms_norm(x + delta)): the residual stream and the next sublayer's input (delta None:
+        the first layer's, nothing to add)."""
+        total = x if delta is None else x + delta
+        return total, self.rms_norm(total, weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -62,6 +72,13 @@ class CompiledOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out: torch.Tensor = torch.ops.trtprompt.rms_norm(x.contiguous(), weight, eps)
         return out
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is None:
+            return x, self.rms_norm(x, weight, eps)
+        total, normed = torch.ops.trtprompt.add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps)
+        return total, normed
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.trtprompt.silu_and_mul(gate_up.contiguous())

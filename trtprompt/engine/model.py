@@ -98,12 +98,15 @@ class DecoderLayer(torch.nn.Module):
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.post_norm = input_norm, post_norm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KvCache, ops: LayerOps) -> torch.Tensor:
-        attended: torch.Tensor = self.attn(self.input_norm(x, ops), cos, sin, meta, kv_cache, ops)
-        x = x + attended
-        mixed: torch.Tensor = self.mlp(self.post_norm(x, ops), ops)
-        return x + mixed
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KvCache, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, this layer's MLP output not yet added): each residual add happens in the op
+        that norms its result, the last one in the next layer's (or the final norm's)."""
+        x, h = ops.add_rms_norm(x, delta, self.input_norm.weight, self.input_norm.eps)
+        attended: torch.Tensor = self.attn(h, cos, sin, meta, kv_cache, ops)
+        x, h = ops.add_rms_norm(x, attended, self.post_norm.weight, self.post_norm.eps)
+        mixed: torch.Tensor = self.mlp(h, ops)
+        return x, mixed
 
 
 class DecoderModel(torch.nn.Module):
@@ -212,9 +215,12 @@ class DecoderModel(torch.nn.Module):
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {len(self.layers)}")
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = ops.rotary_tables(*self.rotary.cos_sin(positions, self.dtype))
+        delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, kv_cache, ops)
-        x = self.norm(x.index_select(0, logits_indices), ops)
+            x, delta = layer(x, delta, cos, sin, meta, kv_cache, ops)
+        if delta is not None:
+            delta = delta.index_select(0, logits_indices)
+        x = ops.add_rms_norm(x.index_select(0, logits_indices), delta, self.norm.weight, self.norm.eps)[1]
         logits: torch.Tensor = self.lm_head(x)
         return logits.float()
 

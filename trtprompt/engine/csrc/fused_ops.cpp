@@ -1,5 +1,5 @@
 // Row-wise decoder-layer ops that model.py otherwise runs as 3-9 torch ops each:
-// RMSNorm, SiLU(gate) * up, and the rotary embedding.
+// RMSNorm (alone, or after the residual add), SiLU(gate) * up, and the rotary embedding.
 //
 // In a decode step of a few dozen tokens each torch op costs its dispatch, not its
 // arithmetic; in a 2,048-token prefill each makes one more pass over memory. Each
@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <type_traits>
 
 namespace {
@@ -160,6 +161,28 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// (x + delta, rms_norm(x + delta)): the residual add before each norm, rounded to T as torch's add rounds,
+// in the call that norms it (one op where the layer ran two).
+template <typename T>
+void add_rows(const at::Tensor& x, const at::Tensor& delta, at::Tensor& sum) {
+  const T* xp = x.data_ptr<T>();
+  const T* dp = delta.data_ptr<T>();
+  T* sp = sum.data_ptr<T>();
+  at::parallel_for(0, x.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) sp[i] = static_cast<T>(static_cast<float>(xp[i]) + static_cast<float>(dp[i]));
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps) {
+  TORCH_CHECK(delta.is_contiguous() && delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(),
+              "add_rms_norm: delta must be contiguous, of x's shape and dtype");
+  TORCH_CHECK(x.is_contiguous(), "add_rms_norm: x must be contiguous");
+  auto sum = at::empty(x.sizes(), x.options());
+  dispatch_float_types(x, "add_rms_norm", [&](auto tag) { add_rows<decltype(tag)>(x, delta, sum); });
+  return {sum, rms_norm(sum, weight, eps)};
+}
+
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "silu_and_mul: gate_up must be contiguous [T, 2n]");
@@ -185,12 +208,14 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
 }
