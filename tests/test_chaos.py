@@ -1,25 +1,22 @@
-"""The seconds-long parts of scripts/chaos.py, against the real server (issue 11).
+"""The seconds-long parts of the chaos scenario (trtprompt/bench/scenarios/chaos.py), against the real
+server (issue 11).
 
 Each part records failures instead of raising, so a test sees every broken check at once."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import asyncio
 from pathlib import Path
 
 import pytest
-
 from serve_fixtures import Served
 
+from trtprompt.bench.scenarios import chaos, chaos_cancel
+
 pytestmark = pytest.mark.server
-_SPEC = importlib.util.spec_from_file_location("chaos", Path(__file__).resolve().parent.parent / "scripts" / "chaos.py")
-chaos = importlib.util.module_from_spec(_SPEC)
-sys.modules["chaos"] = chaos  # dataclasses look their module up there
-_SPEC.loader.exec_module(chaos)
 
 
-def _server(served: Served):
+def _server(served: Served) -> chaos.Server:
     return chaos.Server(served.proc, served.run_dir, served.log_path, served.grpc, served.http, served.engine_dir)
 
 
@@ -47,19 +44,10 @@ def test_stop_after_streams_cancelled_at_their_end_leaves_nothing(tiny_engine_di
     assert report.failures == [], report.notes
 
 
-_CANCEL_SPEC = importlib.util.spec_from_file_location(
-    "chaos_cancel", Path(__file__).resolve().parent.parent / "scripts" / "chaos_cancel.py")
-chaos_cancel = importlib.util.module_from_spec(_CANCEL_SPEC)
-sys.modules["chaos_cancel"] = chaos_cancel
-_CANCEL_SPEC.loader.exec_module(chaos_cancel)
-
-
 def test_cancelled_dropped_and_killed_clients_are_all_aborted(served: Served):
-    """Issue 37, item 7, one short round of scripts/chaos_cancel.py: streams cancelled, closed under,
+    """Issue 37, item 7, one short round of the chaos_cancel scenario: streams cancelled, closed under,
     and whose client process is SIGKILLed mid-stream; none runs on to its max_tokens (LONG), each
     is aborted, and the engine holds no block afterwards."""
-    import asyncio
-
     before = chaos_cancel.idle_stats(served.engine_stats)
     tally = asyncio.run(chaos_cancel.one_round(served.url, 20))  # kills: streams 1 and 17, drop: 9
     after = chaos_cancel.idle_stats(served.engine_stats)

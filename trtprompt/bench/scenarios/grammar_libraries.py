@@ -5,8 +5,8 @@ mask, advance the matcher). docs/structured-outputs.md, "Why llguidance", has th
 The project's venv has llguidance only; measure xgrammar from a venv that also has it
 (`pip install xgrammar` pulls torch, transformers and a 1 GB `triton`):
 
-    .venv/bin/python scripts/compare_grammar_libraries.py --library llguidance
-    OTHER_VENV/bin/python scripts/compare_grammar_libraries.py --library xgrammar
+    .venv/bin/python -m trtprompt.bench.scenarios.grammar_libraries --library llguidance
+    OTHER_VENV/bin/python -m trtprompt.bench.scenarios.grammar_libraries --library xgrammar   # from the repo root
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def ms(fn: Callable[[], Any], repeat: int) -> float:
 
 
 def llguidance_case(tok: Any) -> dict[str, float]:
+    """llguidance: compile first and again, and the mask-and-advance cost per token of VALUE."""
     import llguidance
     import llguidance.hf
     import llguidance.torch as lt
@@ -59,7 +60,8 @@ def llguidance_case(tok: Any) -> dict[str, float]:
         start = time.perf_counter()
         for t in ids:
             lt.fill_next_token_bitmask(matcher, mask, 0)
-            assert matcher.consume_token(t), matcher.get_error()
+            if not matcher.consume_token(t):
+                raise RuntimeError(f"llguidance refused token {t}: {matcher.get_error()}")
         return (time.perf_counter() - start) * 1e3 / len(ids)
 
     return {"compile_first_ms": first, "compile_again_ms": again,
@@ -67,6 +69,7 @@ def llguidance_case(tok: Any) -> dict[str, float]:
 
 
 def xgrammar_case(tok: Any) -> dict[str, float]:
+    """xgrammar: the same three figures, its compiler's cache off."""
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
@@ -82,7 +85,8 @@ def xgrammar_case(tok: Any) -> dict[str, float]:
         start = time.perf_counter()
         for t in ids:
             matcher.fill_next_token_bitmask(mask, 0)
-            assert matcher.accept_token(t)
+            if not matcher.accept_token(t):
+                raise RuntimeError(f"xgrammar refused token {t}")
         return (time.perf_counter() - start) * 1e3 / len(ids)
 
     return {"compile_first_ms": first, "compile_again_ms": again,

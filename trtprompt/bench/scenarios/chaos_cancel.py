@@ -9,8 +9,8 @@ by reason (`length` must equal the streams that were left alone; every other req
 blocks in use afterwards (0). The abandoned requests ask for LONG tokens, far more than any lag
 can hide, so one that ends by `length` was not stopped by its client's going away.
 
-    .venv/bin/python scripts/chaos_cancel.py                   # 4 rounds on the tiny engine
-    .venv/bin/python scripts/chaos_cancel.py --rounds 8 --streams 64
+    .venv/bin/python -m trtprompt.bench.scenarios.chaos_cancel                   # 4 rounds on the tiny engine
+    .venv/bin/python -m trtprompt.bench.scenarios.chaos_cancel --rounds 8 --streams 64
 
 Exit 1 when a round lost a cancel (a `length` too many), an error came back, or the engine did
 not go idle.
@@ -25,15 +25,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import click
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from trtprompt.bench.machine import ROOT
+from trtprompt.bench.scenarios import chaos
+from trtprompt.client import aio_channel, stream_request, text_inputs
 
-from trtprompt.client import aio_channel, stream_request, text_inputs  # noqa: E402
+MODULE = "trtprompt.bench.scenarios.chaos_cancel"  # the killed client runs as `python -m MODULE --child`
 
 LONG = 1500  # an abandoned request's max_tokens = min_tokens: it cannot end by itself in time
 SHORT = 200  # the others run to their end, so the engine is busy all along
@@ -100,7 +100,7 @@ async def in_process_stream(url: str, shared: tuple[Any, Any], i: int, kind: str
     request = _request(i, SHORT if kind == "normal" else LONG, kind[0])
     done = asyncio.Event()
 
-    async def requests() -> Any:
+    async def requests() -> AsyncIterator[Any]:
         yield request
         await done.wait()
 
@@ -124,9 +124,10 @@ async def in_process_stream(url: str, shared: tuple[Any, Any], i: int, kind: str
 async def killed_stream(url: str, i: int, tally: Tally) -> None:
     """A client process that prints each token count it sees; SIGKILLed once it has seen enough."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--child", url, "--child-index", str(i),
+        sys.executable, "-m", MODULE, "--child", url, "--child-index", str(i),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-    assert proc.stdout is not None
+    if proc.stdout is None:
+        raise RuntimeError("the kill client's stdout is not a pipe")
     stop_after, seen = stop_after_of(i), 0
     try:
         while True:
@@ -206,6 +207,20 @@ def round_line(n: int, tally: Tally, before: dict[str, Any], after: dict[str, An
     return line, ok
 
 
+def run_rounds(server: chaos.Server, rounds: int, streams: int) -> int:
+    """Each round's line printed; the number of rounds that failed."""
+    failed = 0
+    before = idle_stats(server.stats)
+    for n in range(1, rounds + 1):
+        tally = asyncio.run(one_round(server.url, streams))
+        after = idle_stats(server.stats)
+        line, ok = round_line(n, tally, before, after)
+        print(line + ("" if ok else f"  FAIL {tally.errors[:3]}"), flush=True)
+        failed += not ok
+        before = after
+    return failed
+
+
 @click.command()
 @click.option("--engine", "engine_dir", type=click.Path(path_type=Path), default=None,
               help="engine dir (default: build the tiny test engine under --work)")
@@ -216,26 +231,17 @@ def round_line(n: int, tally: Tally, before: dict[str, Any], after: dict[str, An
 @click.option("--child-index", default=0, hidden=True)
 def main(engine_dir: Path | None, work: Path, rounds: int, streams: int, child_url: str | None,
          child_index: int) -> None:
+    """Cancels on the gRPC path under chaos (issue 37, item 7): every abandoned stream aborted in the engine."""
     if child_url is not None:
         child(child_url, child_index)
         return
-    import chaos
-
     work.mkdir(parents=True, exist_ok=True)
     server = chaos.start(engine_dir or chaos.tiny_engine(work), work)
-    failed = 0
+    failed = rounds
     try:
-        before = idle_stats(server.stats)
-        for n in range(1, rounds + 1):
-            tally = asyncio.run(one_round(server.url, streams))
-            after = idle_stats(server.stats)
-            line, ok = round_line(n, tally, before, after)
-            print(line + ("" if ok else f"  FAIL {tally.errors[:3]}"), flush=True)
-            failed += not ok
-            before = after
+        failed = run_rounds(server, rounds, streams)
     finally:
-        report = chaos.Report()
-        chaos.stop(server, report)
+        chaos.stop(server, chaos.Report())
         print(f"server log: {server.log}")
     print(f"chaos_cancel: {'ok' if not failed else f'{failed} of {rounds} rounds FAILED'}")
     sys.exit(1 if failed else 0)

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Where an engine step's time goes: kernels vs everything between them (issue 26 item 5).
 
-    python scripts/bench_step_overhead.py ENGINE_DIR [--batches 1,8,32] [--steps 20] [--profile]
+    python -m trtprompt.bench.scenarios.step_overhead ENGINE_DIR [--batches 1,8,32] [--steps 20] [--profile]
 
 For each batch size, B requests of --prompt random tokens are prefilled, then --steps decode
 steps are timed, each split by wall clock into schedule / prepare (input tensors and attention
@@ -27,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from trtprompt.bench import machine
 from trtprompt.engine import engine as engine_module
 from trtprompt.engine import model as model_module
 from trtprompt.engine.engine import LLMEngine
@@ -64,10 +64,10 @@ class PartTimer:
         runner.prepare = self.wrap("prepare", runner.prepare)  # type: ignore[method-assign]
         runner.model.forward = self.wrap("forward", runner.model.forward)  # type: ignore[method-assign]
         engine._update = self.wrap("update", engine._update)  # type: ignore[method-assign]
-        engine_module.sample = self.wrap("sample", engine_module.sample)  # type: ignore[attr-defined]
-
+        engine_module.sample = self.wrap("sample", engine_module.sample)
 
     def install_forward_parts(self, model: Any) -> None:
+        """linears, lm_head and attention inside the model's forward, timed apart."""
         for layer in model.layers:
             for lin in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down):
                 lin.forward = self.wrap("linears", lin.forward)
@@ -76,11 +76,13 @@ class PartTimer:
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """n seeded random prompts of `length` tokens."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def start_batch(engine: LLMEngine, batch: int, prompt: int, tag: str) -> None:
+    """`batch` requests prefilled, each with its first token: from here every step is a decode step."""
     params = SamplingParams(max_tokens=400, ignore_eos=True)
     for i, p in enumerate(prompts(batch, prompt, engine.model_config.vocab_size, batch)):
         engine.add_request(f"{tag}{i}", p, params)
@@ -109,6 +111,7 @@ def timed_steps(engine: LLMEngine, timer: PartTimer, steps: int) -> dict[str, fl
 
 
 def op_class(key: str) -> str:
+    """The class (OP_CLASSES) a profiler op name falls in; small_ops when none."""
     low = key.lower()
     for cls, frags in OP_CLASSES:
         if any(f in low for f in frags):
@@ -177,7 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engine_dir", type=Path)
     ap.add_argument("--batches", default="1,8,32")
@@ -187,11 +190,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     res = run(args)
     res["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
+    res["machine"] = machine.describe()
     text = json.dumps(res, indent=1, default=str)
     if args.out:
         args.out.write_text(text, encoding="utf-8")

@@ -1,6 +1,6 @@
 """Time the bare model forward: a decode step of batch 32 and a 2048-token prefill.
 
-Usage: .venv/bin/python scripts/bench_model.py [--threads 2] [--dtype float32] [--backends onednn,reference]
+Usage: .venv/bin/python -m trtprompt.bench.scenarios.model [--threads 2] [--dtype float32] [--backends onednn,reference]
 
 The "small" demo shape (hidden 512, 8 layers, 8 heads, 4 kv heads,
 intermediate 1376, vocab 8000) with random weights built in-process.
@@ -11,15 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import time
-from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from trtprompt.bench import machine
 from trtprompt.engine.attention import SeqSlice, allocate_kv_cache, build_attention_metadata
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.model import DecoderModel
@@ -31,6 +28,7 @@ SMALL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=8000, hidden_siz
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of a Llama checkpoint of cfg's shape, seeded; norms at one."""
     gen = torch.Generator().manual_seed(0)
     h, d, i = cfg.hidden_size, cfg.head_size, cfg.intermediate_size
 
@@ -53,7 +51,8 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tens
     return t
 
 
-def decode_step(model: DecoderModel, kv: list, batch: int, context: int) -> Callable[[], object]:
+def decode_step(model: DecoderModel, kv: list[Any], batch: int, context: int) -> Callable[[], object]:
+    """One decode step of `batch` sequences with about `context` cached tokens each."""
     gen = random.Random(0)
     blocks_per_seq = (context + 64) // TPB + 1
     contexts = [gen.randint(context - 32, context + 32) for _ in range(batch)]
@@ -69,7 +68,8 @@ def decode_step(model: DecoderModel, kv: list, batch: int, context: int) -> Call
     return run
 
 
-def prefill(model: DecoderModel, kv: list, tokens: int, context: int = 0) -> Callable[[], object]:
+def prefill(model: DecoderModel, kv: list[Any], tokens: int, context: int = 0) -> Callable[[], object]:
+    """One sequence's `tokens` new tokens after `context` cached ones, the last row's logits."""
     seq = SeqSlice(context, tokens, list(range(-(-(context + tokens) // TPB))))
     ids = torch.randint(0, model.cfg.vocab_size, (tokens,))
     pos = torch.arange(context, context + tokens)
@@ -95,6 +95,21 @@ def best_times(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str,
     return best
 
 
+def model_cases(backends: list[str], dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    """decode, prefill and chunk per backend, each over its own model and KV cache."""
+    weights = random_weights(SMALL, dtype)
+    cases: dict[str, Callable[[], object]] = {}
+    for backend in backends:
+        model = DecoderModel(SMALL, dtype, torch.device("cpu"), backend)
+        model.load_weights(weights)
+        kv = allocate_kv_cache(SMALL, 256, TPB, dtype, torch.device("cpu"))
+        cases[f"{backend}/decode"] = decode_step(model, kv, 32, 160)
+        cases[f"{backend}/prefill"] = prefill(model, kv, 2048)
+        cases[f"{backend}/chunk"] = prefill(model, kv, 512, context=1536)
+        print(f"{backend}: runs {model.linear_backend}")
+    return cases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -103,21 +118,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    weights = random_weights(SMALL, dtype)
-    cases: dict[str, Callable[[], object]] = {}
-    for backend in args.backends.split(","):
-        model = DecoderModel(SMALL, dtype, torch.device("cpu"), backend)
-        model.load_weights(weights)
-        kv = allocate_kv_cache(SMALL, 256, TPB, dtype, torch.device("cpu"))
-        cases[f"{backend}/decode"] = decode_step(model, kv, 32, 160)
-        cases[f"{backend}/prefill"] = prefill(model, kv, 2048)
-        cases[f"{backend}/chunk"] = prefill(model, kv, 512, context=1536)
-        print(f"{backend}: runs {model.linear_backend}")
-    best = best_times(cases, args.rounds)
+    backends = args.backends.split(",")
+    best = best_times(model_cases(backends, getattr(torch, args.dtype)), args.rounds)
     print(f"small Llama, {args.dtype}, {args.threads} threads, tokens_per_block {TPB}, "
-          f"best of {args.rounds}, load average {os.getloadavg()[0]:.2f}")
-    for backend in args.backends.split(","):
+          f"best of {args.rounds}, load average {os.getloadavg()[0]:.2f}; {machine.one_line()}")
+    for backend in backends:
         dec, pre, chunk = (best[f"{backend}/{c}"] for c in ("decode", "prefill", "chunk"))
         print(f"{backend:>9}: decode b32 ctx~160 {dec * 1e3:6.1f} ms = {32 / dec:5.0f} tok/s | "
               f"prefill 2048 {pre * 1e3:6.0f} ms = {2048 / pre:5.0f} tok/s | "
