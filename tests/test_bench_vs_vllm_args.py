@@ -21,6 +21,7 @@ from trtprompt.bench.peers import (
     trtprompt_side,
     vllm_side,
 )
+from trtprompt.engine import isa
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +34,9 @@ def test_model_and_dtype_pick_checkpoint_engine_and_peers_dir(tmp_path: Path) ->
     args = _args("--model", "smollm2", "--dtype", "bf16", "--peers-dir", str(tmp_path))
     assert args.checkpoint == ROOT / "build/smollm2" and args.engine == ROOT / "build/smollm2-engine-bf16"
     assert args.vllm_venv == tmp_path / "vllm-venv"
-    assert _args("--dtype", "int8", "--sides", "trtprompt").engine == ROOT / "build/peer-engine-int8"
+    assert _args("--dtype", "int8", "--sides", "trtprompt").engine == ROOT / "build/peer-engine-int8_w8a8"
+    assert _args("--dtype", "int8", "--sides", "trtprompt", "--int8-quantization", "int4_wo").engine == \
+        ROOT / "build/peer-engine-int4_wo"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -52,7 +55,7 @@ def test_bad_model_dtype_or_sides_are_refused(argv: list[str], message: str, cap
 @pytest.mark.parametrize("dtype, trt_flags, vllm_dtype, gguf", [
     ("fp32", ["--dtype", "float32"], "float32", "f32"),
     ("bf16", ["--dtype", "bfloat16"], "bfloat16", "bf16"),
-    ("int8", ["--dtype", "float32", "--quantization", "int8_w8a8"], None, "q8_0"),
+    ("int8", ["--dtype", trtprompt_side.int8_dtype(), "--quantization", "int8_w8a8"], None, "q8_0"),
 ])
 def test_each_side_runs_the_precision_asked(dtype: str, trt_flags: list[str], vllm_dtype: str | None,
                                             gguf: str, tmp_path: Path) -> None:
@@ -66,6 +69,12 @@ def test_each_side_runs_the_precision_asked(dtype: str, trt_flags: list[str], vl
     if vllm_dtype:
         vllm = [str(c) for c in vllm_side.server_cmd(args, 8000)]
         assert vllm[vllm.index("--dtype") + 1] == vllm_dtype
+
+
+def test_int8_engines_keep_bf16_around_int8_where_the_cpu_has_it() -> None:
+    args = _args("--dtype", "int8", "--sides", "trtprompt", "--int8-quantization", "int8_wo")
+    assert trtprompt_side.precision_flags(args) == ["--dtype", trtprompt_side.int8_dtype(), "--quantization", "int8_wo"]
+    assert trtprompt_side.int8_dtype() == ("float32" if isa.bf16_problem(isa.cpu_flags()) else "bfloat16")
 
 
 def test_trtprompt_decodes_plainly_unless_asked() -> None:

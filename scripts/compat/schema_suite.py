@@ -29,8 +29,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import jsonschema  # noqa: E402
 import openai  # noqa: E402
 from openai.lib._parsing._completions import type_to_response_format_param  # noqa: E402

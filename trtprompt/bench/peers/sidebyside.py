@@ -76,6 +76,8 @@ def _side_options(ap: argparse.ArgumentParser) -> None:
                     help="OpenVINO's KV_CACHE_PRECISION (default: its precision hint's)")
     ap.add_argument("--ov-cache-gb", type=positive, help="OpenVINO's SchedulerConfig.cache_size (default: room for "
                     "the prefix workload unshared, at most half the memory)")
+    ap.add_argument("--int8-quantization", choices=trtprompt_side.INT8_QUANTIZATIONS, default="int8_w8a8",
+                    help="trtprompt's engine for --dtype int8 (bfloat16 around it where the CPU has bf16 instructions)")
     ap.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
                     help="trtprompt's compute_dtype (serve knob; unset: a bf16 engine computes in float32 on a CPU "
                          "without bf16 instructions, engine/compute_dtype.py)")
@@ -150,7 +152,8 @@ def fill_paths(args: argparse.Namespace) -> None:
     if args.engine is None:
         # The fp32 peer engine keeps its old name, so an existing build is reused.
         plain = args.model == "peer" and args.dtype == "fp32"
-        args.engine = ROOT / ("build/peer-engine" if plain else f"build/{args.model}-engine-{args.dtype}")
+        kind = args.int8_quantization if args.dtype == "int8" else args.dtype
+        args.engine = ROOT / ("build/peer-engine" if plain else f"build/{args.model}-engine-{kind}")
 
 
 # ---- running -----------------------------------------------------------------------------

@@ -12,8 +12,23 @@ from typing import Any
 from trtprompt.bench.peers import servers, workloads
 from trtprompt.bench.peers.servers import ROOT
 
-# `trtprompt build` flags per --dtype.
-PRECISION = {"fp32": "--dtype float32", "bf16": "--dtype bfloat16", "int8": "--dtype float32 --quantization int8_w8a8"}
+# `trtprompt build` flags per --dtype; int8's quantization is --int8-quantization, its dtype int8_dtype().
+PRECISION = {"fp32": "--dtype float32", "bf16": "--dtype bfloat16", "int8": "--quantization int8_w8a8"}
+INT8_QUANTIZATIONS = ("int8_w8a8", "int8_wo", "int4_wo")
+
+
+def int8_dtype() -> str:
+    """What an int8 engine keeps in floating point (norms, embeddings, activations, KV): bfloat16 where the CPU
+    has bf16 instructions (the issue's "int8 combined with bf16 for the rest of the step"), else float32."""
+    from trtprompt.engine import isa
+
+    return "float32" if isa.bf16_problem(isa.cpu_flags()) else "bfloat16"
+
+
+def precision_flags(args: argparse.Namespace) -> list[str]:
+    if args.dtype != "int8":
+        return PRECISION[args.dtype].split()
+    return ["--dtype", int8_dtype(), "--quantization", getattr(args, "int8_quantization", "int8_w8a8")]
 
 
 def trtprompt_bin() -> Path:
@@ -37,7 +52,7 @@ def prepare_checkpoint(path: Path, model: str) -> None:
 
 def build_cmd(args: argparse.Namespace) -> list[Any]:
     return [trtprompt_bin(), "build", args.checkpoint, "-o", args.engine, "--profile", "cpu-dev",
-            *PRECISION[args.dtype].split(),
+            *precision_flags(args),
             "--max-batch-size", workloads.MAX_BATCH, "--max-num-tokens", workloads.MAX_NUM_TOKENS,
             "--max-seq-len", workloads.MAX_SEQ_LEN, "--tokens-per-block", workloads.TOKENS_PER_BLOCK,
             "--enable-chunked-context", "--max-tokens-in-paged-kv-cache", workloads.kv_pool_tokens(args),
@@ -75,6 +90,7 @@ def precision(args: argparse.Namespace) -> str:
     """The build flags and the dtype the engine computes in (engine/compute_dtype.py)."""
     from trtprompt.engine.compute_dtype import resolve_compute_dtype
 
-    stored = "bfloat16" if args.dtype == "bf16" else "float32"
+    flags = precision_flags(args)
+    stored = flags[flags.index("--dtype") + 1] if "--dtype" in flags else "float32"
     computed = resolve_compute_dtype(stored, args.compute_dtype, "cpu").dtype
-    return f"{PRECISION[args.dtype]}, computed in {computed}, speculative decoding {args.speculative_decoding}"
+    return f"{' '.join(flags)}, computed in {computed}, speculative decoding {args.speculative_decoding}"

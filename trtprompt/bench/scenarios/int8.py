@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -208,24 +209,33 @@ SPLITS = {"w8a7": W8A8Bits(weight_bits=8, activation_bits=7), "w7a8": W8A8Bits(w
 
 @dataclass(frozen=True)
 class Variant:
-    """fp32, int8_wo, or int8_w8a8 at a bit split with SmoothQuant alpha (None: unsmoothed)."""
+    """fp32, int8_wo, int4_wo in groups, or int8_w8a8 at a bit split with SmoothQuant alpha (None: unsmoothed);
+    "+bf16" on any of them builds a bfloat16 engine."""
 
-    spec: str  # "fp32", "wo", "w8a7@none", "w7a8@0.5", "w7a8@0.5+skip1"
+    spec: str  # "fp32", "wo", "int4g32", "w8a7@none", "w7a8@0.5", "w7a8@0.5+skip1", "auto+bf16"
     quantization: str
     bits: W8A8Bits | None = None
     alpha: float | None = None
     skip_first: int | None = None  # calibration tokens left out per sequence (None: the build's choice)
     search: bool = False  # alpha "auto": searched per linear (smoothquant.ALPHA_GRID)
+    group: int | None = None  # int4_wo's int4_group_size
+    dtype: str = "float32"
 
 
 def parse_variant(spec: str) -> Variant:
-    if spec in ("fp32", "wo"):
-        return Variant(spec, "none" if spec == "fp32" else "int8_wo")
+    base, bf16, _ = spec.partition("+bf16")
+    if bf16:
+        return dataclasses.replace(parse_variant(base), spec=spec, dtype="bfloat16")
+    if spec in ("fp32", "wo", "bf16"):
+        return Variant(spec, "int8_wo" if spec == "wo" else "none", dtype="bfloat16" if spec == "bf16" else "float32")
+    if spec.startswith("int4g") and spec[5:].isdigit():
+        return Variant(spec, "int4_wo", group=int(spec[5:]))
     split, _, rest = spec.partition("@")
     alpha, _, skip = rest.partition("+skip")
     if split not in SPLITS or not alpha:
-        raise SystemExit(f"variant {spec!r}: fp32, wo, or SPLIT@ALPHA[+skipN] with SPLIT in {', '.join(SPLITS)}, "
-                         "ALPHA a number or none, N the calibration tokens left out at each sequence's start")
+        raise SystemExit(f"variant {spec!r}: fp32, bf16, wo, int4gGROUP, or SPLIT@ALPHA[+skipN] with SPLIT in "
+                         f"{', '.join(SPLITS)}, ALPHA a number, none or auto, N the calibration tokens left out at "
+                         "each sequence's start; +bf16 after any builds a bfloat16 engine")
     value = None if alpha in ("none", "auto") else float(alpha)
     return Variant(spec, "int8_w8a8", SPLITS[split], value, int(skip) if skip else None, alpha == "auto")
 
@@ -249,7 +259,8 @@ def build_as(v: Variant) -> Iterator[None]:
 
 
 def variant_engine(v: Variant, checkpoint: Path, overrides: dict[str, Any]) -> Path:
-    extra = {"smoothquant_alpha": v.alpha} if v.alpha is not None else {}
+    extra: dict[str, Any] = {"smoothquant_alpha": v.alpha} if v.alpha is not None else {}
+    extra.update({"int4_group_size": v.group} if v.group is not None else {}, dtype=v.dtype)
     with build_as(v):
         return built(checkpoint, OUT / f"smollm2-{v.spec}", v.quantization, {**overrides, **extra})
 
@@ -323,8 +334,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--variants", default="w8a7@none,w8a7@0.5,w7a8@0.5,wo",
-                    help="quality: comma list of variants besides fp32: wo (int8_wo), or SPLIT@ALPHA (SPLIT w8a7 "
-                    "or w7a8: weight / activation bits; ALPHA: SmoothQuant alpha, or none)")
+                    help="quality: comma list of variants besides fp32: bf16, wo (int8_wo), int4gGROUP (int4_wo in "
+                    "groups of GROUP), or SPLIT@ALPHA (SPLIT w8a7 or w7a8: weight / activation bits; ALPHA: "
+                    "SmoothQuant alpha, none, or auto: searched); +bf16 after any builds a bfloat16 engine")
     ap.add_argument("--ppl-tokens", type=int, default=PPL_TOKENS, help="quality: held-out tokens scored")
     return ap.parse_args(argv)
 
