@@ -57,12 +57,13 @@ def _check_engine(ckpt: Path, engine: Path, group: int) -> None:
         packed, scale, w = out[name], out[f"{name}_scale"], src[name]
         rows, cols = w.shape
         assert packed.dtype == torch.uint8 and packed.shape == (rows, cols // 2), name
-        assert scale.dtype == torch.float32 and scale.shape == (rows, cols // group), name
+        assert scale.dtype == torch.float32 and scale.shape == (rows, cols // group, 2), name
         assert group_of(packed, scale) == group
         err = (dequantize_int4(packed, scale, torch.float32) - w).abs()
-        bound = scale.repeat_interleave(group, dim=1) / 2
+        bound = scale[..., 0].repeat_interleave(group, dim=1) / 2  # half a level of each group's own range
         assert bool((err <= bound + 1e-6).all()), name
-        assert int((packed & 15).min()) >= 1 and int((packed >> 4).min()) >= 1  # nibbles in [1, 15]: q in [-7, 7]
+        groups = w.reshape(rows, cols // group, group)
+        assert torch.equal(scale[..., 1], groups.amin(-1))  # each group's minimum is a level: stored exactly
     for name in set(src) - set(quantized):  # embeddings, norms, lm_head: the engine dtype, untouched
         assert out[name].dtype == torch.float32 and torch.equal(out[name], src[name]), name
     meta = json.loads((engine / "trtprompt.json").read_text())

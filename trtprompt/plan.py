@@ -36,7 +36,8 @@ QUANT_ALGOS: dict[str, str | None] = {"none": None, "int8_wo": "W8A16", "fp8": "
                                       "int8_w8a8": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "int4_wo": "W4A16"}
 # The quantizations whose layer linears are stored int8 + a float32 scale per output row.
 INT8_WEIGHT_QUANTIZATIONS: tuple[str, ...] = ("int8_wo", "int8_w8a8")
-# int4_wo's layer linears: two int4 values per byte + a float32 scale per group of input columns (engine/quant_int4.py).
+# int4_wo's layer linears: two int4 values per byte + a float32 scale and minimum per group of input columns
+# (engine/quant_int4.py).
 INT4_WEIGHT_QUANTIZATIONS: tuple[str, ...] = ("int4_wo",)
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 NO_FACTOR_ROPE_TYPES: tuple[str, ...] = ("su", "longrope", "llama3")
@@ -155,14 +156,14 @@ def resolve_bounds(pc: Mapping[str, Any], profile: Profile) -> BuildBounds:
 
 def weight_bytes(pc: Mapping[str, Any], dtype: str, quantization: str, int4_group_size: int | None = None) -> int:
     """Bytes of the engine's weights: int8 + a float32 scale per row for int8 linears, half a byte per weight
-    + a float32 scale per group of int4_group_size for int4 ones."""
+    + a float32 scale and minimum per group of int4_group_size for int4 ones."""
     total = 0
     for name, shape in expected_weight_shapes(pc).items():
         count = math.prod(shape)
         if quantization in INT8_WEIGHT_QUANTIZATIONS and is_layer_linear(name):
             total += count + 4 * shape[0]
         elif quantization in INT4_WEIGHT_QUANTIZATIONS and is_layer_linear(name) and int4_group_size:
-            total += count // 2 + 4 * shape[0] * (shape[1] // int4_group_size)
+            total += count // 2 + 2 * 4 * shape[0] * (shape[1] // int4_group_size)
         else:
             total += count * DTYPE_BYTES[dtype]
     return total

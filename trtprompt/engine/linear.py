@@ -111,7 +111,7 @@ class OneDnnLinear(torch.nn.Module):
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The float weight of int8 [out, in] + scale [out], or of packed int4 (uint8) + scale [out, groups]."""
+    """The float weight of int8 [out, in] + scale [out], or of packed int4 (uint8) + [out, groups, 2]."""
     if qweight.dtype == torch.uint8:
         return dequantize_int4(qweight, scale, dtype)
     return (qweight.float() * scale.float()[:, None]).to(dtype)
@@ -128,7 +128,8 @@ def few_rows_available(dtype: torch.dtype, device: torch.device, in_features: in
 
 
 class WeightOnlyLinear(torch.nn.Module):
-    """int8 [out, in] + scale [out], or packed int4 [out, in / 2] + scale [out, groups], kept quantized."""
+    """int8 [out, in] + scale [out], or packed int4 [out, in / 2] + (scale, minimum) [out, groups, 2], kept
+    quantized."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:

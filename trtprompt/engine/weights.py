@@ -3,7 +3,7 @@
 With quant_algo "W8A16" (int8 weight-only) or "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN" (int8 weights and
 activations, docs/quantization.md) each linear inside the layers is int8 [out, in] with
 `<name>_scale` float32 [out] (w ~= int8 * scale[:, None]); with "W4A16" (int4_wo) it is packed int4
-uint8 [out, in / 2] with `<name>_scale` float32 [out, in / group_size] (quant_int4.py). Embeddings, norms
+uint8 [out, in / 2] with `<name>_scale` float32 [out, in / group_size, 2] (quant_int4.py). Embeddings, norms
 and lm_head stay in the engine dtype.
 """
 
@@ -28,7 +28,7 @@ QUANT_ALGOS: tuple[str, ...] = (W8A16, W8A8, W4A16)
 class LinearWeights:
     weight: torch.Tensor  # [out, in]: engine dtype, or int8 when scale is set; uint8 [out, in / 2]: int4
     bias: torch.Tensor | None
-    scale: torch.Tensor | None  # float32 [out] for the int8 algos, [out, in / group_size] for int4
+    scale: torch.Tensor | None  # float32 [out] for the int8 algos, [out, in / group_size, 2] for int4
 
 
 def check_quant_algo(quant_algo: str | None) -> None:
@@ -48,7 +48,8 @@ def take_tensor(tensors: Mapping[str, torch.Tensor], name: str, shape: Sequence[
 
 def _take_quantized(tensors: Mapping[str, torch.Tensor], name: str, shape: Sequence[int],
                     device: torch.device, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [out, in] + scale [out]; with group_size, packed int4 [out, in / 2] + scale [out, in / group_size]."""
+    """int8 [out, in] + scale [out]; with group_size, packed int4 [out, in / 2] + (scale, minimum)
+    [out, in / group_size, 2]."""
     key = f"{name}.weight"
     stored = torch.int8 if group_size is None else torch.uint8
     if key in tensors and tensors[key].dtype != stored:
@@ -60,7 +61,7 @@ def _take_quantized(tensors: Mapping[str, torch.Tensor], name: str, shape: Seque
     out_f, in_f = shape
     check_group(group_size, in_f)
     return (take_tensor(tensors, key, (out_f, in_f // 2), torch.uint8, device),
-            take_tensor(tensors, f"{key}_scale", (out_f, in_f // group_size), torch.float32, device))
+            take_tensor(tensors, f"{key}_scale", (out_f, in_f // group_size, 2), torch.float32, device))
 
 
 def take_linear(tensors: Mapping[str, torch.Tensor], name: str, shape: Sequence[int],

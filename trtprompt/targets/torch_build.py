@@ -7,7 +7,8 @@ layers becomes int8 [out, in] plus `<name>_scale` float32 [out], symmetric per
 output channel; embeddings, norms and lm_head stay in the engine dtype. int8_w8a8 smooths the
 float weights first (targets/smoothquant.py) and writes weights of quant_w8a8.BUILD_BITS' width.
 int4_wo (quant_algo "W4A16" + group_size) writes each layer linear as packed int4 uint8 [out, in / 2]
-plus `<name>_scale` float32 [out, in / group] (engine/quant_int4.py has the layout).
+plus `<name>_scale` float32 [out, in / group, 2], (scale, minimum) per group (engine/quant_int4.py has the
+layout).
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@
 // split between threads, a float32 dot product per (row of x, row of W). Weight formats:
 //   float32 / bfloat16 [N, K]                    the engine dtype's weight
 //   int8 [N, K] + float32 scale [N]              per output channel (int8_wo, W8A16)
-//   uint8 [N, K / 2] + float32 scale [N, K / G]  int4 in groups of G columns (int4_wo, W4A16):
-//       value = (nibble - 8) * scale; within a group, byte b holds column b (low nibble) and
-//       column b + G / 2 (high nibble), so a vector of bytes unpacks into two runs of columns.
+//   uint8 [N, K / 2] + float32 [N, K / G, 2]     int4 in groups of G columns (int4_wo, W4A16):
+//       value = nibble * scale + minimum, (scale, minimum) per group; within a group, byte b holds
+//       column b (low nibble) and column b + G / 2 (high nibble): a vector of bytes unpacks into two
+//       runs of columns.
 // x is float32 or bfloat16 [M, K]; y [M, N] in x's dtype, accumulated in float32. Design and
 // figures: docs/design.md, "Few-rows linear".
 #include <ATen/Parallel.h>
@@ -135,9 +136,9 @@ void dot_rows(const float* xf, int64_t k_dim, const W& w, int64_t n0, int64_t n1
   }
 }
 
-// int4 in groups: the group's scale is folded into each weight vector (one multiply per vector,
-// shared by the M rows), so the sum needs no per-group pass. Low and high nibbles feed separate
-// sums (two chains per row).
+// int4 in groups: the group's scale and minimum are folded into each weight vector (one FMA per
+// vector, shared by the M rows), so the sum needs no per-group pass. Low and high nibbles feed
+// separate sums (two chains per row).
 template <int M>
 void dot_rows_int4(const float* xf, int64_t k_dim, const uint8_t* w, const float* scale, int64_t group,
                    int64_t n0, int64_t n1, float* acc_out) {
@@ -146,11 +147,11 @@ void dot_rows_int4(const float* xf, int64_t k_dim, const uint8_t* w, const float
     vf acc_lo[M] = {}, acc_hi[M] = {};
     const uint8_t* row = w + n * (k_dim / 2);
     for (int64_t g = 0; g < groups; ++g) {
-      const vf s = vf{} + scale[n * groups + g];
+      const vf s = vf{} + scale[2 * (n * groups + g)], low = vf{} + scale[2 * (n * groups + g) + 1];
       for (int64_t b = 0; b < half; b += kLanes) {
         const vi q = widen_u8(row + g * half + b);
-        const vi lo = (q & 15) - 8, hi = (q >> 4) - 8;
-        const vf wlo = __builtin_convertvector(lo, vf) * s, whi = __builtin_convertvector(hi, vf) * s;
+        const vf wlo = __builtin_convertvector(q & 15, vf) * s + low;
+        const vf whi = __builtin_convertvector(q >> 4, vf) * s + low;
         const int64_t k = g * group + b;
         for (int r = 0; r < M; ++r) {
           acc_lo[r] += load(xf + r * k_dim + k) * wlo;
@@ -238,7 +239,8 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
   if (int4) {
     TORCH_CHECK(group > 0 && group % (2 * kLanes) == 0 && k_dim % group == 0,
                 "few_rows_linear: int4 group (", group, ") must divide K and be a multiple of ", 2 * kLanes);
-    TORCH_CHECK(scale->numel() == n_dim * (k_dim / group), "few_rows_linear: int4 scale must be [N, K / group]");
+    TORCH_CHECK(scale->numel() == n_dim * (k_dim / group) * 2,
+                "few_rows_linear: int4 scale must be [N, K / group, 2]: (scale, minimum) per group");
   } else if (scaled) {
     TORCH_CHECK(scale->numel() == n_dim, "few_rows_linear: int8 scale must be [N]");
   }
