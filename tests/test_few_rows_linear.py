@@ -86,7 +86,7 @@ def test_weight_only_linear_on_both_sides_of_the_threshold(fmt: str, dtype: torc
     linear = make_linear(stored, bias, "onednn", dtype, scale)
     assert isinstance(linear, WeightOnlyLinear) and linear.qweight.dtype == stored.dtype  # kept quantized
     w = dequantize(stored, scale, dtype)
-    for m in (1, FEW_ROWS_MAX, FEW_ROWS_MAX + 1, 40):
+    for m in (1, 9, FEW_ROWS_MAX, FEW_ROWS_MAX + 1):
         x = torch.randn(m, w.shape[1]).to(dtype)
         want = F.linear(x.float(), w.float(), bias.float())
         tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -23,9 +23,10 @@ from trtprompt.engine.quant_int4 import dequantize_int4, group_of
 from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, make_w8a8_linear
 
 LINEAR_BACKENDS: tuple[str, ...] = ("onednn", "reference")
-# Rows a weight-only call runs on the few-rows kernel; above, the weight is dequantized for a dense GEMM
-# (docs/quantization.md, "Weight-only at run time", has the measurement behind it).
-FEW_ROWS_MAX = 8
+# Rows a weight-only call runs on the few-rows kernel (passes of 8); above, the weight is dequantized for a
+# dense GEMM. The kernel was the faster of the two at every row count from 1 to 32 on SmolLM2's linears, int8
+# and int4 (docs/quantization.md, "Weight-only at run time"); a speculative step's 1 + 16 rows stay on it.
+FEW_ROWS_MAX = 32
 # The M a prepacked weight is tuned for; measured insensitive between decode and prefill sizes.
 ONEDNN_BATCH_HINT = 32
 # Two caches keep an entry per distinct input shape, and the engine's token count changes
