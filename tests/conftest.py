@@ -56,5 +56,7 @@ def llmapi_engine(tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory
     return out
 
 
-# The serve tests share one tritonserver per session (tests/serve_fixtures.py).
-from serve_fixtures import oracle, served  # noqa: E402,F401
+# The serve tests share one tritonserver per session and hand their own ones to `stops` (tests/serve_fixtures.py);
+# the SmolLM2 tests share one engine build and one transformers model (tests/real_model_fixtures.py).
+from real_model_fixtures import real_fp32_engine, real_hf  # noqa: E402,F401
+from serve_fixtures import oracle, pytest_collection_modifyitems, pytest_runtest_teardown, served, stops  # noqa: E402,F401

@@ -14,9 +14,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import pytest
 
@@ -146,12 +147,81 @@ def check_stopped_cleanly(served: Served) -> None:
     assert not leftovers, f"child processes left after SIGINT: {leftovers}"
 
 
+class Stops:
+    """Module servers stopped while the next modules' tests run: a stop is seconds of Triton waiting out its
+    unload polls, not work. Each is checked as its fixture checked it (check_stopped_cleanly and whatever else
+    it passes); wait() fails naming every one that did not stop cleanly."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="stop")
+        self._pending: list[tuple[str, Future[None]]] = []
+        self._servers: list[Served] = []
+
+    def later(self, what: str, stop: Callable[[], None]) -> None:
+        self._pending.append((what, self._pool.submit(stop)))
+
+    def server(self, served: Served) -> None:
+        self._servers.append(served)
+        self.later(str(served.run_dir), lambda: check_stopped_cleanly(served))
+
+    def holds(self, served: Served) -> bool:
+        return any(s is served for s in self._servers)
+
+    def wait(self) -> None:
+        failures = []
+        for what, done in self._pending:
+            try:
+                done.result()
+            except Exception as exc:  # each one is reported, naming what it stopped
+                failures.append(f"{what}: {type(exc).__name__}: {exc}")
+        self._pool.shutdown()
+        assert not failures, "not stopped cleanly:\n" + "\n\n".join(failures)
+
+
 @pytest.fixture(scope="session")
-def served(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def stops() -> Iterator[Stops]:
+    """Where module fixtures hand what they started when their tests are done; the session's end waits."""
+    pending = Stops()
+    yield pending
+    pending.wait()
+
+
+# The session's server goes to `stops` once the module of the last test that uses it is torn down: the tests
+# after that module run while it stops (conftest.py registers these two hooks).
+SESSION_SERVER = pytest.StashKey[tuple[Served, Stops]]()
+HAND_OFF_AFTER = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(trylast=True)  # after -k, -m and any reordering: the order the tests run in
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    users = [i for i, item in enumerate(items) if "served" in getattr(item, "fixturenames", ())]
+    if users:
+        last = users[-1]
+        while last + 1 < len(items) and items[last + 1].path == items[users[-1]].path:
+            last += 1
+        config.stash[HAND_OFF_AFTER] = items[last].nodeid
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    result = yield  # the item's teardown, its module's too when the next test is in another module
+    held = item.config.stash.get(SESSION_SERVER, None)
+    if held is not None and nextitem is not None and item.nodeid == item.config.stash.get(HAND_OFF_AFTER, None):
+        server, stops = held
+        stops.server(server)
+    return result
+
+
+@pytest.fixture(scope="session")
+def served(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest,
+           stops: Stops) -> Iterator[Served]:
     """`trtprompt serve` of the tiny engine (fused layout), shared by all serve tests."""
     server = start_server(tiny_engine_dir, tmp_path_factory.mktemp("serve") / "run")
+    request.config.stash[SESSION_SERVER] = (server, stops)
     yield server
-    check_stopped_cleanly(server)
+    del request.config.stash[SESSION_SERVER]
+    if not stops.holds(server):  # no test after its last user's module: stopped here
+        check_stopped_cleanly(server)
 
 
 class Oracle:

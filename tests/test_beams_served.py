@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from engine_helpers import _hf_model
-from serve_fixtures import Oracle, Served, check_stopped_cleanly, start_server
+from serve_fixtures import Oracle, Served, Stops, start_server
 from serve_fixtures import openai_client as client
 from serve_fixtures import openai_model as model
 
@@ -26,11 +26,11 @@ MAX_BEAM_WIDTH = 4
 
 
 @pytest.fixture(scope="module")
-def beamed(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def beamed(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory, stops: Stops) -> Iterator[Served]:
     server = start_server(tiny_engine_dir, tmp_path_factory.mktemp("beams") / "run",
                           "--max-beam-width", str(MAX_BEAM_WIDTH))
     yield server
-    check_stopped_cleanly(server)
+    stops.server(server)
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import pytest
-from serve_fixtures import Served, _alive, start_server
+from serve_fixtures import Served, _alive, start_server, stop_server
 
 from trtprompt.serve.launch.process_group import SHM_DIR, descendants
 
@@ -60,10 +62,28 @@ def _stop(served: Served, sig: signal.Signals) -> int | None:
         return None
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_stop_crashes_nothing_and_leaves_nothing(tiny_engine_dir: Path, tmp_path: Path,
-                                                 sig: signal.Signals) -> None:
-    served = start_server(tiny_engine_dir, tmp_path / "run")
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Served]]:
+    """One server per signal, started side by side; each test stops its own."""
+    root = tmp_path_factory.mktemp("clean-stop")
+    with ThreadPoolExecutor(len(SIGNALS)) as pool:
+        starts = {sig.name: pool.submit(start_server, tiny_engine_dir, root / sig.name) for sig in SIGNALS}
+    started = {name: f.result() for name, f in starts.items() if f.exception() is None}
+    try:
+        for f in starts.values():
+            f.result()  # a failed start fails every test here
+        yield started
+    finally:
+        for served in started.values():  # one its test did not get to stop
+            stop_server(served)
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=[sig.name for sig in SIGNALS])
+def test_stop_crashes_nothing_and_leaves_nothing(servers: dict[str, Served], sig: signal.Signals) -> None:
+    served = servers[sig.name]
     # Both models served a request and the publisher made its metrics: what finalize must undo.
     assert served.text("before the stop", 4).error is None
     assert served.tokens([5, 6, 7], 4).error is None

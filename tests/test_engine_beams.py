@@ -42,8 +42,8 @@ def hf_beams(path: Path, prompt: list[int], width: int, lp: float, es, max_new: 
 
 
 def test_the_search_alone_equals_transformers_with_end_tokens_likely(tmp_path_factory):
-    """Full recompute per beam and step, every setting; the end token is one the model tends to produce
-    early, so beams end on it."""
+    """Full recompute of every running beam each step (one batch: they are all as long), every setting; the end
+    token is one the model tends to produce early, so beams end on it."""
     path = make_hf_model(tmp_path_factory.mktemp("hf"), "llama")
     model = _hf_model(str(path))
     ended = 0
@@ -57,8 +57,8 @@ def test_the_search_alone_equals_transformers_with_end_tokens_likely(tmp_path_fa
         done = False
         while not done:
             with torch.no_grad():
-                rows = [model(torch.tensor([prompt + beam])).logits[0, -1] for beam in search.running]
-            done = search.step(torch.log_softmax(torch.stack(rows).float(), dim=-1)).done
+                rows = model(torch.tensor([prompt + beam for beam in search.running])).logits[:, -1]
+            done = search.step(torch.log_softmax(rows.float(), dim=-1)).done
         best = search.best(width)
         ended += sum(h.ended_by_end_id for h in best)
         mine = [list(h.tokens[:-1] if h.ended_by_end_id else h.tokens) for h in best]

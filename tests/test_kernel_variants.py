@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -71,17 +72,33 @@ def test_an_unsupported_request_falls_back_to_pure_torch_saying_why() -> None:
 
 
 OTHERS = [v.name for v in isa.supported(isa.cpu_flags()) if v != kernels.variant()]
+# One child per variant: it prints the kernel it loaded, then runs the parity tests in that same process.
+CHILD = ("import sys, pytest; from trtprompt.engine import kernels; "
+         "print(kernels.compiled_kernel_status()[1], flush=True); sys.exit(pytest.main(sys.argv[1:]))")
+
+
+@pytest.fixture(scope="module")
+def children() -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """Every other variant's child, started together (each waits on imports and one core, not on the others)."""
+    tests = Path(__file__).parent
+    args = ["-q", "-p", "no:cacheprovider", "-k", PARITY,
+            *(str(tests / f) for f in ("test_layer_ops.py", "test_attention_paths.py", "test_kv_int8.py"))]
+    started = {v: subprocess.Popen([sys.executable, "-c", CHILD, *args], env={**os.environ, isa.ISA_ENV: v},
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for v in OTHERS}
+    yield started
+    for proc in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 @pytest.mark.skipif(not kernels.compiled_kernel_status()[0], reason="no compiled kernels on this machine")
 @pytest.mark.parametrize("variant", OTHERS)
-def test_every_other_supported_variant_equals_the_reference(variant: str) -> None:
-    status = _child(variant, "-c", "from trtprompt.engine import kernels; print(kernels.compiled_kernel_status()[1])")
+def test_every_other_supported_variant_equals_the_reference(variant: str,
+                                                            children: dict[str, subprocess.Popen[str]]) -> None:
+    out, err = children[variant].communicate(timeout=600)
+    status, _, tail = out.partition("\n")
     name = f"trtprompt_kernels_{variant}_{kernels._checkout_digest()}"
-    assert status.stdout.strip() == f"compiled kernel {name} ({variant}: " \
-                                    f"{isa.BY_NAME[variant].lanes}-float vectors)", status.stderr[-2000:]
-    tests = Path(__file__).parent
-    out = _child(variant, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", PARITY,
-                 *(str(tests / f) for f in ("test_layer_ops.py", "test_attention_paths.py", "test_kv_int8.py")))
-    assert out.returncode == 0, out.stdout[-3000:]
-    assert " passed" in out.stdout and "skipped" not in out.stdout, out.stdout[-500:]
+    assert status == f"compiled kernel {name} ({variant}: {isa.BY_NAME[variant].lanes}-float vectors)", err[-2000:]
+    assert children[variant].returncode == 0, tail[-3000:]
+    assert " passed" in tail and "skipped" not in tail, tail[-500:]

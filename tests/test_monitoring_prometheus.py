@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from serve_fixtures import Served, check_stopped_cleanly, start_server
+from serve_fixtures import Served, Stops, start_server
 from trtprompt.serve import metrics_catalog as C
 from trtprompt.serve.ports import free_ports
 
@@ -50,7 +50,7 @@ def _wait(what: str, check: Callable[[], Any]) -> Any:
         if value:
             return value
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 class Prometheus:
@@ -81,15 +81,16 @@ class Prometheus:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Served]]:
+def servers(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+            stops: Stops) -> Iterator[dict[str, Served]]:
     root = tmp_path_factory.mktemp("monitoring")
     with ThreadPoolExecutor(2) as pool:  # the two start up side by side
         fused = pool.submit(start_server, tiny_engine_dir, root / "fused")
         upstream = pool.submit(start_server, tiny_engine_dir, root / "upstream", "--layout", "upstream")
         started = {"fused": fused.result(), "upstream": upstream.result()}
     yield started
-    for server in started.values():
-        check_stopped_cleanly(server)
+    for server in started.values():  # and stop side by side, with the next tests
+        stops.server(server)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import openai
 import pytest
-from serve_fixtures import ROOT, Served, check_stopped_cleanly, start_server, wait_for
+from serve_fixtures import ROOT, Served, Stops, check_stopped_cleanly, start_server, wait_for
 
 from trtprompt.serve.launch import router as R
 from trtprompt.serve.launch.process_group import descendants
@@ -66,8 +66,15 @@ def start_router_node(root: Path, key_file: Path, api_key_file: Path,
     return R.RouterAPI(f"http://127.0.0.1:{port}", ADMIN_KEY), proc
 
 
+def stop_cluster(c: Cluster) -> None:
+    with cf.ThreadPoolExecutor(2) as pool:  # side by side, before the router they deregister from
+        list(pool.map(check_stopped_cleanly, [s for s in c.servers if s.proc.poll() is None]))
+    c.router_proc.terminate()
+    assert c.router_proc.wait(30) == 0, "the router node did not stop cleanly"
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory, stops: Stops) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("multinode")
     key_file, api_key_file = secret_file(root / "admin.key", ADMIN_KEY), secret_file(root / "api.key", API_KEY)
     router, proc = start_router_node(root, key_file, api_key_file)
@@ -76,13 +83,11 @@ def cluster(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         with cf.ThreadPoolExecutor(2) as pool:  # the two "machines" start side by side
             c.servers = list(pool.map(lambda i: start_server(tiny_engine_dir, root / f"machine-{i}",
                                                              *c.join_args()), range(2)))
-        yield c
-    finally:
-        for s in c.servers:
-            if s.proc.poll() is None:
-                check_stopped_cleanly(s)
-        c.router_proc.terminate()
-        assert c.router_proc.wait(30) == 0, "the router node did not stop cleanly"
+    except BaseException:
+        stop_cluster(c)
+        raise
+    yield c
+    stops.later(f"the cluster in {root}", lambda: stop_cluster(c))
 
 
 def url(server: Served) -> str:

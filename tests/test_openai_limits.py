@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import openai
 import pytest
 
-from serve_fixtures import Served, _alive, check_stopped_cleanly, start_server, wait_for
+from serve_fixtures import Served, Stops, _alive, start_server, wait_for
 from trtprompt.serve.launch.process_group import descendants
 
 pytestmark = pytest.mark.server
@@ -22,7 +22,7 @@ KEY = "sk-test-0123456789"
 
 
 @pytest.fixture(scope="module")
-def strict(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def strict(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory, stops: Stops) -> Iterator[Served]:
     # The key from the environment (never a command-line value): the server inherits it, and so do
     # this module's own Triton clients (LLMClient reads TRTPROMPT_API_KEY), which then need it too.
     with pytest.MonkeyPatch.context() as env:
@@ -30,7 +30,7 @@ def strict(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         server = start_server(tiny_engine_dir, tmp_path_factory.mktemp("openai-strict") / "run",
                               "--max-batch-size", "1", "--max-queue-size", "1")
         yield server
-        check_stopped_cleanly(server)
+        stops.server(server)
 
 
 def send(served: Served, body: dict[str, Any], key: str | None = KEY) -> http.client.HTTPConnection:

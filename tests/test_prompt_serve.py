@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from serve_fixtures import Served, check_stopped_cleanly, start_server
+from serve_fixtures import Served, Stops, start_server
 from trtprompt.prompt.budget import PromptBudget, PromptPolicy
 from trtprompt.prompt.chat import fit_chat
 from trtprompt.prompt.lint import analyze
@@ -45,12 +45,12 @@ def _serve_with_policy(src: Path, root: Path, policy: dict[str, Any], *extra: st
 
 
 @pytest.fixture(scope="module", params=["fused", "upstream"])
-def strict(request: pytest.FixtureRequest, tiny_engine_dir: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def strict(request: pytest.FixtureRequest, tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+           stops: Stops) -> Iterator[Served]:
     server = _serve_with_policy(tiny_engine_dir, tmp_path_factory.mktemp(f"strict-{request.param}"), STRICT,
                                 "--layout", request.param)
     yield server
-    check_stopped_cleanly(server)
+    stops.server(server)
 
 
 def words(n: int, tag: str) -> str:
@@ -160,16 +160,12 @@ def test_salts_isolate_and_share(served: Served) -> None:
     assert reused(served, prompt, cache_salt="tenant-b") == shared
 
 
-def test_upstream_preprocessing_applies_the_budget(tiny_engine_dir: Path, tmp_path: Path, tok: Tokenizer) -> None:
-    """The GPU target's preprocessing truncates too (upstream layout, over the torch core)."""
-    policy = {"overflow": "truncate_left", "output_reserve": 1968}
-    server = _serve_with_policy(tiny_engine_dir, tmp_path, policy, "--layout", "upstream", "--no-restart")
-    try:
-        text = words(150, "u")
-        assert len(tok.encode(text)) > 4 * 32
-        res = server.text(text, 2, temperature=0.0, return_perf_metrics=True)
-        assert res.error is None, res.error
-        # LIMIT (80) prompt tokens + 1 generated token: 3 blocks of 32, not the 5+ of the whole prompt.
-        assert res.last("kv_cache_alloc_total_blocks") == 3
-    finally:
-        check_stopped_cleanly(server)
+def test_the_engine_gets_the_fitted_prompt(strict: Served, tok: Tokenizer) -> None:
+    """Each layout truncates before the engine allocates (upstream: the GPU target's preprocessing, over the
+    torch core): the KV holds the fitted prompt, not the whole one."""
+    text = words(150, "u")
+    assert len(tok.encode(text)) > 4 * 32
+    res = strict.text(text, 2, temperature=0.0, cache_salt=uuid.uuid4().hex, return_perf_metrics=True)
+    assert res.error is None, res.error
+    # LIMIT (80) prompt tokens + 1 generated token: 3 blocks of 32, not the 5+ of the whole prompt.
+    assert res.last("kv_cache_alloc_total_blocks") == 3

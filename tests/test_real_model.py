@@ -4,7 +4,8 @@ Triton's gRPC `ensemble`; a cached system prompt answers as an uncached one; bf1
 above a recorded floor; `trtprompt build MODEL.gguf` serves what the safetensors route serves.
 
 `make test` downloads and converts the model first (Makefile target `real-model`); without it these
-tests are skipped, saying how to make it. One engine build and one server for the whole module.
+tests are skipped, saying how to make it. One server for the whole module; the engine build and the
+transformers model are shared with tests/test_real_model_requests.py (tests/real_model_fixtures.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 
-from serve_fixtures import Served, check_stopped_cleanly, start_server
+from real_model_fixtures import REAL_CKPT, ROOT, build_engine
+from serve_fixtures import Served, Stops, start_server
 
-ROOT = Path(__file__).resolve().parent.parent
-REAL_CKPT = ROOT / "build" / "smollm2"  # Makefile: REAL_CKPT
 REAL_GGUF = ROOT / "build" / "smollm2-gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # Makefile: REAL_GGUF
 MAX_TOKENS = 64
 EOS = 2  # <|im_end|>, generation_config's eos_token_id
@@ -44,8 +44,6 @@ SYSTEM = ("You are a concise geography tutor. Answer in one short sentence, name
 # float32, the default on such a CPU) agree 1.000. docs/real-model.md.
 BF16_TOKENS = 32
 BF16_AGREEMENT_FLOOR = 0.45
-# Test engines hold a small KV pool: each engine of the cpu-dev profile would otherwise take 1.5 GB.
-SMALL_KV = {"max_tokens_in_paged_kv_cache": 4096}
 
 # Only the tests on the model itself; the GGUF refusals at the end need no model.
 needs_model = pytest.mark.skipif(
@@ -56,13 +54,6 @@ needs_model = pytest.mark.skipif(
 
 def chat(prompt: str, system: str | None = None) -> list[dict[str, str]]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-
-
-def build_engine(out: Path, checkpoint: Path = REAL_CKPT, **overrides: Any) -> Path:
-    from trtprompt.build import BuildRequest, run_build
-
-    req = BuildRequest(checkpoint, out, "cpu-dev", overrides={**SMALL_KV, **overrides}, progress=False)
-    return Path(run_build(req) or out)
 
 
 def offline_greedy(engine_dir: Path, chats: Sequence[list[dict[str, str]]],
@@ -76,16 +67,6 @@ def offline_greedy(engine_dir: Path, chats: Sequence[list[dict[str, str]]],
     prompts = {str(i): tok.encode_chat(c) for i, c in enumerate(chats)}
     out = run_to_completion(engine, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return [out[str(i)] for i in range(len(chats))]
-
-
-@pytest.fixture(scope="module")
-def hf() -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    return (AutoModelForCausalLM.from_pretrained(REAL_CKPT, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(REAL_CKPT))
 
 
 def hf_greedy(hf: tuple[Any, Any], messages: list[dict[str, str]]) -> list[int]:
@@ -102,35 +83,28 @@ def hf_greedy(hf: tuple[Any, Any], messages: list[dict[str, str]]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(hf: tuple[Any, Any]) -> list[list[int]]:
-    return [hf_greedy(hf, chat(p)) for p in PROMPTS]
+def reference(real_hf: tuple[Any, Any]) -> list[list[int]]:
+    return [hf_greedy(real_hf, chat(p)) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def fp32_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    started = time.monotonic()
-    path = build_engine(tmp_path_factory.mktemp("real") / "smollm2")
-    print(f"\nfp32 engine built in {time.monotonic() - started:.1f} s")
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer(fp32_engine: Path) -> Any:
+def tokenizer(real_fp32_engine: Path) -> Any:
     from trtprompt.tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(fp32_engine / "tokenizer")
+    return Tokenizer.from_dir(real_fp32_engine / "tokenizer")
 
 
 @pytest.fixture(scope="module")
-def offline(fp32_engine: Path) -> list[list[int]]:
-    return offline_greedy(fp32_engine, [chat(p) for p in PROMPTS])
+def offline(real_fp32_engine: Path) -> list[list[int]]:
+    return offline_greedy(real_fp32_engine, [chat(p) for p in PROMPTS])
 
 
 @pytest.fixture(scope="module")
-def real_served(fp32_engine: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    server = start_server(fp32_engine, tmp_path_factory.mktemp("real-serve") / "run")
+def real_served(real_fp32_engine: Path, tmp_path_factory: pytest.TempPathFactory,
+                stops: Stops) -> Iterator[Served]:
+    server = start_server(real_fp32_engine, tmp_path_factory.mktemp("real-serve") / "run")
     yield server
-    check_stopped_cleanly(server)
+    stops.server(server)
 
 
 def in_parallel(fn: Callable[[str], Any]) -> list[Any]:
@@ -147,17 +121,18 @@ def openai_client(served: Served) -> Any:
 
 @needs_model
 @pytest.mark.slow
-def test_engine_reads_the_models_chat_facts(fp32_engine: Path, tokenizer: Any, hf: tuple[Any, Any]) -> None:
+def test_engine_reads_the_models_chat_facts(real_fp32_engine: Path, tokenizer: Any,
+                                            real_hf: tuple[Any, Any]) -> None:
     """ChatML template, <|im_end|> as EOS and generation_config's token ids reach the engine."""
-    config = json.loads((fp32_engine / "config.json").read_text())["pretrained_config"]
+    config = json.loads((real_fp32_engine / "config.json").read_text())["pretrained_config"]
     generation = json.loads((REAL_CKPT / "generation_config.json").read_text())
     assert config["eos_token_id"] == [generation["eos_token_id"]] == [EOS]
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == EOS
     assert "<|im_start|>" in tokenizer.chat_template
     for messages in (chat(PROMPTS[0]), chat(PROMPTS[0], SYSTEM)):
-        expected = hf[1].apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        expected = real_hf[1].apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
         assert tokenizer.encode_chat(messages) == list(expected)
-    meta = json.loads((fp32_engine / "trtprompt.json").read_text())
+    meta = json.loads((real_fp32_engine / "trtprompt.json").read_text())
     assert meta["source"]["model"] == "SmolLM2-135M-Instruct"
 
 

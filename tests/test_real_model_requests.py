@@ -12,7 +12,7 @@ import torch
 
 from engine_helpers import run_to_completion
 from test_engine_logprobs import collect
-from test_real_model import EOS, PROMPTS, build_engine, chat, needs_model
+from test_real_model import EOS, PROMPTS, chat, needs_model
 from trtprompt.engine.request import SamplingParams
 
 TOL = 1e-4
@@ -20,17 +20,12 @@ pytestmark = [needs_model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any]:
-    """(engine, tokenizer, transformers model) on one fp32 engine build."""
-    from transformers import AutoModelForCausalLM
-
-    from test_real_model import REAL_CKPT
+def loaded(real_fp32_engine: Path, real_hf: tuple[Any, Any]) -> tuple[Any, Any, Any]:
+    """(engine, tokenizer, transformers model): this module's own engine, on the session's fp32 build."""
     from trtprompt.generate import load
 
-    engine_dir = build_engine(tmp_path_factory.mktemp("real-requests") / "smollm2")
-    engine, tok = load(Path(engine_dir))
-    model = AutoModelForCausalLM.from_pretrained(REAL_CKPT, dtype=torch.float32).eval()
-    return engine, tok, model
+    engine, tok = load(real_fp32_engine)
+    return engine, tok, real_hf[0]
 
 
 def test_log_probabilities_equal_transformers(loaded: tuple[Any, Any, Any]) -> None:

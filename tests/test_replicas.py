@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import openai
 import pytest
-from serve_fixtures import Served, check_stopped_cleanly, start_server, wait_for
+from serve_fixtures import Served, Stops, start_server, wait_for
 
 from trtprompt.client import LLMClient, text_inputs
 from trtprompt.serve.launch import router as R
@@ -77,7 +77,7 @@ def test_each_replica_gets_its_own_kv_event_endpoints() -> None:
 
 
 @pytest.fixture(scope="module")
-def group(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def group(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory, stops: Stops) -> Iterator[Served]:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("two replicas need two cores")
     root = tmp_path_factory.mktemp("replicas")
@@ -86,7 +86,7 @@ def group(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     key_file.chmod(0o600)
     server = start_server(tiny_engine_dir, root / "run", "--replicas", "2", "--api-key-file", str(key_file))
     yield server
-    check_stopped_cleanly(server)
+    stops.server(server)
 
 
 def layout(group: Served) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import numpy as np
 import openai
 import pytest
-from serve_fixtures import Served, check_stopped_cleanly, start_server
+from serve_fixtures import Served, Stops, start_server
 
 from trtprompt.engine.request import RetentionConfig, SamplingParams, TokenRangeRetention
 from trtprompt.error_codes import BadRequestError
@@ -217,12 +217,13 @@ def test_marks_become_ranges_over_the_fitted_prompt() -> None:
 
 
 @pytest.fixture(scope="module")
-def small_pool(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def small_pool(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+               stops: Stops) -> Iterator[Served]:
     """The fused layout over a pool of 64 blocks (2048 tokens, one max_seq_len sequence)."""
     server = start_server(tiny_engine_dir, tmp_path_factory.mktemp("retention") / "run",
                           "--max-tokens-in-paged-kv-cache", "2048")
     yield server
-    check_stopped_cleanly(server)
+    stops.server(server)
 
 
 SYSTEM = " You are a careful assistant who answers in short sentences."

@@ -17,8 +17,10 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from click.testing import CliRunner
 
 from serve_fixtures import ROOT, Oracle, Served
+from trtprompt.cli import main
 from trtprompt.client import LLMClient, make_input, text_inputs, token_inputs
 
 pytestmark = pytest.mark.server
@@ -226,20 +228,21 @@ def test_metrics_named_like_the_tensorrt_llm_backend(served: Served) -> None:
 
 
 def test_infer_command_streams_and_prints_json(served: Served, oracle: Oracle) -> None:
-    cmd = [sys.executable, "-m", "trtprompt.cli", "infer", PROMPTS[0], "--url", served.url,
-           "--max-tokens", "12", "--temperature", "0"]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    args = ["infer", PROMPTS[0], "--url", served.url, "--max-tokens", "12", "--temperature", "0"]
+    # As a user runs it: its own process, which prints as it streams and exits.
+    out = subprocess.run([sys.executable, "-m", "trtprompt.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == oracle.text(PROMPTS[0], 12) + "\n"
-    out = subprocess.run(cmd + ["--json", "--no-stream"], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert out.returncode == 0, out.stderr
-    record = json.loads(out.stdout)
+    # Its options and refusals, in this process.
+    whole = CliRunner().invoke(main, [*args, "--json", "--no-stream"])
+    assert whole.exit_code == 0, whole.output
+    record = json.loads(whole.stdout)
     assert record["text"] == oracle.text(PROMPTS[0], 12)
     assert record["num_output_tokens"] == 12
     assert record["kv_cache_alloc_total_blocks"] >= 1 and record["first_token_time_ns"] > 0
-    bad = subprocess.run([sys.executable, "-m", "trtprompt.cli", "infer", "x", "--url", served.url,
-                          "--max-tokens", "0"], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert bad.returncode == 1 and "max_tokens must be a positive integer" in bad.stderr
+    bad = CliRunner().invoke(main, ["infer", "x", "--url", served.url, "--max-tokens", "0"])
+    assert bad.exit_code == 1 and "max_tokens must be a positive integer" in bad.stderr
 
 
 def test_batch_of_two_rows_in_one_request(served: Served, oracle: Oracle) -> None:

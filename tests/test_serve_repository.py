@@ -12,9 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner, Result
 
 from serve_fixtures import ROOT, _alive
 
+from trtprompt.cli import main
 from trtprompt.engine.speculation.config import SPECULATION_KNOBS
 from trtprompt.knobs import KNOBS
 from trtprompt.engine.request import SamplingParams
@@ -30,6 +32,12 @@ from trtprompt.serve.launch.repository import (ENSEMBLE_INPUTS, RepoContext,
 def _serve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trtprompt.cli", "serve", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
+
+
+def _repo_only(engine: Path, repo: Path, *flags: str) -> Result:
+    """`serve ENGINE --repo-only REPO` in this process: it writes the repository (or refuses) and returns,
+    starting nothing a child process would have to hold."""
+    return CliRunner().invoke(main, ["serve", str(engine), "--repo-only", str(repo), *flags])
 
 
 def _configs(repo: Path) -> dict[str, object]:
@@ -48,9 +56,9 @@ def _patch_build(engine: Path, **plugin: object) -> None:
 
 
 def test_fused_repository_parameters_and_interface(tiny_engine_dir: Path, tmp_path: Path) -> None:
-    out = _serve(str(tiny_engine_dir), "--repo-only", str(tmp_path / "repo"), "--max-queue-size", "8",
-                 "--disable-kv-cache-reuse", "--engine-threads", "3", "--compute-dtype", "float32")
-    assert out.returncode == 0, out.stderr
+    out = _repo_only(tiny_engine_dir, tmp_path / "repo", "--max-queue-size", "8", "--disable-kv-cache-reuse",
+                     "--engine-threads", "3", "--compute-dtype", "float32")
+    assert out.exit_code == 0, out.stderr
     configs = _configs(tmp_path / "repo")
     assert set(configs) == {"ensemble", "tensorrt_llm"}
     for name, cfg in configs.items():
@@ -132,34 +140,33 @@ def test_upstream_repository_is_a_consistent_triton_ensemble(tiny_engine_dir: Pa
 
 def test_refuses_flags_the_engine_was_not_built_for(engine_copy: Path, tmp_path: Path) -> None:
     _patch_build(engine_copy, use_paged_context_fmha=False)
-    out = _serve(str(engine_copy), "--repo-only", str(tmp_path / "repo"))
-    assert out.returncode != 0
+    out = _repo_only(engine_copy, tmp_path / "repo")
+    assert out.exit_code != 0
     assert "enable_chunked_context needs an engine built with plugin_config.use_paged_context_fmha" in out.stderr
     assert "--disable-chunked-context" in out.stderr
-    out = _serve(str(engine_copy), "--repo-only", str(tmp_path / "repo"), "--disable-chunked-context")
+    out = _repo_only(engine_copy, tmp_path / "repo", "--disable-chunked-context")
     assert "enable_kv_cache_reuse needs an engine built with plugin_config.use_paged_context_fmha" in out.stderr
-    out = _serve(str(engine_copy), "--repo-only", str(tmp_path / "repo"), "--disable-chunked-context",
-                 "--disable-kv-cache-reuse")
-    assert out.returncode == 0, out.stderr
-    out = _serve(str(engine_copy), "--repo-only", str(tmp_path / "repo2"), "--max-batch-size", "17",
-                 "--disable-chunked-context", "--disable-kv-cache-reuse")
-    assert out.returncode != 0 and "max_batch_size=17 exceeds the engine's build-time max_batch_size (16)" in out.stderr
+    out = _repo_only(engine_copy, tmp_path / "repo", "--disable-chunked-context", "--disable-kv-cache-reuse")
+    assert out.exit_code == 0, out.stderr
+    out = _repo_only(engine_copy, tmp_path / "repo2", "--max-batch-size", "17", "--disable-chunked-context",
+                     "--disable-kv-cache-reuse")
+    assert out.exit_code != 0 and "max_batch_size=17 exceeds the engine's build-time max_batch_size (16)" in out.stderr
 
 
 def test_engine_threads_must_be_positive(tiny_engine_dir: Path, tmp_path: Path) -> None:
-    out = _serve(str(tiny_engine_dir), "--repo-only", str(tmp_path / "repo"), "--engine-threads", "0")
-    assert out.returncode != 0 and "engine_threads must be an integer in [1, 4096] (or unset), got 0" in out.stderr
+    out = _repo_only(tiny_engine_dir, tmp_path / "repo", "--engine-threads", "0")
+    assert out.exit_code != 0 and "engine_threads must be an integer in [1, 4096] (or unset), got 0" in out.stderr
 
 
 def test_compute_dtype_is_float32_or_the_engines_own(tiny_engine_dir: Path, tmp_path: Path) -> None:
-    out = _serve(str(tiny_engine_dir), "--repo-only", str(tmp_path / "repo"), "--compute-dtype", "bfloat16")
-    assert out.returncode != 0
+    out = _repo_only(tiny_engine_dir, tmp_path / "repo", "--compute-dtype", "bfloat16")
+    assert out.exit_code != 0
     assert "compute_dtype must be float32 or the engine's own dtype (float32), got 'bfloat16'" in out.stderr
 
 
 def test_refuses_a_directory_that_is_not_an_engine(tmp_path: Path) -> None:
-    out = _serve(str(tmp_path), "--repo-only", str(tmp_path / "repo"))
-    assert out.returncode != 0 and "is not an engine directory: config.json is missing" in out.stderr
+    out = _repo_only(tmp_path, tmp_path / "repo")
+    assert out.exit_code != 0 and "is not an engine directory: config.json is missing" in out.stderr
 
 
 def test_engine_that_cannot_start_prints_its_log_and_exits_nonzero(engine_copy: Path, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ import tritonclient.http as httpclient
 from click.testing import CliRunner
 from tritonclient.utils import InferenceServerException
 
-from serve_fixtures import ROOT, Served, check_stopped_cleanly, start_server
+from serve_fixtures import ROOT, Served, Stops, check_stopped_cleanly, start_server
 from trtllm_fixtures import make_engine_dir
 from trtprompt.bench.triton_client import SharedTritonChannel
 from trtprompt.cli import main
@@ -44,16 +44,20 @@ DEADLINE_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def secure(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def secure(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory, stops: Stops) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("secure")
     key_file = root / "api.key"
     key_file.write_text(KEY + "\n", encoding="utf-8")
     key_file.chmod(0o600)
     server = start_server(tiny_engine_dir, root / "run", "--api-key-file", str(key_file))
     yield server
-    check_stopped_cleanly(server)
-    assert not list(SHM_DIR.glob(f"{shm_prefix(server)}*")), "shared memory left after shutdown"
-    assert not (server.run_dir / "openai.key").exists()
+
+    def stop() -> None:
+        check_stopped_cleanly(server)
+        assert not list(SHM_DIR.glob(f"{shm_prefix(server)}*")), "shared memory left after shutdown"
+        assert not (server.run_dir / "openai.key").exists()
+
+    stops.later(str(server.run_dir), stop)
 
 
 def shm_prefix(served: Served) -> str:
@@ -232,20 +236,20 @@ def test_health_and_metrics_stay_open(secure: Served) -> None:
 
 
 def test_infer_command_reads_the_key_from_env_or_file(secure: Served, tmp_path: Path) -> None:
-    def infer(env_key: str | None, *extra: str) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | ({API_KEY_ENV: env_key} if env_key else {})
-        return subprocess.run([sys.executable, "-m", "trtprompt.cli", "infer", "Hello", "--url", secure.url,
-                               "--max-tokens", "3", *extra], capture_output=True, text=True, env=env, cwd=ROOT,
-                              timeout=DEADLINE_S)
+    def infer(env_key: str | None, *extra: str) -> Any:
+        """The command in this process, its environment holding env_key as the only key (None: none); the infer
+        command run as a process is tests/test_serve_e2e.py's."""
+        return CliRunner(env={API_KEY_ENV: env_key}).invoke(
+            main, ["infer", "Hello", "--url", secure.url, "--max-tokens", "3", *extra])
 
-    assert infer(KEY).returncode == 0
+    assert infer(KEY).exit_code == 0
     key_file = tmp_path / "key"
     key_file.write_text(KEY, encoding="utf-8")
-    assert infer(None, "--api-key-file", str(key_file)).returncode == 0
+    assert infer(None, "--api-key-file", str(key_file)).exit_code == 0
     refused = infer(None)
-    assert refused.returncode == 1 and REFUSED in refused.stderr and "set TRTPROMPT_API_KEY" in refused.stderr
+    assert refused.exit_code == 1 and REFUSED in refused.stderr and "set TRTPROMPT_API_KEY" in refused.stderr
     wrong = infer("sk-wrong")
-    assert wrong.returncode == 1 and "refused this API key" in wrong.stderr
+    assert wrong.exit_code == 1 and "refused this API key" in wrong.stderr
 
 
 def test_bench_channel_sends_the_key(secure: Served, monkeypatch: pytest.MonkeyPatch) -> None:

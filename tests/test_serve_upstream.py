@@ -71,13 +71,15 @@ def test_non_streaming_and_perf_metrics_through_the_ensemble(upstream: Served, o
 
 def test_infer_json_sends_only_inputs_the_layout_declares(upstream: Served, oracle: Oracle) -> None:
     import json
-    import subprocess
-    import sys
+
+    from click.testing import CliRunner
+
+    from trtprompt.cli import main
+
     prompt = "The quick brown fox"
-    out = subprocess.run([sys.executable, "-m", "trtprompt.cli", "infer", prompt, "--url", upstream.url,
-                          "--max-tokens", "8", "--json", "--no-stream"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = CliRunner().invoke(main, ["infer", prompt, "--url", upstream.url, "--max-tokens", "8", "--json",
+                                    "--no-stream"])  # in this process (tests/test_serve_e2e.py runs the process)
+    assert out.exit_code == 0, out.output
     record = json.loads(out.stdout)
     assert record["text"] == oracle.tokenizer.decode(oracle.run(prompt, 8).output_ids)
     assert record["kv_cache_alloc_total_blocks"] >= 1

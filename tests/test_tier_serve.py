@@ -2,27 +2,27 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner, Result
 
+from trtprompt.cli import main
 from trtprompt.serve.engine_process.server import engine_overrides
 from trtprompt.serve.launch.launcher import tier_lines
 from trtprompt.serve.launch.options import EngineInfo, ServeOptions, resolve_options
 from trtprompt.serve.wire.model_config import read_parameters
 
 
-def _repo(engine: Path, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "trtprompt.cli", "serve", str(engine), "--repo-only", str(out),
-                           *flags], capture_output=True, text=True)
+def _repo(engine: Path, out: Path, *flags: str) -> Result:
+    """`serve --repo-only` in this process: it writes the repository and returns."""
+    return CliRunner().invoke(main, ["serve", str(engine), "--repo-only", str(out), *flags])
 
 
 def test_serve_flags_reach_the_engine_process(tiny_engine_dir: Path, tmp_path: Path) -> None:
     out = _repo(tiny_engine_dir, tmp_path / "repo", "--disk-cache-path", str(tmp_path / "kv"),
                 "--disk-cache-size", "67108864", "--kv-tier-write-policy", "selective")
-    assert out.returncode == 0, out.stderr
+    assert out.exit_code == 0, out.output
     params = read_parameters(tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt")
     got = {k: v for k, v in engine_overrides(params).items() if k.startswith(("disk_", "kv_tier", "kv_remote"))}
     assert got == {"disk_cache_path": str(tmp_path / "kv"), "disk_cache_size": 67108864,
@@ -31,11 +31,11 @@ def test_serve_flags_reach_the_engine_process(tiny_engine_dir: Path, tmp_path: P
     secret.write_text("pw\n")
     remote = _repo(tiny_engine_dir, tmp_path / "remote", "--kv-remote-url", "redis://cache:6379/0",
                    "--kv-remote-password-file", str(secret))
-    assert remote.returncode == 0, remote.stderr
+    assert remote.exit_code == 0, remote.output
     params = engine_overrides(read_parameters(tmp_path / "remote" / "tensorrt_llm" / "config.pbtxt"))
     assert (params["kv_remote_url"], params["kv_remote_password_file"]) == ("redis://cache:6379/0", str(secret))
     plain = _repo(tiny_engine_dir, tmp_path / "plain")
-    assert plain.returncode == 0, plain.stderr
+    assert plain.exit_code == 0, plain.output
     assert not [k for k in read_parameters(tmp_path / "plain" / "tensorrt_llm" / "config.pbtxt")
                 if k.startswith(("disk_", "kv_tier", "kv_remote"))]  # no tier: nothing written
 

@@ -52,7 +52,7 @@ def _triton(repo: Path, run: Path, port: int, wait_ready: bool, metrics_port: in
                     if r.status == 200:
                         break
             except OSError:
-                time.sleep(0.3)
+                time.sleep(0.1)
     return proc, log
 
 
@@ -167,7 +167,7 @@ def test_postprocessing_publishes_one_observation_per_request(trtllm_repo: Path,
             scraped = scrape_metrics("http://127.0.0.1:18651/metrics")
             if scraped.get(f"{C.PREFILL_TIME}_count") == 3.0:
                 break
-            time.sleep(0.3)
+            time.sleep(0.1)
         assert {name: (scraped.get(f"{name}_count"), scraped.get(f"{name}_sum")) for name in expected} == expected
         assert (scraped[C.PREFIX_HIT_BLOCKS], scraped[C.PREFIX_QUERIED_BLOCKS]) == (3.0, 10.0)
         assert scraped[f'{C.TTFT}_bucket{{le="0.25"}}'] == 1.0 and scraped[f'{C.TTFT}_bucket{{le="0.5"}}'] == 2.0
@@ -228,7 +228,7 @@ def test_ensemble_asks_the_core_for_perf_outputs_and_publishes_them(trtllm_repo:
         deadline, scraped = time.monotonic() + 60, {}
         while time.monotonic() < deadline and scraped.get(f"{C.TTFT}_count") != 1.0:
             scraped = scrape_metrics("http://127.0.0.1:18661/metrics")
-            time.sleep(0.3)
+            time.sleep(0.1)
         assert (scraped.get(f"{C.TTFT}_count"), scraped.get(f"{C.TTFT}_sum"), scraped.get(C.PREFIX_HIT_BLOCKS),
                 scraped.get(C.PREFIX_QUERIED_BLOCKS)) == (1.0, 0.75, 2.0, 5.0)
     finally:

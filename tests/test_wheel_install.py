@@ -52,9 +52,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
          "-w", work / "dist", cwd=src)
     wheel = next((work / "dist").glob("trtprompt-*.whl"))
     env = work / "venv"
-    venv.create(env, with_pip=True)
+    venv.create(env, with_pip=False)  # this venv's pip installs into it (--python): no ensurepip run
     python = env / "bin" / "python"
-    _run(python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel, cwd=work)
+    _run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel,
+         cwd=work)
     site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=work).strip())
     (site / "zz_trtprompt_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n", encoding="utf-8")
     return env
