@@ -4,8 +4,8 @@ the engine reads.
 A weight [out, in] is cut into groups of `group` consecutive input columns per output row; each group has
 a float32 scale = (max w - min w) / 15 and minimum, and values q = round((w - min) / scale) in [0, 15]
 (asymmetric round-to-nearest, as GGUF's Q4_1 and OpenVINO's default int4_asym are: all 16 levels span the
-group's own range; the symmetric grid of Q4_0 left SmolLM2 at +34 % perplexity with groups of 32, against
-+y % here, docs/quantization.md). Stored two per byte: within a group, byte b holds column b in its low
+group's own range; the symmetric grid of Q4_0 left SmolLM2 at +34 % perplexity with groups of 32, this grid
+at -0.00 %, docs/quantization.md). Stored two per byte: within a group, byte b holds column b in its low
 nibble and column b + group / 2 in its high one, so that a vector of bytes unpacks into two runs of
 consecutive columns (csrc/few_rows_linear.cpp reads it that way).
 
