@@ -188,6 +188,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _k("smoothquant_alpha", "build", float, None, "int8_w8a8 only: SmoothQuant strength alpha, factors "
        "max|X|^alpha / max|W|^(1-alpha) per input channel from a calibration pass over shipped text (unset: "
        "searched per layer and linear).", low=0.0, high=1.0, nullable=True),
+    # LoRA (engine/lora/, docs/lora.md): TensorRT-LLM's BuildConfig lora_config.max_lora_rank and the LLM API's
+    # LoraConfig; the torch engine checks every adapter's rank against it.
+    _k("max_lora_rank", "build", int, 64, "Largest LoRA rank an adapter of this engine may have.", low=1, high=1024,
+       trtllm="lora_config.max_lora_rank", llmapi="lora_config.max_lora_rank"),
     _k("kv_cache_dtype", "build", str, "auto", "KV cache storage (int8: ~1.9x the tokens of bf16, ~3.9x of "
        "fp32 in one budget; torch target).", choices=KV_CACHE_DTYPES),
     # runtime policy: tensorrt_llm config.pbtxt parameters
@@ -278,6 +282,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _k("speculative_model", "serve", str, None, "draft_target: the draft engine's directory, a trtprompt engine "
        "with the same tokenizer (unset: none).", nullable=True, llmapi="speculative_config.speculative_model",
        engine=True, serve=True),
+    # LoRA adapters in memory (engine/lora/manager.py): the LLM API's LoraConfig names.
+    _k("max_loras", "serve", int, 8, "LoRA adapters the torch engine keeps laid out for its steps (least recently "
+       "used goes first); a batch mixes at most this many, requests of others wait.", low=1, high=1024,
+       llmapi="lora_config.max_loras", engine=True, serve=True),
+    _k("max_cpu_loras", "serve", int, 32, "LoRA adapters kept read in host memory (least recently used goes first; "
+       "one loaded from a directory is read again when asked for, one sent as Triton lora_weights must be sent "
+       "again).", low=1, high=65536, llmapi="lora_config.max_cpu_loras", engine=True, serve=True),
     _k("cancellation_check_period_ms", "serve", int, 100, "How often cancelled requests are looked for.",
        low=1, high=BIG, trtllm="cancellation_check_period_ms", serve=True),
     _k("stats_check_period_ms", "serve", int, 100, "How often engine statistics are published.", low=1,

@@ -29,8 +29,10 @@ from trtprompt.knobs import KNOBS
 __all__ = ["Block", "BlockHash", "BlockPool", "FreeBlockQueue", "hash_block"]
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None) -> BlockHash:
-    """Content hash of one full block, chained to its parent.
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None,
+               lora: str | None = None) -> BlockHash:
+    """Content hash of one full block, chained to its parent (the salt and the LoRA adapter's cache key seed
+    the first block: the same tokens under two adapters are two different KV, engine/lora/).
 
     A cryptographic hash: with tenant salts, a crafted collision would let one
     tenant read another's KV, so Python's hash() is not enough.
@@ -39,6 +41,8 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | N
     h.update(parent or b"root")
     if parent is None and salt is not None:
         h.update(b"salt:" + salt.encode("utf-8", "surrogatepass"))
+    if parent is None and lora is not None:
+        h.update(b"lora:" + lora.encode("utf-8", "surrogatepass"))
     h.update(array("q", token_ids).tobytes())
     return h.digest()
 

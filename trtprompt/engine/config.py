@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from trtprompt import rules
 from trtprompt.engine.kv_events import KvEventsConfig
+from trtprompt.engine.lora.config import LoraConfig
 from trtprompt.engine.speculation.config import SpeculationConfig
 from trtprompt.engine.tiers.config import TierConfig
 from trtprompt.knobs import CAPACITY_POLICIES, KNOBS
@@ -176,6 +177,8 @@ class EngineConfig:
     guided_jump_forward: bool = True
     # Speculative decoding (engine/speculation/, docs/speculative-decoding.md); None: off.
     speculation: SpeculationConfig | None = None
+    # LoRA adapters held and laid out (engine/lora/, docs/lora.md).
+    lora: LoraConfig = field(default_factory=LoraConfig)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def kv_num_blocks(self, bytes_per_token: int) -> int:

@@ -17,11 +17,14 @@ from trtprompt.engine.beam_search import Hypothesis
 from trtprompt.engine.beams import BeamSearches, finish_reason, output_tokens
 from trtprompt.engine.config import EngineConfig
 from trtprompt.engine.engine_dir import EngineDir
-from trtprompt.engine.errors import DuplicateRequestError, QueueFullError
+from trtprompt.engine.errors import DuplicateRequestError, EngineRequestError, QueueFullError
 from trtprompt.engine.guided import GuideCompiler, guide_rows
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.kv_events import KvEventPublisher, kv_events_config
 from trtprompt.engine.loader import engine_config, read_engine_files
+from trtprompt.engine.lora.adapter import LoraAdapter, LoraError
+from trtprompt.engine.lora.engine_dir import lora_dirs
+from trtprompt.engine.lora.manager import LoraManager
 from trtprompt.engine.model import DTYPES, DecoderModel, load_engine_model
 from trtprompt.engine.request import (
     FinishReason,
@@ -129,14 +132,15 @@ class LLMEngine:
         slow_bf16 = isa.bf16_problem(isa.cpu_flags()) if dtype == torch.bfloat16 and self.device.type == "cpu" else None
         if slow_bf16 is not None:
             log.warning("dtype bfloat16: %s (compute_dtype bfloat16; unset, this CPU computes in float32)", slow_bf16)
-        self.runner = ModelRunner(model, caches, tpb, self.device, self.attention_backend)
+        self.lora = LoraManager(config.model, config.lora, dtype, self.device)
+        self.runner = ModelRunner(model, caches, tpb, self.device, self.attention_backend, self.lora)
         stores = list(tier_stores) if tier_stores is not None else open_stores(config.tiers)
         if stores and config.kv_cache.enable_block_reuse:
             self.kv.tiers = open_tiers(stores, fingerprint, kv_layout(config.model, tpb, dtype, kv_dtype), caches,
                                        config.tiers.kv_tier_write_policy, config.tiers.queue_blocks, self.kv.pool)
         elif stores:
             log.warning("KV tiers are off: they hold reusable blocks, and KV block reuse is disabled")
-        self.scheduler = Scheduler(config.scheduler, self.kv, use_tiers=self.kv.tiers is not None)
+        self.scheduler = Scheduler(config.scheduler, self.kv, use_tiers=self.kv.tiers is not None, lora=self.lora)
         self.beams = BeamSearches(self.kv, self.scheduler, self.runner.copy_blocks)
         self.kv_events = self._open_kv_events(config)
         self.end_ids = frozenset(end_ids)
@@ -197,6 +201,8 @@ class LLMEngine:
             draft = open_draft_model(config.speculation, files, config)
         engine = cls(config, model, end_ids, fingerprint, tokenizer_dir=files.tokenizer_dir, draft_model=draft)
         engine.files = files
+        for name, adapter_dir in lora_dirs(files.path, overrides.get("lora_modules")).items():
+            engine.lora.load_dir(name, adapter_dir)
         return engine
 
     @property
@@ -207,20 +213,30 @@ class LLMEngine:
     def eos_token_ids(self) -> frozenset[int]:
         return self.end_ids
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> ValidatedRequest:
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      lora: str | None = None) -> ValidatedRequest:
         """Validate without touching engine state (safe from any thread); add_validated admits the result.
-        A guided request's grammar compiles here, in the caller's thread: the step loop never waits for one."""
+        A guided request's grammar compiles here, in the caller's thread: the step loop never waits for one;
+        so is its LoRA adapter read (`lora`: a name the engine knows, engine/lora/manager.py)."""
         checked = validate_request(prompt_token_ids, params, self.limits)
+        if lora is not None:
+            checked = dataclasses.replace(checked, lora=self._adapter(lora))
         if params.guide_type is None:
             return checked
         return dataclasses.replace(checked, matcher=self.guides.matcher(params))
 
+    def _adapter(self, name: str) -> LoraAdapter:
+        try:
+            return self.lora.get(name)
+        except LoraError as exc:  # its directory changed since it was loaded: this request fails, not the server
+            raise EngineRequestError(str(exc)) from exc
+
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     cache_salt: str | None = None, arrival_time_ns: int | None = None,
-                    retention: RetentionConfig | None = None) -> None:
+                    retention: RetentionConfig | None = None, lora: str | None = None) -> None:
         self._refuse_duplicate(request_id)  # first: a duplicate is refused as such, whatever it holds
-        self.add_validated(request_id, self.check_request(prompt_token_ids, params), cache_salt, arrival_time_ns,
-                           retention)
+        self.add_validated(request_id, self.check_request(prompt_token_ids, params, lora), cache_salt,
+                           arrival_time_ns, retention)
 
     def add_validated(self, request_id: str, checked: ValidatedRequest, cache_salt: str | None = None,
                       arrival_time_ns: int | None = None, retention: RetentionConfig | None = None) -> None:
@@ -234,7 +250,7 @@ class LLMEngine:
         arrival = arrival_time_ns or time.time_ns()
         group = [Request(request_id if i == 0 else f"{request_id}#{i}", list(checked.prompt_token_ids), params,
                          checked.max_output_tokens, end_ids, cache_salt, arrival, checked.warning, retention,
-                         request_id, i) for i in range(max(params.n, params.beam_width))]
+                         request_id, i, checked.lora) for i in range(max(params.n, params.beam_width))]
         for req in group:
             self.requests[req.request_id] = req
         if checked.matcher is not None:  # each sequence follows the grammar on its own

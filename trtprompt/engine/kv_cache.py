@@ -18,8 +18,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], tokens_per_block: int,
-                        salt: str | None, num_full: int) -> None:
-    """Extend the chained hashes of token_ids' full blocks up to num_full (the salt seeds block 0).
+                        salt: str | None, num_full: int, lora: str | None = None) -> None:
+    """Extend the chained hashes of token_ids' full blocks up to num_full (the salt and the LoRA adapter's
+    cache key seed block 0).
 
     The one hash chain: the engine (incrementally, per request) and prompt/reuse.py (lint's
     estimate) both use it, so the estimate names the blocks the engine caches.
@@ -27,7 +28,7 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], token
     while len(hashes) < num_full:
         i = len(hashes)
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids[i * tokens_per_block:(i + 1) * tokens_per_block], salt))
+        hashes.append(hash_block(parent, token_ids[i * tokens_per_block:(i + 1) * tokens_per_block], salt, lora))
 
 
 class KVCacheManager:
@@ -66,7 +67,7 @@ class KVCacheManager:
     def _update_hashes(self, req: Request, upto_tokens: int) -> None:
         """Extend req.block_hashes over every full block within the first upto_tokens tokens."""
         extend_block_hashes(req.block_hashes, req.all_token_ids, self.tokens_per_block, req.cache_salt,
-                            upto_tokens // self.tokens_per_block)
+                            upto_tokens // self.tokens_per_block, None if req.lora is None else req.lora.cache_key)
 
     def find_prefix(self, req: Request) -> list[Block]:
         """Longest run of cached full blocks for req, never covering its last token.
@@ -224,8 +225,8 @@ class KVCacheManager:
         start = self._num_published.get(req.request_id, 0)
         listened = bool(self.pool.listeners)
         for i in range(start, n_full):
-            content = (content_of(req.all_token_ids, req.block_hashes, i, self.tokens_per_block, req.cache_salt)
-                       if listened else None)
+            content = (content_of(req.all_token_ids, req.block_hashes, i, self.tokens_per_block, req.cache_salt,
+                                  req.lora_name) if listened else None)
             self.pool.cache(table[i], req.block_hashes[i], content)
             if self.tiers is not None and self.pool.lookup(req.block_hashes[i]) is table[i]:
                 self.tiers.published(table[i])
@@ -261,8 +262,8 @@ class KVCacheManager:
         if not self.pool.listeners or not hashes:
             return None
         first = req.block_hashes.index(hashes[0])
-        return [content_of(req.all_token_ids, req.block_hashes, first + j, self.tokens_per_block, req.cache_salt)
-                for j in range(len(hashes))]
+        return [content_of(req.all_token_ids, req.block_hashes, first + j, self.tokens_per_block, req.cache_salt,
+                           req.lora_name) for j in range(len(hashes))]
 
     def trim(self, req: Request) -> None:
         """Free req's blocks past those its tokens need (speculative decoding: blocks only rejected drafts

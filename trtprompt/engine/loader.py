@@ -23,6 +23,7 @@ from trtprompt.engine.config import (
     SchedulerConfig,
 )
 from trtprompt.engine.engine_dir import EngineDir, read_engine_dir
+from trtprompt.engine.lora.config import LoraConfig
 from trtprompt.engine.speculation.config import SpeculationConfig
 from trtprompt.errors import EngineDirError
 
@@ -33,7 +34,8 @@ RUNTIME_KEYS = tuple(k for k in knobs.ENGINE_KEYS if knobs.KNOBS[k].section == "
 LOWERABLE_BOUNDS = tuple(k for k in knobs.ENGINE_KEYS if knobs.KNOBS[k].lowerable)
 # Engine knobs only `serve` sets (not recorded in the engine directory).
 SERVE_ENGINE_KEYS = tuple(k for k in knobs.ENGINE_KEYS if knobs.KNOBS[k].section == "serve")
-OTHER_KEYS = ("linear_backend", "attention_backend", "device", "memory_budget_bytes")
+# lora_modules: {name: PEFT adapter directory} loaded at start (serve --lora-modules), beside the engine's own.
+OTHER_KEYS = ("linear_backend", "attention_backend", "device", "memory_budget_bytes", "lora_modules")
 
 
 def read_engine_files(path: str | Path) -> EngineDir:
@@ -110,6 +112,7 @@ def engine_config(files: EngineDir, overrides: Mapping[str, Any]) -> EngineConfi
         attention_backend=overrides.get("attention_backend") or DEFAULT_ATTENTION_BACKEND,
         guided_jump_forward=_chosen(overrides.get("guided_jump_forward"), knobs.KNOBS["guided_jump_forward"].default),
         speculation=SpeculationConfig.from_knobs(overrides),
+        lora=LoraConfig.from_knobs(overrides, build),
     )
 
 

@@ -27,6 +27,7 @@ from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model'
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.layer_ops import LayerOps, TorchOps
 from trtprompt.engine.linear import linear_summary, make_linear, resolve_backend
+from trtprompt.engine.lora.stacks import LoraStep
 from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, bits_of, resolve_w8a8_backend
 from trtprompt.engine.rope import RotaryEmbedding
 from trtprompt.engine.weights import (
@@ -57,8 +58,9 @@ class RMSNorm(torch.nn.Module):
 
 class Attention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, qkv: torch.nn.Module, o_proj: torch.nn.Module,
-                 q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> None:
+                 q_norm: RMSNorm | None, k_norm: RMSNorm | None, index: int = 0) -> None:
         super().__init__()
+        self.index = index  # its layer's: LoRA pairs are per layer
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_size = cfg.head_size
@@ -67,29 +69,37 @@ class Attention(torch.nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KvCache, ops: LayerOps) -> torch.Tensor:
+                meta: AttentionMetadata, kv_cache: KvCache, ops: LayerOps,
+                lora: LoraStep | None = None) -> torch.Tensor:
         t, d = x.shape[0], self.head_size
-        q, k, v = self.qkv(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        qkv = self.qkv(x)
+        if lora is not None:
+            qkv = lora.apply(qkv, x, self.index, "qkv")
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.view(t, self.num_heads, d)
         k = k.view(t, self.num_kv_heads, d)
         v = v.view(t, self.num_kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
         q, k = ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        projected: torch.Tensor = self.o_proj(out.reshape(t, self.num_heads * d))
-        return projected
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale).reshape(t, self.num_heads * d)
+        projected: torch.Tensor = self.o_proj(out)
+        return projected if lora is None else lora.apply(projected, out, self.index, "o_proj")
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, gate_up: torch.nn.Module, down: torch.nn.Module) -> None:
+    def __init__(self, gate_up: torch.nn.Module, down: torch.nn.Module, index: int = 0) -> None:
         super().__init__()
         self.gate_up, self.down = gate_up, down
+        self.index = index
 
-    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps, lora: LoraStep | None = None) -> torch.Tensor:
         gate_up: torch.Tensor = self.gate_up(x)
-        down: torch.Tensor = self.down(ops.silu_and_mul(gate_up))
-        return down
+        if lora is not None:
+            gate_up = lora.apply(gate_up, x, self.index, "gate_up")
+        act = ops.silu_and_mul(gate_up)
+        down: torch.Tensor = self.down(act)
+        return down if lora is None else lora.apply(down, act, self.index, "down_proj")
 
 
 class DecoderLayer(torch.nn.Module):
@@ -99,13 +109,14 @@ class DecoderLayer(torch.nn.Module):
         self.input_norm, self.post_norm = input_norm, post_norm
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KvCache, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, kv_cache: KvCache, ops: LayerOps,
+                lora: LoraStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, this layer's MLP output not yet added): each residual add happens in the op
         that norms its result, the last one in the next layer's (or the final norm's)."""
         x, h = ops.add_rms_norm(x, delta, self.input_norm.weight, self.input_norm.eps)
-        attended: torch.Tensor = self.attn(h, cos, sin, meta, kv_cache, ops)
+        attended: torch.Tensor = self.attn(h, cos, sin, meta, kv_cache, ops, lora)
         x, h = ops.add_rms_norm(x, attended, self.post_norm.weight, self.post_norm.eps)
-        mixed: torch.Tensor = self.mlp(h, ops)
+        mixed: torch.Tensor = self.mlp(h, ops, lora)
         return x, mixed
 
 
@@ -151,11 +162,11 @@ class DecoderModel(torch.nn.Module):
         o_proj = lin("self_attn.o_proj", h, c.num_attention_heads * d)
         q_norm = self._norm(tensors, p + "self_attn.q_norm.weight", d) if c.qk_layernorm else None
         k_norm = self._norm(tensors, p + "self_attn.k_norm.weight", d) if c.qk_layernorm else None
-        attn = Attention(c, self._linear(qkv), self._linear(o_proj), q_norm, k_norm)
+        attn = Attention(c, self._linear(qkv), self._linear(o_proj), q_norm, k_norm, i)
         gate_up = fuse_linears([lin("mlp.gate_proj", c.intermediate_size, h),
                                 lin("mlp.up_proj", c.intermediate_size, h)])
         down = lin("mlp.down_proj", h, c.intermediate_size)
-        mlp = MLP(self._linear(gate_up), self._linear(down))
+        mlp = MLP(self._linear(gate_up), self._linear(down), i)
         return DecoderLayer(attn, mlp, self._norm(tensors, p + "input_layernorm.weight", h),
                             self._norm(tensors, p + "post_attention_layernorm.weight", h))
 
@@ -201,8 +212,9 @@ class DecoderModel(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KvCache], logits_indices: torch.Tensor,
-                ops: LayerOps | None = None) -> torch.Tensor:
-        """[len(logits_indices), vocab] float32 logits at the given packed rows (TorchOps by default)."""
+                ops: LayerOps | None = None, lora: LoraStep | None = None) -> torch.Tensor:
+        """[len(logits_indices), vocab] float32 logits at the given packed rows (TorchOps by default; lora: the
+        step's adapter products, engine/lora/)."""
         ops = TorchOps() if ops is None else ops
         if self.embed_tokens is None or self.norm is None or self.lm_head is None:
             raise RuntimeError("DecoderModel.load_weights must run before forward")
@@ -217,7 +229,7 @@ class DecoderModel(torch.nn.Module):
         cos, sin = ops.rotary_tables(*self.rotary.cos_sin(positions, self.dtype))
         delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, delta = layer(x, delta, cos, sin, meta, kv_cache, ops)
+            x, delta = layer(x, delta, cos, sin, meta, kv_cache, ops, lora)
         if delta is not None:
             delta = delta.index_select(0, logits_indices)
         x = ops.add_rms_norm(x.index_select(0, logits_indices), delta, self.norm.weight, self.norm.eps)[1]

@@ -24,6 +24,7 @@ class BlockContent:
     parent: BlockHash | None
     token_ids: tuple[int, ...]
     salt: str | None = None
+    lora_name: str | None = None  # the request's LoRA adapter (its cache key is inside the chain too)
 
 
 class PoolListener(Protocol):
@@ -39,8 +40,8 @@ class PoolListener(Protocol):
 
 
 def content_of(token_ids: Sequence[int], hashes: Sequence[BlockHash], index: int,
-               tokens_per_block: int, salt: str | None = None) -> BlockContent:
+               tokens_per_block: int, salt: str | None = None, lora_name: str | None = None) -> BlockContent:
     """The content of a prompt's block index, from its tokens, its chain of hashes and its salt."""
     start = index * tokens_per_block
     return BlockContent(hashes[index - 1] if index else None,
-                        tuple(token_ids[start:start + tokens_per_block]), salt)
+                        tuple(token_ids[start:start + tokens_per_block]), salt, lora_name)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # for annotations only: nothing else here needs torch or llgu
     import torch
     from llguidance import LLMatcher
 
+    from trtprompt.engine.lora.adapter import LoraAdapter
     from trtprompt.engine.speculation.ngram import NgramIndex
 
 
@@ -391,7 +392,7 @@ class Request:
                  max_output_tokens: int, end_ids: frozenset[int], cache_salt: str | None,
                  arrival_time_ns: int, warning: str | None = None,
                  retention: RetentionConfig | None = None, group_id: str | None = None,
-                 sequence_index: int = 0) -> None:
+                 sequence_index: int = 0, lora: LoraAdapter | None = None) -> None:
         self.request_id = request_id  # unique in the engine; a sequence of n > 1 has its own
         self.group_id = request_id if group_id is None else group_id  # the id its outputs carry
         self.sequence_index = sequence_index
@@ -401,6 +402,7 @@ class Request:
         self.max_output_tokens = max_output_tokens
         self.end_ids = end_ids
         self.cache_salt = cache_salt
+        self.lora = lora  # its LoRA adapter (engine/lora/); None: the base model
         self.warning = warning
         self.retention = retention
         self.status = RequestStatus.WAITING
@@ -440,6 +442,10 @@ class Request:
         self.drafts_at: int | None = None
         self.draft_len: int | None = None
         self.ngram: tuple[NgramIndex, int] | None = None
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora is None else self.lora.name
 
     @property
     def reuses_prefix(self) -> bool:

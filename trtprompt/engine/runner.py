@@ -11,6 +11,8 @@ from trtprompt.engine.attention import AttentionMetadata, SeqSlice, build_attent
 from trtprompt.engine.host_memory import keep_freed_memory
 from trtprompt.engine.kv_cache import KVCacheManager
 from trtprompt.engine.layer_ops import layer_ops
+from trtprompt.engine.lora.manager import LoraManager
+from trtprompt.engine.lora.stacks import LoraStep
 from trtprompt.engine.model import DecoderModel
 from trtprompt.engine.request import Request
 from trtprompt.engine.scheduler import SchedulerOutput
@@ -40,6 +42,7 @@ class StepInputs:
     logits_rows: torch.Tensor
     prompt_rows: tuple[PromptRows, ...] = ()
     draft_rows: tuple[tuple[Request, int], ...] = ()  # (request, its drafts this step)
+    lora: LoraStep | None = None  # the adapters' products; None: no row has an adapter
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,10 @@ def prompt_positions(req: Request, start: int, end: int) -> range:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 tokens_per_block: int, device: torch.device, attention_backend: str) -> None:
+                 tokens_per_block: int, device: torch.device, attention_backend: str,
+                 lora: LoraManager | None = None) -> None:
         self.model = model
+        self.lora = lora
         self.kv_caches = kv_caches
         self.tokens_per_block = tokens_per_block
         self.device = device
@@ -87,12 +92,16 @@ class ModelRunner:
         extra_rows: list[int] = []
         draft_rows: list[tuple[Request, int]] = []
         draft_row_ids: list[int] = []
+        row_slot: list[int] = []
         for s in out.scheduled:
             start, end = s.context_len, s.context_len + s.num_new_tokens
             first_row = len(ids)
             ids.extend(s.request.all_token_ids[start:end - s.num_draft])
             ids.extend(s.request.drafts[:s.num_draft])
             positions.extend(range(start, end))
+            if self.lora is not None:
+                adapter = s.request.lora
+                row_slot.extend([-1 if adapter is None else self.lora.slot(adapter)] * s.num_new_tokens)
             slices.append(SeqSlice(start, s.num_new_tokens, kv.block_ids(s.request.request_id)))
             if s.samples:
                 logits_rows.append(len(ids) - 1 - s.num_draft)
@@ -108,7 +117,8 @@ class ModelRunner:
                           torch.tensor(positions, dtype=torch.long, device=dev),
                           self.metadata(slices),
                           torch.tensor(logits_rows + extra_rows + draft_row_ids, dtype=torch.long, device=dev),
-                          tuple(prompt_rows), tuple(draft_rows))
+                          tuple(prompt_rows), tuple(draft_rows),
+                          None if self.lora is None else self.lora.step(row_slot))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (source id, destination id) in every layer, K and V."""
@@ -125,7 +135,7 @@ class ModelRunner:
             self.copy_blocks(out.block_copies)
         step = self.prepare(out, kv)
         logits: torch.Tensor = self.model(step.input_ids, step.positions, step.meta, self.kv_caches,
-                                          step.logits_rows, self.ops)  # nn.Module calls are typed Any
+                                          step.logits_rows, self.ops, step.lora)  # nn.Module calls are typed Any
         num_sampled = len(step.logits_rows) - sum(r.count for r in step.prompt_rows) \
             - sum(n for _, n in step.draft_rows)
         prompt, at = [], num_sampled

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from trtprompt.engine.block_pool import Block
 from trtprompt.engine.config import SchedulerConfig
 from trtprompt.engine.kv_cache import KVCacheManager
+from trtprompt.engine.lora.manager import LoraManager
 from trtprompt.engine.request import Request, RequestStatus
 from trtprompt.engine.running import RunningRequests
 
@@ -87,9 +88,11 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, use_tiers: bool = False) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, use_tiers: bool = False,
+                 lora: LoraManager | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.lora = lora  # pins a running request's adapter in the step layout (engine/lora/manager.py)
         self.use_tiers = use_tiers  # kv has tiers below its pool (engine/tiers/)
         # Aborted requests stay in `waiting` until a pass reaches them; the counts below
         # leave them out at once. Every count is kept as requests move, never recounted:
@@ -265,9 +268,10 @@ class Scheduler:
         num_new = self._chunk(req, remaining, step.budget)
         if num_new == 0:
             return False
-        if not self._reserve(req, hits):
-            return False
-        if not self.kv.allocate(req, num_new, hits):
+        if not self._pin_adapter(req):
+            return False  # every adapter slot is pinned by running requests: wait for one to finish
+        if not self._reserve(req, hits) or not self.kv.allocate(req, num_new, hits):
+            self._unpin_adapter(req)
             return False
         self.kv.record_lookup(req, len(hits))
         self.kv.mark_in_flight(req, len(hits))
@@ -291,7 +295,10 @@ class Scheduler:
     def _admit_fork(self, req: Request, shared: list[Block], source_block: int, step: _Step) -> bool:
         """A sequence forked from a running request: its prompt's blocks shared, the last one copied,
         one token computed (the last prompt token's, for its logits)."""
+        if not self._pin_adapter(req):
+            return False
         if not self._reserve(req, shared) or self.kv.free_blocks_needed(shared, 1) > self.kv.num_free_blocks:
+            self._unpin_adapter(req)
             return False
         step.out.block_copies.append((source_block, self.kv.fork(req, shared)))
         self._run(req, 1, step)
@@ -299,7 +306,9 @@ class Scheduler:
 
     def start_running(self, req: Request) -> None:
         """A beam of a running beam search joins the running requests holding the KV it was given
-        (its blocks were reserved by the search's first sequence)."""
+        (its blocks were reserved by the search's first sequence; the first holds the adapter's slot, so
+        this pin cannot fail)."""
+        self._pin_adapter(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
@@ -324,3 +333,11 @@ class Scheduler:
     def _leave_running(self, req: Request) -> None:
         if self.running.remove(req):
             self._running_reserved_blocks -= req.reserved_blocks
+            self._unpin_adapter(req)
+
+    def _pin_adapter(self, req: Request) -> bool:
+        return req.lora is None or self.lora is None or self.lora.acquire(req.lora)
+
+    def _unpin_adapter(self, req: Request) -> None:
+        if req.lora is not None and self.lora is not None:
+            self.lora.release(req.lora)

@@ -12,6 +12,8 @@ from trtprompt.error_codes import FieldError
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
+    from trtprompt.engine.lora.adapter import LoraAdapter
+
 
 @dataclass(frozen=True)
 class RequestLimits:
@@ -36,6 +38,7 @@ class ValidatedRequest:
     max_output_tokens: int
     warning: str | None
     matcher: LLMatcher | None = None  # a guided request's, compiled at admission (engine/guided.py)
+    lora: LoraAdapter | None = None  # its LoRA adapter, read where it was checked (engine/lora/manager.py)
 
 
 def validate_request(prompt: Sequence[int], params: SamplingParams, limits: RequestLimits) -> ValidatedRequest:
