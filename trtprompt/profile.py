@@ -44,6 +44,7 @@ class Profile(knobs.RuntimePolicy):
     int4_group_size: int = knobs.default("int4_group_size")
     smoothquant_alpha: float | None = knobs.default("smoothquant_alpha")
     kv_cache_dtype: str = knobs.default("kv_cache_dtype")
+    max_lora_rank: int = knobs.default("max_lora_rank")
     overflow: str = knobs.default("overflow")
     keep_turns: int | None = knobs.default("keep_turns")
     truncate_separator: str = knobs.default("truncate_separator")

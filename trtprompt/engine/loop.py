@@ -117,17 +117,20 @@ class EngineLoop:
         self._fail_owned("engine stopped before the request finished", ErrorCode.UNAVAILABLE)
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-               cache_salt: str | None = None, retention: RetentionConfig | None = None) -> RequestStream:
+               cache_salt: str | None = None, retention: RetentionConfig | None = None,
+               lora: str | None = None) -> RequestStream:
         """Accept a request or raise EngineRequestError; its outputs arrive on the stream."""
         stream = RequestStream(request_id, self)
-        self.add(request_id, prompt_token_ids, params, stream, cache_salt, retention)
+        self.add(request_id, prompt_token_ids, params, stream, cache_salt, retention, lora)
         return stream
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-            sink: OutputSink, cache_salt: str | None = None, retention: RetentionConfig | None = None) -> None:
-        """Accept a request whose outputs go to sink, or raise EngineRequestError (client-ready)."""
+            sink: OutputSink, cache_salt: str | None = None, retention: RetentionConfig | None = None,
+            lora: str | None = None) -> None:
+        """Accept a request whose outputs go to sink, or raise EngineRequestError (client-ready); `lora`: the
+        name of an adapter the engine knows."""
         # Validated here, once: the caller hears a refusal now, and the loop admits the result as it is.
-        checked = self.engine.check_request(prompt_token_ids, params)
+        checked = self.engine.check_request(prompt_token_ids, params, lora)
         limit = self.engine.scheduler_config.max_queue_size
         with self._lock:
             if self._stopping:

@@ -39,6 +39,7 @@ from trtprompt.serve.engine_process.counters import (
     kv_event_counts,
     process_usage,
 )
+from trtprompt.serve.engine_process.lora_ops import LORA_OPS, lora_op
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.frames import StepEntry
 from trtprompt.serve.wire.model_config import read_parameters
@@ -206,7 +207,7 @@ class Connection:
             service.prompt_policy.check_salt(msg.get("cache_salt"))
             retention = retention_from_wire(msg.get("retention"))  # docs/prefix-pool.md, "Retention"
             service.loop.add(engine_rid, list(msg["prompt_token_ids"]), params, self,
-                             cache_salt=msg.get("cache_salt"), retention=retention)
+                             cache_salt=msg.get("cache_salt"), retention=retention, lora=msg.get("lora"))
         except Exception as exc:  # noqa: BLE001 - this request fails, the connection and the others go on
             with self._lock:
                 self._live.pop(engine_rid, None)
@@ -273,6 +274,8 @@ class _Handler(socketserver.BaseRequestHandler):
             conn.send(service.stats(int(msg.get("since", 0))))
         elif op == "refused":  # a serving model refused a request (metrics_engine.report_refused)
             service.counters.refused(str(msg.get("reason")))
+        elif op in LORA_OPS:  # adapters known to the engine (engine_process/lora_ops.py)
+            conn.send(lora_op(service.loop.engine, msg))
         else:
             conn.send({"type": "error", "code": ErrorCode.INVALID_ARGUMENT, "message": f"unknown op {op!r}"})
 

@@ -64,6 +64,9 @@ class ServeOptions(knobs.BackendParams):
     is_public_pool: bool = knobs.runtime_default("is_public_pool")
     speculation_max_concurrency: int | None = knobs.runtime_default("speculation_max_concurrency")
     speculative_model: str | None = knobs.runtime_default("speculative_model")
+    # LoRA adapters held by the torch engine (engine/lora/manager.py; the llmapi target writes lora_config).
+    max_loras: int = knobs.runtime_default("max_loras")
+    max_cpu_loras: int = knobs.runtime_default("max_cpu_loras")
     # KV events for routers (trtprompt/engine/kv_events.py, docs/kv-events.md): read by the engine process.
     kv_events_endpoint: str | None = knobs.runtime_default("kv_events_endpoint")
     kv_events_replay_endpoint: str | None = knobs.runtime_default("kv_events_replay_endpoint")

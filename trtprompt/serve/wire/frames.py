@@ -35,6 +35,7 @@ class _Submit(TypedDict):
 
 class SubmitFrame(_Submit, total=False):
     retention: dict[str, Any]  # only when the request has one
+    lora: str  # its LoRA adapter's name, only when it has one (engine/lora/)
 
 
 class _Entry(TypedDict):

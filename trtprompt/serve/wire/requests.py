@@ -70,6 +70,7 @@ class TextRequest:
     stop_words: tuple[str, ...] = ()
     retention: RetentionConfig | None = None  # token ranges over the prompt the engine receives
     chat_render: ChatRender | None = None  # the chat's tools and template arguments (OpenAI's)
+    lora: str | None = None  # the LoRA adapter to run it with, by name (None: the base model)
 
     def __post_init__(self) -> None:
         check_text_or_messages(self.text, self.messages)
@@ -85,6 +86,7 @@ class TokenRequest:
     outputs: Outputs = Outputs()
     cache_salt: str | None = None
     retention: RetentionConfig | None = None
+    lora: str | None = None  # the LoRA adapter to run it with, by name (None: the base model)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -97,6 +99,8 @@ class TokenRequest:
                                  "perf": self.outputs.perf_every_step}
         if self.retention is not None:
             frame["retention"] = retention_to_wire(self.retention)
+        if self.lora is not None:
+            frame["lora"] = self.lora
         return frame
 
 
@@ -176,7 +180,8 @@ def prepare(req: TextRequest, edge: PromptEdge, tokenizer: Tokenizer) -> Prepare
     prompt = edge.prepare(req.text, req.messages, req.overflow, req.cache_salt, req.sampling.max_tokens,
                           req.chat_render)
     sampling = with_stop_words(req.sampling, req.stop_words, tokenizer)
-    token_req = TokenRequest(tuple(prompt.ids), sampling, req.stream, req.outputs, req.cache_salt, req.retention)
+    token_req = TokenRequest(tuple(prompt.ids), sampling, req.stream, req.outputs, req.cache_salt, req.retention,
+                             req.lora)
     return Prepared(token_req, prompt)
 
 
