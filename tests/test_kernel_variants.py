@@ -102,3 +102,16 @@ def test_every_other_supported_variant_equals_the_reference(variant: str,
     assert status == f"compiled kernel {name} ({variant}: {isa.BY_NAME[variant].lanes}-float vectors)", err[-2000:]
     assert children[variant].returncode == 0, tail[-3000:]
     assert " passed" in tail and "skipped" not in tail, tail[-500:]
+
+
+def test_a_killed_builds_lock_is_removed_and_a_live_one_kept(tmp_path: Path) -> None:
+    """torch's loader waits forever on a `lock` a killed build left; one older than any build is cleared."""
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not kernels.clear_stale_lock(tmp_path)  # fresh: another process may be building
+    assert lock.exists()
+    assert kernels.clear_stale_lock(tmp_path, now=time.time() + kernels.STALE_LOCK_SECONDS + 1)
+    assert not lock.exists()
+    assert not kernels.clear_stale_lock(tmp_path)  # nothing left to clear

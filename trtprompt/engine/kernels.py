@@ -18,6 +18,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -35,6 +36,10 @@ HEADERS = (CSRC / "vec.h", CSRC / "dtypes.h", CSRC / "paged_checks.h")
 # The kernel tiles rows by four; head sizes must be a multiple of the variant's vector width.
 TOKENS_PER_BLOCK_MULTIPLE = 4
 _BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi")
+# torch's loader serializes builds with a `lock` file in the build directory and waits for it forever; a
+# build killed midway (Ctrl-C, OOM) leaves it behind and every later process hangs on its first request.
+# A build takes 1-3 minutes on 2 cores, so a lock this old belongs to no live build.
+STALE_LOCK_SECONDS = 900
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,6 +109,7 @@ def compiled_kernel_status() -> tuple[bool, str]:
     try:
         from torch.utils import cpp_extension
 
+        clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
         with _interpreter_tools_first():
             cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
                                extra_ldflags=["-fopenmp"], is_python_module=False)
@@ -111,6 +117,20 @@ def compiled_kernel_status() -> tuple[bool, str]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return False, f"{type(exc).__name__}: {first}"[:300]
     return True, f"compiled kernel {name} ({v.name}: {v.lanes}-float vectors)"
+
+
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Remove a build lock older than STALE_LOCK_SECONDS (a killed build's); True when one was removed."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False  # another process may be building right now: torch's loader waits for it
+    log.warning("removing %s, left %.0f s ago by a kernel build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def kernel_fits(head_size: int, tokens_per_block: int, device: torch.device) -> str | None:
