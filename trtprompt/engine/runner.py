@@ -93,15 +93,16 @@ class ModelRunner:
         draft_rows: list[tuple[Request, int]] = []
         draft_row_ids: list[int] = []
         row_slot: list[int] = []
+        lora = self.lora if self.lora is not None and self.lora.active else None
         for s in out.scheduled:
             start, end = s.context_len, s.context_len + s.num_new_tokens
             first_row = len(ids)
             ids.extend(s.request.all_token_ids[start:end - s.num_draft])
             ids.extend(s.request.drafts[:s.num_draft])
             positions.extend(range(start, end))
-            if self.lora is not None:
+            if lora is not None:
                 adapter = s.request.lora
-                row_slot.extend([-1 if adapter is None else self.lora.slot(adapter)] * s.num_new_tokens)
+                row_slot.extend([-1 if adapter is None else lora.slot(adapter)] * s.num_new_tokens)
             slices.append(SeqSlice(start, s.num_new_tokens, kv.block_ids(s.request.request_id)))
             if s.samples:
                 logits_rows.append(len(ids) - 1 - s.num_draft)
@@ -118,7 +119,7 @@ class ModelRunner:
                           self.metadata(slices),
                           torch.tensor(logits_rows + extra_rows + draft_row_ids, dtype=torch.long, device=dev),
                           tuple(prompt_rows), tuple(draft_rows),
-                          None if self.lora is None else self.lora.step(row_slot))
+                          None if lora is None else lora.step(row_slot))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (source id, destination id) in every layer, K and V."""

@@ -53,6 +53,7 @@ class LoraManager:
         self._slot_of: dict[str, int] = {}  # cache_key -> slot
         self._slot_lru: OrderedDict[int, None] = OrderedDict()
         self._pins: dict[int, int] = {}  # slot -> running requests
+        self._running = 0  # running requests with an adapter: none, and a step skips LoRA without a look
         self._stacks: LoraStacks | None = None
         self._dirty = False
 
@@ -128,6 +129,7 @@ class LoraManager:
             self._slots[slot], self._slot_of[adapter.cache_key] = adapter, slot
             self._dirty = True
         self._pins[slot] = self._pins.get(slot, 0) + 1
+        self._running += 1
         self._slot_lru[slot] = None
         self._slot_lru.move_to_end(slot)
         return True
@@ -144,6 +146,12 @@ class LoraManager:
     def release(self, adapter: LoraAdapter) -> None:
         slot = self._slot_of[adapter.cache_key]
         self._pins[slot] -= 1
+        self._running -= 1
+
+    @property
+    def active(self) -> bool:
+        """Some running request has an adapter."""
+        return self._running > 0
 
     def slot(self, adapter: LoraAdapter) -> int:
         return self._slot_of[adapter.cache_key]
