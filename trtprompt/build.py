@@ -18,6 +18,7 @@ from trtprompt import __version__
 from trtprompt.checkpoint import Checkpoint, read_checkpoint
 from trtprompt.engine.engine_dir import ENGINE_FORMAT, atomic_engine_dir, check_output_dir, write_json
 from trtprompt.knobs import KV_CACHE_QUANT_ALGOS
+from trtprompt.lora_build import LoraRequest, copy_adapters
 from trtprompt.plan import BuildPlan, make_plan
 from trtprompt.profile import Profile, load_profile
 
@@ -41,6 +42,8 @@ class BuildRequest:
     # trtllm target: "engine" (TensorRT-LLM 1.2 TensorRT engine) or "llmapi" (1.3+ LLM API, PyTorch
     # backend); None: llmapi where TensorRT-LLM >= 1.3 is installed, else engine (targets/llmapi_build.py).
     trtllm_api: str | None = None
+    # build --lora-dir NAME=DIR / --lora-target-modules: adapters checked and copied into the engine's lora/.
+    lora: LoraRequest = field(default_factory=LoraRequest)
 
     def __post_init__(self) -> None:
         if self.kv_budget_gib is not None and self.kv_budget_gib <= 0:
@@ -96,7 +99,7 @@ def prepare(req: BuildRequest, checkpoint: Path | None = None) -> tuple[Checkpoi
     ckpt = read_checkpoint(checkpoint or req.checkpoint)
     profile = resolve_profile(req)
     budget, source = kv_budget(req, profile)
-    plan = make_plan(ckpt.pretrained_config, profile, req.target, ckpt.source_dtype, budget, source)
+    plan = make_plan(ckpt.pretrained_config, profile, req.target, ckpt.source_dtype, budget, source, req.lora)
     return ckpt, profile, plan
 
 
@@ -107,14 +110,19 @@ def engine_config(ckpt: Checkpoint, plan: BuildPlan) -> dict[str, Any]:
                   "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
                   "quantization": {"quant_algo": plan.quant_algo,
                                    "kv_cache_quant_algo": KV_CACHE_QUANT_ALGOS[plan.kv_cache_dtype]}}
+    plugin: dict[str, Any] = {"tokens_per_block": b.tokens_per_block, "use_paged_context_fmha": True,
+                              "paged_kv_cache": True, "remove_input_padding": True, "context_fmha": True,
+                              "gemm_plugin": None}
+    if plan.lora.enabled:  # TensorRT-LLM records lora_plugin (the dtype `auto` resolves to) where LoRA is built in
+        plugin["lora_plugin"] = plan.dtype
     build = {
         "max_batch_size": b.max_batch_size, "max_input_len": b.max_input_len, "max_seq_len": b.max_seq_len,
         "max_num_tokens": b.max_num_tokens, "opt_num_tokens": b.opt_num_tokens,
         "max_beam_width": b.max_beam_width, "kv_cache_type": "PAGED",
         "multiple_profiles": b.multiple_profiles, "gather_context_logits": False,
-        "plugin_config": {"tokens_per_block": b.tokens_per_block, "use_paged_context_fmha": True,
-                          "paged_kv_cache": True, "remove_input_padding": True, "context_fmha": True,
-                          "gemm_plugin": None},
+        "plugin_config": plugin,
+        # As TensorRT-LLM, every engine records lora_config (max_lora_rank: the engine checks adapters against it).
+        "lora_config": plan.lora.lora_config(plan.lora.engine_lora_dirs()),
     }
     return {"version": f"trtprompt {__version__}", "pretrained_config": pretrained, "build_config": build}
 
@@ -132,7 +140,7 @@ def package_versions() -> dict[str, str]:
 def engine_meta(ckpt: Checkpoint, profile: Profile, plan: BuildPlan) -> dict[str, Any]:
     """trtprompt.json: the resolved profile, runtime and prompt policy, memory plan, provenance."""
     resolved = {**profile.to_dict(), **vars(plan.bounds), "dtype": plan.dtype}
-    return {
+    meta: dict[str, Any] = {
         "format": ENGINE_FORMAT, "target": plan.target, "profile": resolved,
         "runtime": profile.section("runtime"), "prompt": profile.section("prompt"),
         "memory_plan": vars(plan.memory) | {"runtime_max_input_len": plan.runtime_max_input_len},
@@ -140,6 +148,10 @@ def engine_meta(ckpt: Checkpoint, profile: Profile, plan: BuildPlan) -> dict[str
         "versions": package_versions(),
         "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    if plan.lora.adapters:  # where each came from, for `inspect` (the engine reads lora/NAME/ itself)
+        meta["lora"] = {"adapters": [vars(a) | {"target_modules": list(a.target_modules)}
+                                     for a in plan.lora.adapters]}
+    return meta
 
 
 def _copy_tokenizer(ckpt: Checkpoint, out_dir: Path) -> None:
@@ -169,6 +181,7 @@ def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: Bu
             smoothing = write_weights(tmp, ckpt, ckpt.pretrained_config, plan.dtype, plan.quantization,
                                       req.progress, profile.smoothquant_alpha, plan.int4_group_size)
         _copy_tokenizer(ckpt, tmp)
+        copy_adapters(plan.lora, tmp)
         meta = engine_meta(ckpt, profile, plan)
         if llmapi is not None:
             from trtprompt.targets.llmapi_build import llmapi_meta

@@ -20,7 +20,8 @@ from trtprompt import rules
 from trtprompt.checkpoint import expected_weight_shapes, is_layer_linear
 from trtprompt.engine.config import ModelConfig
 from trtprompt.errors import PlanError
-from trtprompt.knobs import DEFAULT_MAX_INPUT_LEN, DEFAULT_MAX_NUM_TOKENS
+from trtprompt.knobs import DEFAULT_MAX_INPUT_LEN, DEFAULT_MAX_NUM_TOKENS, KNOBS
+from trtprompt.lora_build import LoraPlan, LoraRequest, plan_lora
 from trtprompt.profile import Profile
 
 TARGETS: tuple[str, ...] = ("torch", "trtllm")
@@ -81,6 +82,8 @@ class BuildPlan:
     warnings: tuple[str, ...]
     kv_cache_dtype: str = "auto"  # knobs.KV_CACHE_DTYPES
     int4_group_size: int | None = None  # input columns per int4 scale (int4_wo only; None: no int4 weights)
+    # max_lora_rank, and the adapters build --lora-dir put in the engine, checked against the base (lora_build.py)
+    lora: LoraPlan = LoraPlan(KNOBS["max_lora_rank"].default)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -245,7 +248,8 @@ def _warnings(profile: Profile, bounds: BuildBounds, dtype: str, target: str) ->
 
 
 def make_plan(pc: Mapping[str, Any], profile: Profile, target: str, source_dtype: str,
-              kv_budget_bytes: int | None = None, budget_source: str = "not set") -> BuildPlan:
+              kv_budget_bytes: int | None = None, budget_source: str = "not set",
+              lora: LoraRequest | None = None) -> BuildPlan:
     _check_target(profile, target)
     try:
         ModelConfig.from_pretrained_config(pc)
@@ -258,4 +262,4 @@ def make_plan(pc: Mapping[str, Any], profile: Profile, target: str, source_dtype
     runtime_input = rules.max_input_len(bounds.max_seq_len, bounds.max_num_tokens, profile.enable_chunked_context)
     return BuildPlan(target, dtype, profile.quantization, QUANT_ALGOS[profile.quantization], bounds, mem,
                      runtime_input, _warnings(profile, bounds, dtype, target), profile.kv_cache_dtype,
-                     int4_group_size(profile))
+                     int4_group_size(profile), plan_lora(lora, pc, profile.max_lora_rank))

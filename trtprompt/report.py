@@ -11,10 +11,11 @@ from trtprompt.engine.engine_dir import EngineDir
 from trtprompt.engine.kv_events import KV_EVENT_KNOBS
 from trtprompt.engine.tiers.config import TIER_KNOBS
 from trtprompt.knobs import KNOBS
+from trtprompt.lora_build import LoraPlan, engine_adapters, inspect_rows
 from trtprompt.plan import BuildPlan
 from trtprompt.profile import Profile
 from trtprompt.serve.launch.cpu_sets import numa_nodes
-from trtprompt.targets.kv_offload import inspect_rows
+from trtprompt.targets.kv_offload import inspect_rows as offload_rows
 
 MEMORY_UNITS: tuple[tuple[str, int], ...] = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -79,8 +80,30 @@ def plan_table(ckpt: Checkpoint, profile: Profile, plan: BuildPlan) -> str:
     lines += _table("runtime policy", profile.section("runtime").items())
     lines += _table("prompt policy", profile.section("prompt").items())
     lines += _table("memory plan", _memory_rows(vars(plan.memory)))
+    if plan.lora.enabled:
+        lines += _lora_plan_lines(plan.lora)
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def _lora_plan_lines(lora: LoraPlan) -> list[str]:
+    """build --lora-dir: the LoRA settings and each checked adapter."""
+    lines = _table("LoRA", [("max_lora_rank", lora.max_lora_rank),
+                            ("lora_target_modules", " ".join(lora.target_modules) or "-")])
+    if lora.adapters:
+        lines += _table("LoRA adapters (copied into lora/NAME/)",
+                        inspect_rows([vars(a) for a in lora.adapters]))
+    return lines
+
+
+def lora_data(engine: EngineDir) -> dict[str, Any]:
+    """The engine's LoRA settings (config.json lora_config, as TensorRT-LLM records them) and the adapters it
+    loads at start (lora/NAME/; serve --lora-modules and load_lora_adapter add more at run time)."""
+    config = engine.build_config.get("lora_config") or {}
+    return {"lora_plugin": engine.plugin_config.get("lora_plugin"),
+            "max_lora_rank": config.get("max_lora_rank", KNOBS["max_lora_rank"].default),
+            "lora_target_modules": list(config.get("lora_target_modules") or []),
+            "adapters": engine_adapters(engine.path, engine.meta)}
 
 
 def engine_warnings(engine: EngineDir) -> list[str]:
@@ -139,8 +162,17 @@ def inspect_data(engine: EngineDir) -> dict[str, Any]:
         "kv_tiers": tier_data(engine),
         "kv_events": kv_event_data(engine),
         "replicas": replica_data(),
-        "kv_host_offload": inspect_rows(engine.target),
+        "kv_host_offload": offload_rows(engine.target),
+        "lora": lora_data(engine),
     }
+
+
+def _lora_lines(lora: Mapping[str, Any]) -> list[str]:
+    lines = _table("LoRA", [("lora_plugin", lora["lora_plugin"]), ("max_lora_rank", lora["max_lora_rank"]),
+                            ("lora_target_modules", " ".join(lora["lora_target_modules"]) or "-")])
+    if lora["adapters"]:
+        return lines + _table("LoRA adapters (loaded at start; serve can add more)", inspect_rows(lora["adapters"]))
+    return lines + ["LoRA adapters", "  none in the engine directory (build --lora-dir NAME=DIR adds them)"]
 
 
 def inspect_text(engine: EngineDir) -> str:
@@ -157,6 +189,7 @@ def inspect_text(engine: EngineDir) -> str:
     lines += _table("KV events (serve options, defaults)", data["kv_events"].items())
     lines += _table("replicas (serve option, default; docs/replicas.md)", data["replicas"].items())
     lines += _table("KV host/disk offload on TensorRT-LLM (serve options, defaults)", data["kv_host_offload"].items())
+    lines += _lora_lines(data["lora"])
     if mem:
         lines += _table("memory plan", _memory_rows(mem))
     else:  # trtllm-build records none; TensorRT-LLM sizes the pool at load from free GPU memory

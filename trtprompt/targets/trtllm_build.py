@@ -63,7 +63,19 @@ def make_build_config(trtllm: ModuleType, args: TrtllmBuildArgs) -> Any:
     for key, value in args.plugin_config.items():
         if value is not None:  # None: keep TensorRT-LLM's default (e.g. gemm plugin off for float32)
             setattr(build_config.plugin_config, key, value)
+    if args.lora_config is not None:  # as trtllm-build does with --lora_plugin
+        build_config.lora_config = _lora_config_class()(**args.lora_config)
     return build_config
+
+
+def _lora_config_class() -> Any:
+    """TensorRT-LLM's LoraConfig: tensorrt_llm.lora_helper in 1.1+, tensorrt_llm.lora_manager before."""
+    for module in ("tensorrt_llm.lora_helper", "tensorrt_llm.lora_manager"):
+        try:
+            return getattr(importlib.import_module(module), "LoraConfig")
+        except (ImportError, AttributeError):
+            continue
+    raise TargetUnavailableError(f"this TensorRT-LLM has no LoraConfig; use TensorRT-LLM {PINNED_VERSION}")
 
 
 def make_quant_config(args: TrtllmBuildArgs) -> Any:

@@ -8,8 +8,9 @@ Field names are TensorRT-LLM's: BuildConfig (max_batch_size, max_input_len,
 max_seq_len, max_num_tokens, opt_num_tokens, max_beam_width, kv_cache_type,
 gather_context_logits), PluginConfig (tokens_per_block, use_paged_context_fmha,
 context_fmha, remove_input_padding, multiple_profiles, gemm_plugin), Mapping
-(world_size, tp_size, pp_size) and QuantConfig (quant_algo, kv_cache_quant_algo,
-group_size).
+(world_size, tp_size, pp_size), QuantConfig (quant_algo, kv_cache_quant_algo,
+group_size) and LoraConfig (lora_dir, lora_ckpt_source, max_lora_rank,
+lora_target_modules; with PluginConfig lora_plugin, trtllm-build's LoRA flags).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from trtprompt.lora_build import trtllm_lora_config
 from trtprompt.plan import BuildPlan
 
 # TensorRT-LLM's model class per Hugging Face architecture (tensorrt_llm.models).
@@ -76,6 +78,7 @@ class TrtllmBuildArgs:
     needs_calibration: bool  # fp8 / int4_awq go through <Arch>.quantize (ModelOpt), not from_hugging_face
     build_config: Mapping[str, Any]  # BuildConfig(**build_config), kv_cache_type as a KVCacheType name
     plugin_config: Mapping[str, Any]  # set one by one on build_config.plugin_config
+    lora_config: Mapping[str, Any] | None = None  # LoraConfig(**lora_config) as build_config.lora_config; None: no LoRA
 
     @property
     def world_size(self) -> int:
@@ -114,7 +117,7 @@ def build_config_values(plan: BuildPlan) -> dict[str, Any]:
 
 
 def plugin_config_values(plan: BuildPlan) -> dict[str, Any]:
-    return {
+    values = {
         "tokens_per_block": plan.bounds.tokens_per_block,
         # Needed by both chunked context and KV-cache reuse; built in even when a profile
         # leaves them off, so the runtime flags can be switched on without a rebuild.
@@ -124,6 +127,9 @@ def plugin_config_values(plan: BuildPlan) -> dict[str, Any]:
         "multiple_profiles": plan.bounds.multiple_profiles,
         "gemm_plugin": "auto" if plan.dtype in GEMM_PLUGIN_DTYPES else None,
     }
+    if plan.lora.enabled:  # build --lora-dir / --lora-target-modules: the LoRA plugin in the model dtype
+        values["lora_plugin"] = "auto"
+    return values
 
 
 def trtllm_build_args(plan: BuildPlan, architecture: str, parallel: Parallelism = Parallelism()) -> TrtllmBuildArgs:
@@ -142,6 +148,7 @@ def trtllm_build_args(plan: BuildPlan, architecture: str, parallel: Parallelism 
         needs_calibration=plan.quantization in CALIBRATED_QFORMATS,
         build_config=build_config_values(plan),
         plugin_config=plugin_config_values(plan),
+        lora_config=trtllm_lora_config(plan.lora),
     )
 
 
@@ -179,6 +186,20 @@ def trtllm_build_command(args: TrtllmBuildArgs, trt_checkpoint: Path, out_dir: P
             "--remove_input_padding", _enable(p["remove_input_padding"]),
             "--multiple_profiles", _enable(p["multiple_profiles"]),
             "--gemm_plugin", p["gemm_plugin"] or "disable"]
+    return cmd + lora_flags(args)
+
+
+def lora_flags(args: TrtllmBuildArgs) -> list[str]:
+    """trtllm-build's LoRA arguments (its --lora_dir and --lora_target_modules take several values each)."""
+    lora = args.lora_config
+    if lora is None:
+        return []
+    cmd = ["--lora_plugin", str(args.plugin_config["lora_plugin"])]
+    if lora["lora_dir"]:
+        cmd += ["--lora_dir", *lora["lora_dir"], "--lora_ckpt_source", str(lora["lora_ckpt_source"])]
+    cmd += ["--max_lora_rank", str(lora["max_lora_rank"])]
+    if lora["lora_target_modules"]:
+        cmd += ["--lora_target_modules", *lora["lora_target_modules"]]
     return cmd
 
 
