@@ -14,6 +14,7 @@ from trtprompt import interface as I
 from trtprompt.cli_knobs import BUILD_OPTIONS, SERVE_OPTIONS, knob_options
 from trtprompt.errors import UserError
 from trtprompt.knobs import KNOBS
+from trtprompt.lora_build import TRTLLM_MODULES as LORA_TRTLLM_MODULES
 from trtprompt.serve.openai import parser_options as PO  # standard library only at import time
 
 
@@ -64,12 +65,19 @@ def _api_key_options(what: str) -> Callable[[Callable[..., Any]], Callable[..., 
               help="trtllm: engine = TensorRT-LLM 1.2 TensorRT engine; llmapi = 1.3+ LLM API (PyTorch backend, "
                    "checkpoint + model.yaml, no TensorRT-LLM needed to build). Default: llmapi where "
                    "TensorRT-LLM >= 1.3 is installed, else engine.")
+@click.option("--lora-dir", "lora_dirs", multiple=True, metavar="NAME=DIR",
+              help="A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) served as NAME: checked "
+                   "against the checkpoint and copied into the engine's lora/NAME/ (repeatable; docs/lora.md).")
+@click.option("--lora-target-modules", multiple=True, type=click.Choice(list(LORA_TRTLLM_MODULES)),
+              help="Modules LoRA may apply to, TensorRT-LLM's names (repeatable; default: the adapters' own).")
 def build(checkpoint: Path, output: Path | None, profile: str | None, target: str, kv_budget_gib: float | None,
           dry_run: bool, force: bool, no_progress: bool, tp_size: int, pp_size: int, print_commands: bool,
-          trtllm_api: str | None, **overrides: Any) -> None:
+          trtllm_api: str | None, lora_dirs: tuple[str, ...], lora_target_modules: tuple[str, ...],
+          **overrides: Any) -> None:
     """Build an engine directory from a Hugging Face CHECKPOINT directory, or a .gguf file (dequantized to
     fp32 first; needs the gguf and accelerate packages, see docs/real-model.md)."""
     from trtprompt.build import BuildRequest, run_build
+    from trtprompt.lora_build import LoraRequest, parse_lora_dir
     from trtprompt.report import plan_table
 
     if print_commands and target != "trtllm":
@@ -83,8 +91,9 @@ def build(checkpoint: Path, output: Path | None, profile: str | None, target: st
     if output is None and not (dry_run or print_commands):
         raise click.UsageError("missing -o/--output (or pass --dry-run)")
     try:
+        lora = LoraRequest(tuple(parse_lora_dir(v) for v in lora_dirs), lora_target_modules or None)
         req = BuildRequest(checkpoint, output, profile, target, overrides, kv_budget_gib, force, not no_progress,
-                           tp_size=tp_size, pp_size=pp_size, trtllm_api=trtllm_api)
+                           tp_size=tp_size, pp_size=pp_size, trtllm_api=trtllm_api, lora=lora)
         if print_commands:
             _print_trtllm_commands(req)
             return
@@ -232,6 +241,10 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
 @click.option("--router-admin-key-file", type=click.Path(dir_okay=False, path_type=Path),
               help="File holding the router's admin key for its /workers API (default: "
                    "$TRTPROMPT_ROUTER_ADMIN_KEY; else the API key is sent).")
+@click.option("--lora-modules", "lora_modules", multiple=True, metavar="NAME=DIR",
+              help="A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) the engine loads at "
+                   "start, served as `model` NAME (repeatable; vLLM's flag; also as JSON {\"name\", \"path\"}); "
+                   "docs/lora.md.")
 @knob_options(SERVE_OPTIONS, serve=True)
 def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_port: int, openai_port: int,
           no_openai: bool, max_request_bytes: int | None, tool_call_parser: str, reasoning_parser: str,
@@ -242,10 +255,12 @@ def serve(engine_dir: Path, host: str, grpc_port: int, http_port: int, metrics_p
     """Serve ENGINE_DIR behind a real tritonserver (TensorRT-LLM ensemble interface) and an OpenAI-compatible API."""
     from trtprompt.serve.launch.command import run_serve
     from trtprompt.serve.launch.launcher import Ports
+    from trtprompt.serve.launch.lora_modules import parse_lora_modules
     from trtprompt.serve.launch.options import ApiKey, OpenAIOptions
 
     try:
         api_key = ApiKey.read(api_key_file, os.environ)
+        overrides["lora_modules"] = parse_lora_modules(overrides.pop("lora_modules", ()))
         openai = None if no_openai else OpenAIOptions(openai_port, api_key.value if api_key else None,
                                                         max_request_bytes, tool_call_parser, reasoning_parser)
         code = run_serve(engine_dir, overrides, Ports(host, grpc_port, http_port, metrics_port),

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from trtprompt.engine.engine_dir import LLMAPI_TARGET
 from trtprompt.serve.launch import kv_reuse
 from trtprompt.serve.launch.launcher import Ports, Server, serve_forever
+from trtprompt.serve.launch.lora_modules import check_lora_modules
 from trtprompt.serve.launch.options import ApiKey, EngineInfo, OpenAIOptions, resolve_options
 from trtprompt.serve.launch.repository import RepoContext, write_repository
 
@@ -38,6 +39,7 @@ def run_serve(engine_dir: Path, overrides: Mapping[str, Any], ports: Ports, *,
     engine = EngineInfo.read(engine_dir, tokenizer)
     kv_reuse.warn_or_refuse(engine, require_kv_reuse, echo)
     options = resolve_options(engine, overrides)
+    check_lora_modules(engine, options.lora_modules)  # a bad adapter fails here, with its own message
     if require_kv_reuse:
         kv_reuse.require_reuse_on(engine, options)
     if join is not None:

@@ -67,6 +67,8 @@ class ServeOptions(knobs.BackendParams):
     # LoRA adapters held by the torch engine (engine/lora/manager.py; the llmapi target writes lora_config).
     max_loras: int = knobs.runtime_default("max_loras")
     max_cpu_loras: int = knobs.runtime_default("max_cpu_loras")
+    # Not a knob: serve --lora-modules' adapters, (name, absolute directory) each (serve/launch/lora_modules.py).
+    lora_modules: tuple[tuple[str, str], ...] = ()
     # KV events for routers (trtprompt/engine/kv_events.py, docs/kv-events.md): read by the engine process.
     kv_events_endpoint: str | None = knobs.runtime_default("kv_events_endpoint")
     kv_events_replay_endpoint: str | None = knobs.runtime_default("kv_events_replay_endpoint")

@@ -27,7 +27,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from trtprompt.serve.openai import responses as R
@@ -38,6 +38,7 @@ from trtprompt.serve.openai.config import FrontendConfig
 from trtprompt.serve.openai.errors import APIError, unauthorized
 from trtprompt.serve.openai.http_limits import BodyLimit, HttpLimits
 from trtprompt.serve.openai.json_body import ClientGone, read_json
+from trtprompt.serve.openai.lora import Adapters, load_adapter, model_cards, request_adapter, unload_adapter
 from trtprompt.serve.openai.params import Generation, Prompt, parse_request
 from trtprompt.serve.openai.to_triton import Piece, TritonEnsemble
 
@@ -83,9 +84,21 @@ async def health(request: Request) -> Response:
 async def models(request: Request) -> Response:
     cfg: FrontendConfig = request.app.state.cfg
     _authorize(request, cfg)
-    card = {"id": cfg.limits.name, "object": "model", "created": request.app.state.started, "owned_by": "trtprompt",
-            "max_model_len": cfg.limits.max_model_len}
-    return JSONResponse({"object": "list", "data": [card]})
+    adapters = await request.app.state.adapters.listing()  # the base model, then its LoRA adapters (lora.py)
+    return JSONResponse({"object": "list", "data": model_cards(cfg.limits, request.app.state.started, adapters)})
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    """vLLM's POST /v1/load_lora_adapter (lora.py)."""
+    cfg: FrontendConfig = request.app.state.cfg
+    _authorize(request, cfg)
+    return PlainTextResponse(await load_adapter(await read_json(request), cfg.limits, request.app.state.adapters))
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    """vLLM's POST /v1/unload_lora_adapter (lora.py)."""
+    _authorize(request, request.app.state.cfg)
+    return PlainTextResponse(await unload_adapter(await read_json(request), request.app.state.adapters))
 
 
 async def server_info(request: Request) -> Response:
@@ -119,7 +132,8 @@ async def detokenize(request: Request) -> Response:
 async def _generate(request: Request, kind: str) -> Response:
     cfg: FrontendConfig = request.app.state.cfg
     _authorize(request, cfg)
-    gen = parse_request(kind, await read_json(request), cfg.limits)
+    body = await read_json(request)
+    gen = parse_request(kind, body, cfg.limits, await request_adapter(body, cfg.limits, request.app.state.adapters))
     if gen.notes:
         log.warning("openai front end: accepted, changing nothing here: %s", "; ".join(gen.notes))
     source: Source = request.app.state.source
@@ -127,7 +141,7 @@ async def _generate(request: Request, kind: str) -> Response:
     prepared = [await source.inputs_for(gen, prompt) for prompt in gen.inputs]
     gen = _answered(gen, prepared)
     items = merged([source.generate(p) for p in prepared])
-    env = R.Envelope(kind, cfg.limits.name)
+    env = R.Envelope(kind, gen.lora or cfg.limits.name)  # an adapter's answer names it, as vLLM's do
     if not gen.stream:
         grid = await _unless_gone(request, _collect(items, len(prepared), gen.shape.sequences))
         if grid is None:
@@ -301,11 +315,14 @@ def create_app(cfg: FrontendConfig, http: HttpLimits) -> Starlette:
               *(Route(path, server_info) for path in SGLANG_INFO_PATHS),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
+              Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+              Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(BodyLimit, max_bytes=http.max_request_bytes)],
                     exception_handlers={APIError: _api_error, HTTPException: _http_error,
                                         ClientGone: _client_gone, Exception: _internal_error})
     app.state.cfg = cfg
+    app.state.adapters = Adapters(cfg.engine_socket)  # no socket: through Triton, no adapters (lora.py)
     app.state.started = int(time.time())
     return app

@@ -13,8 +13,8 @@ to each request), and benchmark clients send vLLM's. Each field here is, by its 
 
 The extensions this server honours (top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
 stop_token_ids, cache_salt, skip_special_tokens, retention, use_beam_search, length_penalty,
-early_stopping and trtprompt's own speculative_decoding; prompt_logprobs, allowed_token_ids, bad_words,
-include_stop_str_in_output in answer_params.py; the structured-output fields, guided_* and
+early_stopping, SGLang's lora_path (lora.py) and trtprompt's own speculative_decoding; prompt_logprobs,
+allowed_token_ids, bad_words, include_stop_str_in_output in answer_params.py; the structured-output fields, guided_* and
 structured_outputs, SGLang's regex, ebnf and json_schema, in guided.py) are parsed in params.py. docs/openai.md,
 "Extension fields", is the table of both.
 """
@@ -77,7 +77,6 @@ EXTENSIONS: tuple[Extension, ...] = (
     _e("disagg_prefill_dp_rank", (0,), REFUSE, "no prefill/decode disaggregation"),
     _e("stop_regex", (), REFUSE, "stop strings only, no stop regexes"),
     _e("priority", (0,), REFUSE, "no priority scheduling (vLLM refuses it as well without one)"),
-    _e("lora_path", (), REFUSE, "no LoRA adapters"),
     _e("session_id", (), REFUSE, "no sessions"),
     _e("session_params", (), REFUSE, "no sessions"),
     _e("extra_key", (), REFUSE, "cache_salt is this server's key for keeping prefix caches apart"),

@@ -36,7 +36,7 @@ SPECULATION_FIELDS = ("speculative_decoding",)
 HONOURED_EXTENSIONS = ("top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
                        "cache_salt", "skip_special_tokens", "retention", "prompt_logprobs", "allowed_token_ids",
                        "bad_words", "include_stop_str_in_output", "use_beam_search", "length_penalty",
-                       "early_stopping") + GUIDE_FIELDS + SPECULATION_FIELDS
+                       "early_stopping", "lora_path") + GUIDE_FIELDS + SPECULATION_FIELDS
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty",
                  "frequency_penalty", "stream", "stream_options", "n", "logprobs", "logit_bias",
                  "best_of") + HONOURED_EXTENSIONS + METADATA_FIELDS
@@ -99,6 +99,7 @@ class Generation:
     guide_field: str | None = None
     # A chat's tools, tool_choice, template kwargs and reasoning fields (tools.py); None for completions.
     chat: ChatPlan | None = None
+    lora: str | None = None  # the LoRA adapter it runs with, by name (lora.py; None: the base model)
 
     @property
     def max_tokens(self) -> int:
@@ -110,12 +111,13 @@ class Generation:
         return self.prompts if self.kind == "completion" else (None,)
 
 
-def parse_request(kind: str, body: Any, limits: ModelLimits) -> Generation:
-    """Generation for a /v1/completions ('completion') or /v1/chat/completions ('chat') body."""
+def parse_request(kind: str, body: Any, limits: ModelLimits, lora: str | None = None) -> Generation:
+    """Generation for a /v1/completions ('completion') or /v1/chat/completions ('chat') body; `lora`: the
+    adapter it asked for by `model` or `lora_path`, which the engine knows (lora.request_adapter)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, "invalid_json")
     _check_fields(kind, body)
-    _check_model(body, limits)
+    _check_model(body, limits, lora)
     _refuse_unsupported(body)
     notes = extensions.check(kind, body)
     prompts, (messages, marks) = (_prompts(body, limits), (None, ())) if kind == "completion" \
@@ -135,7 +137,7 @@ def parse_request(kind: str, body: Any, limits: ModelLimits) -> Generation:
     guide_field = guide.field if guide else plan.guide_field if plan else None
     return Generation(kind, prompts, messages, sampling, _stop(body), _salt(body), stream, _include_usage(options),
                       skip_special, notes, with_marks(parse_retention(body), marks),
-                      marks, shape, vocabulary.bad_words, guide_field, plan)
+                      marks, shape, vocabulary.bad_words, guide_field, plan, lora)
 
 
 def _check_fields(kind: str, body: Mapping[str, Any]) -> None:
@@ -146,11 +148,11 @@ def _check_fields(kind: str, body: Mapping[str, Any]) -> None:
                           "unrecognized_argument")
 
 
-def _check_model(body: Mapping[str, Any], limits: ModelLimits) -> None:
+def _check_model(body: Mapping[str, Any], limits: ModelLimits, lora: str | None = None) -> None:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request(f"'model' is required: this server serves {limits.name!r}", "model")
-    if not limits.serves(model):
+    if not limits.serves(model) and model != lora:
         raise APIError(404, f"the model {shown(model)} does not exist; this server serves {limits.name!r}",
                        "invalid_request_error", "model", "model_not_found")
 

@@ -103,12 +103,14 @@ class EnginePath:
         try:
             sampling = self._with_bad_words(gen)
             if isinstance(prompt, tuple):  # token ids: no tokenizing, the same budget and salt rule
-                ids = TokenRequest(prompt, sampling, gen.stream, cache_salt=gen.cache_salt, retention=gen.retention)
+                ids = TokenRequest(prompt, sampling, gen.stream, cache_salt=gen.cache_salt, retention=gen.retention,
+                                   lora=gen.lora)
                 prepared = prepare_ids(ids, gen.stop, self.edge, self.tokenizer)
             else:
                 text = TextRequest(text=prompt or "", sampling=sampling, stream=gen.stream,
                                    messages=gen.messages, cache_salt=gen.cache_salt, stop_words=gen.stop,
-                                   retention=gen.retention, chat_render=gen.chat.render if gen.chat else None)
+                                   retention=gen.retention, chat_render=gen.chat.render if gen.chat else None,
+                                   lora=gen.lora)
                 prepared = prepare(text, self.edge, self.tokenizer)
             closed = self._reasoning_closed(gen, prepared.request.prompt_token_ids)
             return EngineInputs(self._after_reasoning(self._marked(gen, prepared), closed), gen.skip_special_tokens,

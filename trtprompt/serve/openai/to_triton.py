@@ -217,6 +217,10 @@ class TritonEnsemble:
         return self._inputs
 
     async def inputs_for(self, gen: Generation, prompt: Prompt | None) -> EnsembleInputs:
+        if gen.lora is not None:  # lora.py never resolves one on this path; a LoRA request never runs as the base
+            raise APIError(400, f"model {gen.lora!r}: LoRA adapters are served on the torch target's fused layout "
+                           "(this front end answers through Triton)", "invalid_request_error", "model",
+                           "lora_unsupported")
         declared = await self.declared_inputs()
         if gen.messages is not None and "messages" not in declared:
             raise APIError(400, f"this server's {self.model!r} model has no 'messages' input (the upstream "
