@@ -78,6 +78,7 @@ def test_fused_repository_parameters_and_interface(tiny_engine_dir: Path, tmp_pa
         **{name: str(KNOBS[name].default).lower() for name in SPECULATION_KNOBS if name != "speculative_model"},
         "compute_dtype": "float32", "engine_socket": str(tmp_path / "repo" / "engine.sock"),
         "triton_max_batch_size": "16", "guided_decoding_backend": "llguidance",
+        "max_loras": "8", "max_cpu_loras": "32",  # the LoRA knobs' defaults; no --lora-modules: no list
     }
     ens = configs["ensemble"]
     declared = {t.name: (t.data_type, list(t.dims), t.optional) for t in ens.input}  # type: ignore[attr-defined]

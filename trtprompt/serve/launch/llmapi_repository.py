@@ -11,7 +11,8 @@ Models:
                 repository is written (find_llmapi_model); `1/model.yaml` is the engine
                 directory's, with its paths pointing at the engine directory where it is now
                 and the serve options applied under their LLM API names
-                (speculative_config from the speculation options, none where speculative_decoding is none).
+                (speculative_config from the speculation options, none where speculative_decoding is none;
+                lora_config from the engine's adapters and max_loras / max_cpu_loras, lora_config()).
 
 Where TensorRT-LLM's model is not installed (any machine but the GPU container), the repository
 is still written, with `tensorrt_llm/1/MODEL_PY_FROM_CONTAINER.txt` saying where model.py comes
@@ -20,6 +21,7 @@ from, and `serve` (not `--repo-only`) stops with a message naming the container.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -29,6 +31,9 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from trtprompt.engine.engine_dir import LLMAPI_TARGET
+from trtprompt.engine.lora.adapter import CONFIG_FILE as ADAPTER_CONFIG
+from trtprompt.engine.lora.engine_dir import lora_dirs
+from trtprompt.engine.lora.modules import TRTLLM_NAMES
 from trtprompt.engine.speculation.config import SPECULATION_KNOBS
 from trtprompt.errors import TargetUnavailableError
 from trtprompt.interface import PERF_OUTPUTS, RETENTION_INPUTS, Tensor
@@ -139,8 +144,33 @@ def serve_model_yaml(engine: EngineInfo, options: ServeOptions, trtllm_version: 
     spec = speculative_config(speculation_values(options))
     if spec is not None:
         args["speculative_config"] = spec
+    lora = lora_config(engine, options, args.get("lora_config"))
+    if lora is not None:
+        args["lora_config"] = lora
     args["triton_config"] = {**dict(args.get("triton_config") or {}), **TRITON_CONFIG}
     return args
+
+
+def lora_config(engine: EngineInfo, options: ServeOptions, built: Any) -> dict[str, Any] | None:
+    """model.yaml's lora_config (TensorRT-LLM's LoraConfig: names in tests/fixtures/trtllm_names.json): the
+    engine directory's adapters (lora/NAME/, trtprompt build --lora-dir) as lora_dir, their modules under
+    TensorRT-LLM's names, max_lora_rank as built (the knob's default where the build recorded none) and the
+    serve options max_loras / max_cpu_loras. None where the engine has no adapters and its model.yaml no
+    lora_config: TensorRT-LLM refuses a lora_config without lora_dir or lora_target_modules."""
+    dirs = list(lora_dirs(engine.path, None).values())
+    given = dict(built) if isinstance(built, dict) else {}
+    if not dirs and not given:
+        return None
+    modules = set(given.get("lora_target_modules") or ())
+    for path in dirs:
+        config = json.loads((Path(path) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        targets = config.get("target_modules") or ()
+        modules |= {TRTLLM_NAMES[m] for m in ([targets] if isinstance(targets, str) else targets) if m in TRTLLM_NAMES}
+    out = given | {"lora_dir": dirs or list(given.get("lora_dir") or []), "lora_target_modules": sorted(modules)}
+    out.setdefault("max_lora_rank", KNOBS["max_lora_rank"].default)
+    for name in ("max_loras", "max_cpu_loras"):
+        put_arg(out, str(KNOBS[name].llmapi).split(".", 1)[1], getattr(options, name))
+    return out
 
 
 def _core_config(found: Path | None) -> mc.ModelConfig:

@@ -34,6 +34,7 @@ from trtprompt.interface import (
     TRITON_GUIDE_TYPES,
     Tensor,
 )
+from trtprompt.serve.launch.lora_modules import lora_parameters
 from trtprompt.serve.launch.options import EngineInfo, ServeOptions
 from trtprompt.serve.wire import requests as inputs
 from trtprompt.serve.wire.model_config import check_config_text
@@ -47,6 +48,11 @@ log = logging.getLogger("trtprompt.serve")
 UNSUPPORTED_INPUTS: tuple[Tensor, ...] = (
     ("prompt_embedding_table", "FP16", [-1, -1], True),
     ("prompt_vocab_size", "INT32", [1], True),
+)
+# tensorrtllm_backend's LoRA inputs, typed as its template declares them (serve/triton_models/lora_inputs.py,
+# docs/lora.md): a task id, and the adapter's tensors the first time. Every model and layout takes them; the
+# upstream ensemble hands them to its core as they are.
+LORA_INPUTS: tuple[Tensor, ...] = (
     ("lora_task_id", "UINT64", [1], True),
     ("lora_weights", "FP16", [-1, -1], True),
     ("lora_config", "INT32", [-1, 3], True),
@@ -131,6 +137,7 @@ ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     *LOGITS_INPUTS,
     *GUIDE_INPUTS,
     *SPECULATION_INPUTS,  # the torch core's per-request opt-out (the upstream ensemble hands it to that core)
+    *LORA_INPUTS,
 ) + UNSUPPORTED_INPUTS
 ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
     ("text_output", "STRING", [-1], False),
@@ -169,6 +176,7 @@ TOKEN_INPUTS: tuple[Tensor, ...] = (
     *LOGITS_INPUTS,
     *GUIDE_INPUTS,
     *SPECULATION_INPUTS,
+    *LORA_INPUTS,
 ) + UNSUPPORTED_INPUTS
 TOKEN_OUTPUTS: tuple[Tensor, ...] = (
     ("output_ids", "INT32", [-1, -1], False),
@@ -333,6 +341,7 @@ def runtime_parameters(ctx: RepoContext) -> dict[str, object]:
         "kv_cache_eviction_policy": o.kv_cache_eviction_policy,  # the engine process's pool (engine_overrides)
         "guided_jump_forward": o.guided_jump_forward,  # the engine process's (engine_overrides)
         **speculation_parameters(o),
+        **lora_parameters(o),  # max_loras, max_cpu_loras, serve --lora-modules (serve/launch/lora_modules.py)
         "guided_decoding_backend": GUIDED_DECODING_BACKEND,  # checked when the model loads (guided.check_backend)
     }
 
@@ -467,6 +476,7 @@ def _core_step(cfg: mc.ModelConfig, ctx: RepoContext) -> None:
         inputs["cache_salt"] = "cache_salt"
     if core_takes_retention(ctx):  # ranges over the prompt preprocessing fitted, as on TensorRT-LLM
         inputs |= {name: name for name, *_ in RETENTION_INPUTS}
+    inputs |= {name: name for name, *_ in LORA_INPUTS}  # either core takes them, as tensorrtllm_backend's does
     outputs = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
     outputs |= {name: name for name, *_ in PERF_OUTPUTS} | {name: name for name in COUNT_OUTPUTS}
     if ctx.engine.target != "trtllm":  # preprocessing's counts, handed back by the core on every response

@@ -110,6 +110,10 @@ class TrtllmModelParams(knobs.BackendParams):
     logits_dtype: str = "float32"
     # The C++ backend's xgrammar tokenizer info (None: guided decoding stays off in TensorRT-LLM).
     xgrammar_tokenizer_info_path: Path | None = None
+    # The backend's LoRA cache (None: the backend's default; all None for an engine built without the lora plugin).
+    lora_cache_optimal_adapter_size: int | None = None
+    lora_cache_max_adapter_size: int | None = None
+    lora_cache_host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dtype", "logits_dtype"):
@@ -122,6 +126,9 @@ class TrtllmModelParams(knobs.BackendParams):
         for name in ("iter_stats_max_iterations", "request_stats_max_iterations"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in LORA_CACHE_FIELDS:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
     def from_engine(cls, engine_dir: Path, pretrained_config: Mapping[str, Any], build_config: Mapping[str, Any],
@@ -131,6 +138,7 @@ class TrtllmModelParams(knobs.BackendParams):
         given = {k: v for k, v in runtime.items() if k in fields and v is not None}
         given.setdefault("triton_max_batch_size", int(runtime.get("max_batch_size") or build_config["max_batch_size"]))
         given["max_beam_width"] = beam_width(build_config, given.get("max_beam_width"))
+        given |= lora_cache(pretrained_config, build_config, runtime.get("max_cpu_loras"))
         return cls(engine_dir=Path(engine_dir), dtype=str(pretrained_config["dtype"]),
                    max_attention_window_size=int(build_config["max_seq_len"]),
                    gather_context_logits=bool(build_config.get("gather_context_logits")),
@@ -160,8 +168,46 @@ class TrtllmModelParams(knobs.BackendParams):
             "executor_worker_path": EXECUTOR_WORKER,
             "guided_decoding_backend": GUIDED_DECODING_BACKEND,
             "xgrammar_tokenizer_info_path": self.xgrammar_tokenizer_info_path,  # left out when absent: off
+            **{name: getattr(self, name) for name in LORA_CACHE_FIELDS},  # left out when None
         }
         return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in params.items() if v is not None}
+
+
+# The tensorrt_llm model's LoRA cache parameters (tensorrtllm_backend docs/lora.md, "LoRA Cache"). The GPU
+# cache is a fraction of free memory (lora_cache_gpu_memory_fraction): no knob maps to it, so it stays the
+# backend's default (0.05), and max_loras (adapters laid out per step) has no 1.2 parameter.
+LORA_CACHE_FIELDS: tuple[str, ...] = ("lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size",
+                                      "lora_cache_host_memory_bytes")
+OPTIMAL_ADAPTER_SIZE = 8  # the backend's default page-sizing rank, lowered to max_lora_rank where that is less
+DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def _module_dims(pretrained: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """(in, out) of each TensorRT-LLM LoRA module of a decoder (LoraModule's dims, tensor parallelism 1)."""
+    h = int(pretrained["hidden_size"])
+    heads = int(pretrained["num_attention_heads"])
+    d = int(pretrained.get("head_size") or h // heads)
+    q, kv = heads * d, int(pretrained.get("num_key_value_heads") or heads) * d
+    i = int(pretrained.get("intermediate_size") or 4 * h)
+    return {"attn_qkv": (h, q + 2 * kv), "attn_q": (h, q), "attn_k": (h, kv), "attn_v": (h, kv),
+            "attn_dense": (q, h), "mlp_h_to_4h": (h, i), "mlp_gate": (h, i), "mlp_4h_to_h": (i, h)}
+
+
+def lora_cache(pretrained: Mapping[str, Any], build: Mapping[str, Any], max_cpu_loras: int | None) -> dict[str, int]:
+    """The LoRA cache parameters of an engine built with the lora plugin (none otherwise): pages sized for its
+    max_lora_rank, and a host cache holding max_cpu_loras adapters of the largest size it takes (max_lora_rank
+    on every target module of every layer)."""
+    lora = build.get("lora_config") or {}
+    modules = [m for m in lora.get("lora_target_modules") or [] if m in _module_dims(pretrained)]
+    if not (build.get("plugin_config") or {}).get("lora_plugin") or not modules:
+        return {}
+    rank = int(lora.get("max_lora_rank") or knobs.default("max_lora_rank"))
+    dims = _module_dims(pretrained)
+    per_adapter = int(pretrained["num_hidden_layers"]) * sum(rank * sum(dims[m]) for m in modules) \
+        * DTYPE_BYTES.get(str(pretrained.get("dtype")), 4)
+    cpu = knobs.default("max_cpu_loras") if max_cpu_loras is None else int(max_cpu_loras)
+    return {"lora_cache_optimal_adapter_size": min(OPTIMAL_ADAPTER_SIZE, rank), "lora_cache_max_adapter_size": rank,
+            "lora_cache_host_memory_bytes": cpu * per_adapter}
 
 
 def tokenizer_info(engine_dir: Path) -> Path | None:

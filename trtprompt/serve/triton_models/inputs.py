@@ -18,6 +18,7 @@ from trtprompt.error_codes import BadRequestError, FieldError, OverBoundError
 from trtprompt.interface import PERF_OUTPUTS, SPECULATION_INPUT
 from trtprompt.prompt.chat import parse_messages
 from trtprompt.serve.triton_models import guided
+from trtprompt.serve.triton_models.lora_inputs import lora_input
 from trtprompt.serve.wire.requests import Outputs, TextRequest, TokenRequest, check_text_or_messages
 from trtprompt.serve.wire.retention_inputs import DECODE_INPUTS, RANGE_INPUTS, retention_from_inputs
 
@@ -67,9 +68,6 @@ def check_unsupported(tensors: Tensors, i: int) -> None:
     for name in ("prompt_embedding_table", "prompt_vocab_size"):
         if name in tensors:
             raise BadRequestError(f"'{name}' is not supported by the torch target (no prompt tables)")
-    for name in ("lora_task_id", "lora_weights", "lora_config"):
-        if name in tensors:
-            raise BadRequestError(f"'{name}' is not supported by the torch target (no LoRA)")
 
 
 def utf8(value: Any, name: str) -> str:
@@ -313,7 +311,7 @@ def parse_text_item(tensors: Tensors, i: int, exclude_default: bool, encode: Enc
     return TextRequest(text=text, sampling=_sampling(tensors, i, TEXT_SAMPLING, extra),
                        stream=flag(tensors, "stream", i), outputs=outputs(tensors, i, exclude_default),
                        messages=messages, overflow=overflow, cache_salt=salt,
-                       stop_words=stop_words, retention=retention(tensors, i))
+                       stop_words=stop_words, retention=retention(tensors, i), lora=lora_name(tensors, i))
 
 
 def words_list(arr: Array | None, name: str) -> list[list[int]]:
@@ -364,7 +362,13 @@ def parse_token_item(tensors: Tensors, i: int, exclude_default: bool, max_input_
     return TokenRequest(prompt_token_ids=tuple(ids.astype(np.int64).tolist()),
                         sampling=_sampling(tensors, i, TOKEN_SAMPLING, extra), stream=flag(tensors, "streaming", i),
                         outputs=outputs(tensors, i, exclude_default), cache_salt=text_scalar(tensors, "cache_salt", i),
-                        retention=retention(tensors, i))
+                        retention=retention(tensors, i), lora=lora_name(tensors, i))
+
+
+def lora_name(tensors: Tensors, i: int) -> str | None:
+    """The engine adapter row i runs with: its lora_task_id's (lora_inputs.py), None for the base model."""
+    lora = lora_input(tensors, i)
+    return None if lora is None else lora.name
 
 
 def perf_values(stats: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:

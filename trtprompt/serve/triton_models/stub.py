@@ -28,6 +28,7 @@ from trtprompt.error_codes import STATUSES, CancelledRequestError, code_of, desc
 from trtprompt.knobs import KNOBS
 from trtprompt.serve.triton_models.cancel_watch import CancelWatcher, watch_client
 from trtprompt.serve.triton_models.guided import client_error
+from trtprompt.serve.triton_models.lora_inputs import task_error
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.engine_client import EngineClient
 from trtprompt.serve.wire.frames import StepEntry
@@ -155,7 +156,8 @@ class Job:
         error = P.entry_error(entry)
         if error is not None:
             self._finished[i] = True
-            raise client_error(error)  # a guide's refusal names the client's input, not the engine's field
+            # A guide's refusal names the client's input, not the engine's field; an unknown adapter, lora_task_id.
+            raise task_error(client_error(error), self.rows[i].engine_request().lora)
         if entry["finished"]:
             self._finished[i] = True
             if entry.get("warning"):

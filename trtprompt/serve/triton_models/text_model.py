@@ -15,6 +15,7 @@ from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.prompt.edge import PromptEdge
 from trtprompt.serve.triton_models import inputs
 from trtprompt.serve.triton_models import stub as io
+from trtprompt.serve.triton_models.lora_inputs import lora_input, send_adapter
 from trtprompt.serve.triton_models.sequences import (
     SeqOutput,
     Sequences,
@@ -125,8 +126,11 @@ class TextModel(io.RowModel):
 
     def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> list[_TextRow]:
         n = inputs.batch_size(tensors, "text_input", "messages")
-        return [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default, self.encode_word,
+        rows = [_TextRow(self, i, inputs.parse_text_item(tensors, i, self.exclude_default, self.encode_word,
                                                          self.max_beam_width), wanted) for i in range(n)]
+        for i in range(n):  # every row checked first: a refused request hands the engine nothing
+            send_adapter(self.socket, lora_input(tensors, i))
+        return rows
 
     def encode_word(self, word: str) -> list[int]:
         """A bad word's or bias word's ids: tokenized alone, without special tokens (as stop words are)."""

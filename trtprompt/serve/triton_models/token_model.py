@@ -17,6 +17,7 @@ from trtprompt.knobs import KNOBS
 from trtprompt.serve.triton_models import guided, inputs
 from trtprompt.serve.triton_models import stub as io
 from trtprompt.serve.triton_models.inputs import Array
+from trtprompt.serve.triton_models.lora_inputs import lora_input, send_adapter
 from trtprompt.serve.triton_models.metrics_publisher import MetricsPublisher
 from trtprompt.serve.triton_models.sequences import (
     SeqOutput,
@@ -134,9 +135,12 @@ class TokenModel(io.RowModel):
     def make_rows(self, tensors: dict[str, Any], wanted: frozenset[str]) -> list[_TokenRow]:
         n = inputs.batch_size(tensors, "input_ids")
         limit, vocab = self.engine_bounds()  # input_ids past the limit are refused before reaching the engine
-        return [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default, limit, vocab,
+        rows = [_TokenRow(self, i, inputs.parse_token_item(tensors, i, self.exclude_default, limit, vocab,
                                                            self.max_beam_width), _echo(tensors, i), wanted)
                 for i in range(n)]
+        for i in range(n):  # every row checked first: a refused request hands the engine nothing
+            send_adapter(self.socket, lora_input(tensors, i))
+        return rows
 
     def finalize(self) -> None:
         self.metrics.stop()
