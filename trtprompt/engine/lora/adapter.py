@@ -26,8 +26,12 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # Settings whose non-default values change what PEFT computes in ways this engine does not.
+# Activated LoRA applies from its invocation tokens on, layer replication changes the layer structure, QALoRA
+# pools its input and lora_bias adds a bias: each has plain lora_A / lora_B tensors, so only its config tells.
 _REFUSED: dict[str, tuple[Any, ...]] = {
-    "use_dora": (False, None), "fan_in_fan_out": (False, None), "modules_to_save": (None, []), "bias": ("none",)}
+    "use_dora": (False, None), "fan_in_fan_out": (False, None), "modules_to_save": (None, []), "bias": ("none",),
+    "alora_invocation_tokens": (None,), "layer_replication": (None,), "use_qalora": (False, None),
+    "lora_bias": (False, None)}
 
 
 class LoraError(ValueError):
@@ -72,9 +76,10 @@ class LoraAdapter:
 
 
 def _pattern_value(module_path: str, pattern: Mapping[str, Any], default: float) -> float:
-    """PEFT's rank_pattern / alpha_pattern rule: a key matches a module path it ends (dot-separated)."""
+    """PEFT's rank_pattern / alpha_pattern rule: a key is a regex (grouped, so `q_proj|v_proj` is one key) that
+    matches a module path it ends (dot-separated)."""
     for key, value in pattern.items():
-        if re.match(rf"(.*\.)?{key}$", module_path):
+        if re.match(rf"(.*\.)?({key})$", module_path):
             return float(value)
     return default
 

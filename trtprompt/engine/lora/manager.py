@@ -49,6 +49,8 @@ class LoraManager:
         self._lock = threading.Lock()
         self._dirs: dict[str, str] = {}  # name -> directory
         self._host: OrderedDict[str, LoraAdapter] = OrderedDict()  # most recently used last
+        # (rank, modules) of every known adapter, kept when a directory's adapter leaves host memory (listings)
+        self._described: dict[str, tuple[int, tuple[str, ...]]] = {}
         self._slots: list[LoraAdapter | None] = [None] * config.max_loras
         self._slot_of: dict[str, int] = {}  # cache_key -> slot
         self._slot_lru: OrderedDict[int, None] = OrderedDict()
@@ -80,6 +82,7 @@ class LoraManager:
         """Forget `name` (requests already running with it finish with it). False: it was not known."""
         with self._lock:
             known = self._dirs.pop(name, None) is not None
+            self._described.pop(name, None)
             return self._host.pop(name, None) is not None or known
 
     def get(self, name: str) -> LoraAdapter:
@@ -103,16 +106,18 @@ class LoraManager:
             names = sorted(set(self._dirs) | set(self._host))
             out = []
             for n in names:
-                a = self._host.get(n)
-                out.append(KnownAdapter(n, self._dirs.get(n, a.source if a else None), a.rank if a else 0,
-                                        a.target_modules if a else (), a is not None))
+                rank, modules = self._described[n]
+                out.append(KnownAdapter(n, self._dirs.get(n), rank, modules, n in self._host))
             return out
 
     def _keep(self, adapter: LoraAdapter) -> None:
         self._host[adapter.name] = adapter
         self._host.move_to_end(adapter.name)
+        self._described[adapter.name] = (adapter.rank, adapter.target_modules)
         while len(self._host) > self.config.max_cpu_loras:
-            self._host.popitem(last=False)  # a directory's adapter is read again when asked for
+            evicted, _ = self._host.popitem(last=False)  # a directory's adapter is read again when asked for
+            if evicted not in self._dirs:  # one sent as weights is forgotten (TensorRT-LLM's task-id cache rule)
+                del self._described[evicted]
 
     # -- laid out for steps (the step loop) --------------------------------------------
 
