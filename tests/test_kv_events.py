@@ -344,3 +344,73 @@ def test_a_salted_chain_carries_its_salt_in_the_map_layout_only() -> None:
     assert "cache_salt" not in decoded[1]
     [_, positional, _] = msgpack.unpackb(encode_batch(0.0, events, 2, "array", 0))
     assert [len(e) for e in positional] == [8, 8]  # vLLM's positional BlockStored has no salt field
+
+
+def test_an_adapters_chain_carries_its_name_and_a_stable_id_in_both_layouts() -> None:
+    from trtprompt.engine.eviction import Block
+    from trtprompt.engine.kv_events import KvEventRecorder, encode_batch, lora_id
+    from trtprompt.engine.pool_events import BlockContent
+
+    rec = KvEventRecorder()
+    rec.stored(Block(0), b"a" * 16, BlockContent(None, (1, 2), lora_name="sql"))
+    rec.stored(Block(0), b"b" * 16, BlockContent(b"a" * 16, (3, 4), lora_name="sql"))  # same chain: one event
+    rec.stored(Block(0), b"c" * 16, BlockContent(None, (1, 2)))
+    events = rec.take()
+    [_, decoded, _] = msgpack.unpackb(encode_batch(0.0, events, 2, "map", 0))
+    sql_id = lora_id("sql")
+    assert [(e["token_ids"], e["lora_name"], e["lora_id"]) for e in decoded] == [([1, 2, 3, 4], "sql", sql_id),
+                                                                                  ([1, 2], None, None)]
+    [_, positional, _] = msgpack.unpackb(encode_batch(0.0, events, 2, "array", 0))
+    assert [(e[5], e[7]) for e in positional] == [(sql_id, "sql"), (None, None)]  # lora_id, lora_name
+    assert sql_id is not None and 0 < sql_id < 2**31 and lora_id("sql") == sql_id != lora_id("sql2")
+
+
+@pytest.mark.parametrize("layout", ["map", "array"])
+def test_dynamo_indexer_keeps_one_prompts_chains_under_two_adapters_apart(
+        hf_path: Path, indexer: DynamoIndexer, layout: str, tmp_path: Path) -> None:
+    """Dynamo's indexer hashes lora_name into its own block keys: a prompt served under adapter a overlaps
+    for a only, not for b nor the base model, until each has served it too."""
+    from lora_adapters import make_peft_adapter
+
+    cfg = KvEventsConfig(f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}", layout=layout)
+    worker = 3 + ["map", "array"].index(layout)
+    indexer.post("/register", {"instance_id": worker, "endpoint": cfg.endpoint, "replay_endpoint": cfg.replay_endpoint,
+                               "model_name": "tiny", "block_size": TPB})
+    engine = _engine(hf_path, cfg, kv_tokens=40 * TPB)
+    for name, seed in (("a", 1), ("b", 2)):
+        engine.lora.load_dir(name, make_peft_adapter(hf_path, tmp_path / name, 4, ("q_proj", "v_proj"), seed))
+    prompt = _prompts(20 + worker, 1, 0)["s" + str(20 + worker) + "-0"]
+    full = len(prompt) // TPB
+
+    def overlaps() -> dict[str | None, int]:
+        return {lora: int(indexer.post("/query", {"model_name": "tiny", "token_ids": prompt, "lora_name": lora})[
+            "scores"].get(str(worker), {}).get("0", 0)) // TPB for lora in ("a", "b", None)}
+
+    def serve(rid: str, lora: str | None) -> None:
+        engine.add_request(rid, prompt, GREEDY, None, lora=lora)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    try:
+        warm = _prompts(40 + worker, 1, 0)
+        run_to_completion(engine, warm, GREEDY)
+        _agree(indexer, worker, engine, dict(warm), 30 + worker)  # the subscription is live: later events arrive
+        serve("under-a", "a")
+        _poll(lambda: overlaps() == {"a": full, "b": 0, None: 0}, f"a's {full} blocks alone: {overlaps()}")
+        serve("under-b", "b")
+        serve("base", None)
+        _poll(lambda: overlaps() == {"a": full, "b": full, None: full}, f"three chains: {overlaps()}")
+        held = {external_hash(h) for h in engine.kv.pool.cached}
+        chains = [[external_hash(h) for h in _hashes(prompt, lora, engine)] for lora in ("a", "b", None)]
+        assert all(set(c) <= held for c in chains) and len(set().union(*map(set, chains))) == 3 * full
+    finally:
+        engine.close()
+        indexer.post("/unregister", {"instance_id": worker, "model_name": "tiny"})
+
+
+def _hashes(tokens: list[int], lora: str | None, engine: LLMEngine) -> list[bytes]:
+    """The engine's own block hashes of tokens under an adapter (its cache key seeds the chain) or none."""
+    hashes: list[bytes] = []
+    key = None if lora is None else engine.lora.get(lora).cache_key
+    extend_block_hashes(hashes, tokens, TPB, None, len(tokens) // TPB, key)
+    return hashes

@@ -13,6 +13,7 @@ than keep ones the pool no longer has. pyzmq and msgpack are imported only when 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -28,7 +29,7 @@ from trtprompt.knobs import KNOBS
 log = logging.getLogger(__name__)
 
 __all__ = ["KV_EVENT_COUNTS", "KV_EVENT_KNOBS", "KvEventRecorder", "KvEventsConfig", "KvEventPublisher", "encode_batch",
-           "external_hash", "kv_events_config", "offset_endpoint", "parse_endpoint"]
+           "external_hash", "kv_events_config", "lora_id", "offset_endpoint", "parse_endpoint"]
 
 KV_EVENT_KNOBS: tuple[str, ...] = ("kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
                                    "kv_events_layout")
@@ -41,8 +42,19 @@ KV_EVENT_COUNTS: tuple[str, ...] = ("published_batches", "published_events", "dr
                                     "replay_requests")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's end-of-replay marker (vLLM's)
 
-# One pending event: ("stored", hashes, parent, token_ids) | ("removed", hashes) | ("cleared",).
+# One pending event: ("stored", hashes, parent, token_ids, salt, lora_name) | ("removed", hashes) | ("cleared",).
 Event = tuple[Any, ...]
+
+
+def lora_id(name: str | None) -> int | None:
+    """A BlockStored's lora_id for the adapter `name` (None: the base model): a positive int32 from the name's
+    blake2b digest, the same in every process and replica. vLLM sends its own LoRARequest's integer id there
+    (positive, chosen per server), which trtprompt adapters do not have: they are known by name, and
+    lora_name carries it (docs/kv-events.md, "LoRA adapters")."""
+    if name is None:
+        return None
+    value = int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=4).digest(), "big") & 0x7FFFFFFF
+    return value or 1
 
 
 def external_hash(block_hash: BlockHash) -> int:
@@ -148,7 +160,7 @@ class KvEventRecorder:
             last[1].append(h)  # the next block of the same chain: one BlockStored, as vLLM sends
             last[3].extend(content.token_ids)
         else:
-            self._events.append(("stored", [h], parent, list(content.token_ids), content.salt))
+            self._events.append(("stored", [h], parent, list(content.token_ids), content.salt, content.lora_name))
 
     def removed(self, block: Block, block_hash: BlockHash) -> None:
         last = self._events[-1] if self._events else None
@@ -169,8 +181,8 @@ def _event_map(event: Event, block_size: int) -> dict[str, Any]:
     """vLLM's tagged-map layout (vLLM since its PR 42892): fields by name, tag under "type"."""
     if event[0] == "stored":
         stored = {"type": "BlockStored", "block_hashes": event[1], "parent_block_hash": event[2],
-                  "token_ids": event[3], "block_size": block_size, "lora_id": None, "medium": MEDIUM,
-                  "lora_name": None}
+                  "token_ids": event[3], "block_size": block_size, "lora_id": lora_id(event[5]), "medium": MEDIUM,
+                  "lora_name": event[5]}
         if event[4] is not None:  # Dynamo's indexer keys salted chains apart by it; vLLM's decoder skips it
             stored["cache_salt"] = event[4]
         return stored
@@ -182,7 +194,7 @@ def _event_map(event: Event, block_size: int) -> dict[str, Any]:
 def _event_array(event: Event, block_size: int) -> list[Any]:
     """vLLM's legacy positional layout (msgspec array_like): the tag, then the fields in order."""
     if event[0] == "stored":
-        return ["BlockStored", event[1], event[2], event[3], block_size, None, MEDIUM, None]
+        return ["BlockStored", event[1], event[2], event[3], block_size, lora_id(event[5]), MEDIUM, event[5]]
     if event[0] == "removed":
         return ["BlockRemoved", event[1], MEDIUM]
     return ["AllBlocksCleared"]

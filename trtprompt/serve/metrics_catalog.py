@@ -200,6 +200,52 @@ def tier_counter_values(stats: Mapping[str, Any]) -> dict[tuple[str, str], float
 FINISHED = "trtprompt_requests_finished_total"
 FINISHED_HELP = "Requests ended, by reason (length, stop, end_id, aborted, error, rejected_queue_full, invalid)"
 
+# Per LoRA adapter (engine/lora/, docs/lora.md), from the stats reply's `lora` (engine_process/counters.py,
+# AdapterCounters), labelled `lora_name` (vLLM's word for an adapter's name, as in its KV events). Base-model
+# requests carry no series here: the unlabelled families above count every request, adapters' included.
+# A series exists while the engine knows its adapter (or runs a request of it): unloading an adapter drops
+# its series once its last request ends, so the label's values stay bounded by the adapters loaded.
+LORA_LABEL = "lora_name"
+LORA_FINISHED = "trtprompt_lora_requests_finished_total"
+LORA_FINISHED_HELP = "Requests of a LoRA adapter ended, by reason (as trtprompt_requests_finished_total)"
+LORA_TOKENS: dict[str, tuple[str, str]] = {  # family -> (help, key of the adapter's counts)
+    "trtprompt_lora_prompt_tokens_total": ("Prompt tokens of a LoRA adapter's finished requests", "prompt_tokens"),
+    "trtprompt_lora_generation_tokens_total": ("Output tokens of a LoRA adapter's finished requests",
+                                               "generation_tokens"),
+}
+# vLLM's vllm:lora_requests_info, under its label names: one series whose labels are the adapters with
+# requests running (here: started, i.e. past their first output) and waiting (not yet started), each a
+# comma-separated sorted list, and max_lora (the max_loras knob). Its value is the Unix time of the poll
+# that set it, as vLLM sets it; the series of the previous label values is removed, so only one exists.
+LORA_INFO = "trtprompt_lora_requests_info"
+LORA_INFO_HELP = ("LoRA adapters with requests running and waiting (labels, comma-separated) and max_lora; "
+                  "value: when it was last set (Unix seconds)")
+LORA_INFO_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
+
+
+def lora_counter_values(stats: Mapping[str, Any]) -> dict[tuple[str, str, str], float]:
+    """(family, adapter, reason or "") -> cumulative count, for every adapter in the stats reply."""
+    out: dict[tuple[str, str, str], float] = {}
+    for name, counts in stats.get("lora", {}).get("adapters", {}).items():
+        out.update({(LORA_FINISHED, name, reason): float(counts["finished"].get(reason, 0))
+                    for reason in FINISH_REASONS})
+        out.update({(family, name, ""): float(counts[field]) for family, (_help, field) in LORA_TOKENS.items()})
+    return out
+
+
+def lora_info_labels(stats: Mapping[str, Any]) -> dict[str, str]:
+    """trtprompt_lora_requests_info's label values from one stats reply."""
+    lora = stats.get("lora", {})
+    return {"max_lora": str(lora.get("max_lora", 0)), "waiting_lora_adapters": ",".join(lora.get("waiting", ())),
+            "running_lora_adapters": ",".join(lora.get("running", ()))}
+
+
+def lora_families() -> list[str]:
+    """The per-adapter families: apart from trtprompt_families(), since an engine without adapters has none
+    of their series (the info gauge aside) for a dashboard to chart."""
+    return [LORA_FINISHED, *LORA_TOKENS, LORA_INFO]
+
+
 INFO = "trtprompt_engine_info"
 INFO_HELP = "The running engine's build and runtime configuration (value 1; a change is a reconfiguration)"
 INFO_LABELS = ("engine_id", "profile", "policy", "max_seq_len", "max_num_tokens", "tokens_per_block")

@@ -110,6 +110,71 @@ class RequestCounters:
                     "finished": dict(self._finished), **self._tokens}
 
 
+class AdapterCounters:
+    """Per-LoRA-adapter counts for /metrics (docs/monitoring/README.md, "LoRA adapters"); thread-safe.
+
+    Base-model requests are not counted here: the unlabelled totals count every request. An adapter's
+    counts live while the engine knows it or a request of it is in flight, so the series on /metrics
+    stay bounded by the adapters the engine holds, however many names come and go over time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._of: dict[str, str] = {}  # engine request id -> adapter name, while in flight
+        self._started: set[str] = set()  # of those, the ones that have produced an output
+        self._counts: dict[str, dict[str, Any]] = {}
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        entry = self._counts.get(name)
+        if entry is None:
+            entry = {"finished": dict.fromkeys(FINISH_REASONS, 0), "prompt_tokens": 0, "generation_tokens": 0}
+            self._counts[name] = entry
+        return entry
+
+    def submitted(self, rid: str, name: str) -> None:
+        """Before the loop takes the request, so that even its earliest output finds its adapter."""
+        with self._lock:
+            self._of[rid] = name
+
+    def withdrawn(self, rid: str) -> None:
+        """The loop refused the request: it never ran, and its refusal is counted unlabelled only."""
+        with self._lock:
+            self._of.pop(rid, None)
+
+    def outputs(self, outs: list[RequestOutput]) -> None:
+        """One step's outputs of a connection: mark started requests, count finished ones."""
+        with self._lock:
+            for out in outs:
+                name = self._of.get(out.request_id)
+                if name is None:
+                    continue
+                if not out.finished:
+                    self._started.add(out.request_id)
+                    continue
+                del self._of[out.request_id]
+                self._started.discard(out.request_id)
+                entry = self._entry(name)
+                entry["finished"][finish_label(out, out.error_code)] += 1
+                entry["prompt_tokens"] += out.num_input_tokens
+                entry["generation_tokens"] += out.num_output_tokens
+
+    def snapshot(self, known: list[str], max_lora: int) -> dict[str, Any]:
+        """The stats reply's `lora`: counts of every known or busy adapter (zeros for a known one that ran
+        nothing yet), which have requests started / not yet started, and max_lora. Counts of adapters
+        neither known nor busy are dropped here, for good."""
+        with self._lock:
+            busy = set(self._of.values())
+            for name in [n for n in self._counts if n not in busy and n not in known]:  # unloaded, idle
+                del self._counts[name]
+            for name in known:
+                self._entry(name)
+            # Only adapters that exist: a name the loop is about to refuse never reaches a label.
+            named = set(known) | set(self._counts)
+            running = {self._of[rid] for rid in self._started} & named
+            waiting = {name for rid, name in self._of.items() if rid not in self._started} & named
+            return {"adapters": {n: {**c, "finished": dict(c["finished"])} for n, c in self._counts.items()},
+                    "running": sorted(running), "waiting": sorted(waiting), "max_lora": max_lora}
+
+
 def process_usage() -> dict[str, float]:
     """This process's CPU seconds (all threads, user + system) and resident bytes."""
     with open("/proc/self/statm", encoding="ascii") as f:

@@ -33,6 +33,7 @@ from trtprompt.engine.request import RequestOutput, RequestStats
 from trtprompt.error_codes import ErrorCode, RequestError, describe
 from trtprompt.prompt.budget import PromptPolicy
 from trtprompt.serve.engine_process.counters import (
+    AdapterCounters,
     RequestCounters,
     config_labels,
     drain_tier_loads,
@@ -42,6 +43,7 @@ from trtprompt.serve.engine_process.counters import (
 from trtprompt.serve.engine_process.lora_ops import LORA_OPS, lora_op
 from trtprompt.serve.wire import protocol as P
 from trtprompt.serve.wire.frames import StepEntry
+from trtprompt.serve.wire.lora_modules import lora_modules_of
 from trtprompt.serve.wire.model_config import read_parameters
 from trtprompt.serve.wire.outputs import add_sequence_fields
 from trtprompt.serve.wire.process import prefer_quick_thread_switches
@@ -57,8 +59,11 @@ _STATS_FIELDS = tuple(f.name for f in fields(RequestStats) if f.name not in _SPE
 
 
 def engine_overrides(params: Mapping[str, str]) -> dict[str, Any]:
-    """LLMEngine.from_engine_dir keyword arguments from tensorrt_llm's parameters."""
-    return knobs.from_parameters(params, knobs.ENGINE_KEYS)
+    """LLMEngine.from_engine_dir keyword arguments from tensorrt_llm's parameters (serve --lora-modules'
+    adapters as one JSON parameter, serve/wire/lora_modules.py)."""
+    overrides = knobs.from_parameters(params, knobs.ENGINE_KEYS)
+    modules = lora_modules_of(params)
+    return overrides if modules is None else {**overrides, "lora_modules": modules}
 
 
 def request_stats(stats: RequestStats) -> dict[str, Any]:
@@ -115,6 +120,7 @@ class EngineService:
         self.engine = loop.engine
         self.restarts = restarts  # how often the launcher restarted this engine process before
         self.counters = RequestCounters(self.engine.kv.tokens_per_block)  # for /metrics
+        self.adapter_counters = AdapterCounters()  # per LoRA adapter, for /metrics
         self.config_labels = config_labels(self.engine)  # fixed for the process's life
         files = getattr(self.engine, "files", None)
         self.prompt_policy = PromptPolicy.from_mapping(files.prompt if files is not None else {})
@@ -134,7 +140,8 @@ class EngineService:
         self.counters.record_tier_loads(drain_tier_loads(self.engine))  # for trtprompt_kv_tier_load_seconds
         return {"type": "stats", **asdict(self.loop.stats()), **self.counters.snapshot(since),
                 "in_flight": self.loop.num_in_flight(), "pid": os.getpid(), "restarts": self.restarts,
-                **process_usage(), **kv_event_counts(self.engine)}
+                **process_usage(), **kv_event_counts(self.engine), "lora": self.adapter_counters.snapshot(
+                    self.engine.lora.names(), self.engine.lora.config.max_loras)}
 
     def record(self, out: RequestOutput) -> None:
         """Count a finished request and keep its timings for the histograms."""
@@ -172,6 +179,7 @@ class Connection:
         for out in outputs:
             if out.finished:
                 self.service.record(out)
+        self.service.adapter_counters.outputs(outputs)
         if not closed:  # "t": when it was made, so a reader can tell it is behind (engine_client.behind)
             for frame in self._step_frames(entries, time.monotonic()):
                 self._outbox.put(frame)
@@ -202,15 +210,19 @@ class Connection:
         service = self.service
         with self._lock:
             self._live[engine_rid] = bool(msg.get("perf"))
+        lora = msg.get("lora")
+        if lora is not None:  # counted per adapter from here (engine_process/counters.py, AdapterCounters)
+            service.adapter_counters.submitted(engine_rid, str(lora))
         try:
             params = sampling_from_wire(msg.get("params") or {})
             service.prompt_policy.check_salt(msg.get("cache_salt"))
             retention = retention_from_wire(msg.get("retention"))  # docs/prefix-pool.md, "Retention"
             service.loop.add(engine_rid, list(msg["prompt_token_ids"]), params, self,
-                             cache_salt=msg.get("cache_salt"), retention=retention, lora=msg.get("lora"))
+                             cache_salt=msg.get("cache_salt"), retention=retention, lora=lora)
         except Exception as exc:  # noqa: BLE001 - this request fails, the connection and the others go on
             with self._lock:
                 self._live.pop(engine_rid, None)
+            service.adapter_counters.withdrawn(engine_rid)
             code, message = describe(exc)
             if not isinstance(exc, RequestError):  # a frame our own client should never send: a bug
                 log.exception("submit %s failed", rid)

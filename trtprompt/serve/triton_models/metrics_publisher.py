@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Any, Mapping
 
 from trtprompt.serve import metrics_catalog as C
+from trtprompt.serve.triton_models.lora_metrics import LoraMetrics
 from trtprompt.serve.wire import protocol as P
 
 
@@ -155,6 +157,7 @@ class MetricsPublisher:
         self._period = period_s
         self._stop = threading.Event()
         self._m = _Families(pb_utils, model_labels or {})
+        self._lora = LoraMetrics(pb_utils)  # per-adapter series, made and dropped as adapters come and go
         self._pid: int | None = None
         self._since = 0
         self._counted: dict[tuple[str, str], float] = {}
@@ -177,6 +180,7 @@ class MetricsPublisher:
             return
         self._conn.close()
         self._info.clear()
+        self._lora.release()
         self._m.release()
 
     def poll_once(self) -> None:
@@ -186,6 +190,7 @@ class MetricsPublisher:
             stats = self._conn.call({"op": "stats", "since": 0})
         self._set_gauges(stats)
         self._advance_counters(stats)
+        self._lora.publish(stats, time.time())
         for timing in stats["timings"]:
             for key, metric in self._m.histograms.items():
                 if key in timing:
@@ -200,6 +205,7 @@ class MetricsPublisher:
         restarts = (C.RESTARTS, "")
         self._counted = {restarts: self._counted[restarts]} if restarts in self._counted else {}
         self._pid, self._since = pid, 0
+        self._lora.new_engine()
         labels = self._conn.call({"op": "info"})["config_labels"]
         values = tuple(str(labels[k]) for k in C.INFO_LABELS)
         for other, metric in self._info.items():
