@@ -234,16 +234,18 @@ def test_rank_and_alpha_patterns_are_read_as_peft_reads_them(llama: Tiny, tmp_pa
 # -- 2. the stacked fast path against its per-adapter reference ----------------------------------------------
 
 
+@pytest.mark.parametrize("by_runs", [False, True], ids=["masked", "runs"])
 def test_stacked_products_equal_the_reference_and_rows_without_an_adapter_get_zero(
-        tiny_of: Callable[[str], Tiny]) -> None:
+        tiny_of: Callable[[str], Tiny], by_runs: bool) -> None:
     tiny = tiny_of("qwen3")  # head_dim != hidden / heads: o_proj's input is wider than the hidden state
     cfg = LLMEngine.from_engine_dir(tiny.engine_dir, max_tokens_in_paged_kv_cache=256).config.model
     read = {n: read_peft_dir(n, p, cfg, 64) for n, p in tiny.adapters.items()}
     slots: list[LoraAdapter | None] = [read["attn4"], None, read["all16rs"], read["layers8"]]
     row_slot = [0, 0, 2, -1, -1, 3, 3, 3, 0, -1, 2, 2]
     segments = [(i, i + 1, None if s < 0 else slots[s]) for i, s in enumerate(row_slot)]
-    step = LoraStep(LoraStacks(cfg, slots, torch.float32, torch.device("cpu")),
-                    torch.tensor(row_slot), torch.float32)
+    step = LoraStep(LoraStacks(cfg, slots, torch.float32, torch.device("cpu")), row_slot, torch.float32,
+                    torch.device("cpu"), by_runs)
+    assert step.by_runs is by_runs
     shapes = module_shapes(cfg)
     g = torch.Generator().manual_seed(0)
     for layer in range(cfg.num_hidden_layers):
@@ -257,8 +259,8 @@ def test_stacked_products_equal_the_reference_and_rows_without_an_adapter_get_ze
             alone = step.apply(torch.zeros_like(y), x, layer, group)
             assert torch.equal(alone[[i for i, s in enumerate(row_slot) if s < 0]], torch.zeros(3, fan_out))
     # No resident adapter targets the MLP's fused gate/up: the step leaves that linear's output as it is.
-    attn_only = LoraStep(LoraStacks(cfg, [read["attn4"]], torch.float32, torch.device("cpu")),
-                         torch.tensor([0, -1]), torch.float32)
+    attn_only = LoraStep(LoraStacks(cfg, [read["attn4"]], torch.float32, torch.device("cpu")), [0, -1],
+                         torch.float32, torch.device("cpu"), by_runs)
     y = torch.randn(2, 2 * cfg.intermediate_size)
     assert attn_only.apply(y, torch.randn(2, cfg.hidden_size), 0, "gate_up") is y
 
@@ -569,3 +571,15 @@ def test_engine_process_ops_load_list_unload_and_refuse_with_error_frames(
     with pytest.raises(UnknownLoraError, match=r"'mlp' is not loaded \(known: attn4\)"):
         engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=2), lora="mlp")
 
+
+
+def test_runs_are_chosen_for_prompt_chunks_and_the_mask_for_decode_rows() -> None:
+    from trtprompt.engine.lora.stacks import slot_runs
+
+    assert slot_runs([0, 0, -1, 2, 2, 2, 0, -1]) == [(0, 2, 0), (3, 6, 2), (6, 7, 0)]
+    assert slot_runs([-1, -1]) == [] and slot_runs([]) == []
+    stacks = LoraStacks.__new__(LoraStacks)  # LoraStep only reads the rows' slots to choose
+    chunk = [1] * 40 + [-1] * 8 + [0] * 24
+    assert LoraStep(stacks, chunk, torch.float32, torch.device("cpu")).by_runs  # 2 runs of 32 rows on average
+    decode = [0, 1, 2, 3, -1, 0, 1, 2]
+    assert not LoraStep(stacks, decode, torch.float32, torch.device("cpu")).by_runs

@@ -15,7 +15,7 @@ from trtprompt.engine.lora.manager import LoraManager
 from trtprompt.engine.lora.stacks import LoraStep
 from trtprompt.engine.model import DecoderModel
 from trtprompt.engine.request import Request
-from trtprompt.engine.scheduler import SchedulerOutput
+from trtprompt.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -83,20 +83,24 @@ class ModelRunner:
         return build_attention_metadata(slices, self.tokens_per_block, self.device,
                                         self.attention_backend, self.model.dtype)
 
+    def _packing_order(self, out: SchedulerOutput, lora: LoraManager | None) -> list[ScheduledRequest]:
+        """The scheduled requests in the order their rows are packed: scheduling order, except that with
+        adapters each adapter's requests are packed together (a stable sort by slot), so that a step of prompt
+        chunks has one run of rows per adapter (LoraStep)."""
+        if lora is None:
+            return out.scheduled
+        return sorted(out.scheduled, key=lambda s: -1 if s.request.lora is None else lora.slot(s.request.lora))
+
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
         ids: list[int] = []
         positions: list[int] = []
         slices: list[SeqSlice] = []
-        logits_rows: list[int] = []
-        prompt_rows: list[PromptRows] = []
-        extra_rows: list[int] = []
-        draft_rows: list[tuple[Request, int]] = []
-        draft_row_ids: list[int] = []
         row_slot: list[int] = []
+        first_row: dict[str, int] = {}  # by request id: its first packed row
         lora = self.lora if self.lora is not None and self.lora.active else None
-        for s in out.scheduled:
+        for s in self._packing_order(out, lora):
             start, end = s.context_len, s.context_len + s.num_new_tokens
-            first_row = len(ids)
+            first_row[s.request.request_id] = len(ids)
             ids.extend(s.request.all_token_ids[start:end - s.num_draft])
             ids.extend(s.request.drafts[:s.num_draft])
             positions.extend(range(start, end))
@@ -104,22 +108,37 @@ class ModelRunner:
                 adapter = s.request.lora
                 row_slot.extend([-1 if adapter is None else lora.slot(adapter)] * s.num_new_tokens)
             slices.append(SeqSlice(start, s.num_new_tokens, kv.block_ids(s.request.request_id)))
-            if s.samples:
-                logits_rows.append(len(ids) - 1 - s.num_draft)
-            if s.num_draft:
-                draft_rows.append((s.request, s.num_draft))
-                draft_row_ids.extend(range(len(ids) - s.num_draft, len(ids)))
-            wanted = prompt_positions(s.request, start, end)
-            if wanted:
-                prompt_rows.append(PromptRows(s.request, wanted.start, len(wanted)))
-                extra_rows.extend(first_row + p - start for p in wanted)
+        logits_rows, prompt_rows, draft_rows = self._logits_rows(out, first_row)
         dev = self.device
         return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev),
-                          self.metadata(slices),
-                          torch.tensor(logits_rows + extra_rows + draft_row_ids, dtype=torch.long, device=dev),
+                          self.metadata(slices), torch.tensor(logits_rows, dtype=torch.long, device=dev),
                           tuple(prompt_rows), tuple(draft_rows),
                           None if lora is None else lora.step(row_slot))
+
+    @staticmethod
+    def _logits_rows(out: SchedulerOutput, first_row: dict[str, int]
+                     ) -> tuple[list[int], list[PromptRows], list[tuple[Request, int]]]:
+        """The packed rows whose logits are wanted (StepInputs.logits_rows: sampled rows in scheduling order,
+        then prompt rows, then draft rows), with the PromptRows and draft counts they belong to."""
+        sampled: list[int] = []
+        prompt_rows: list[PromptRows] = []
+        extra_rows: list[int] = []
+        draft_rows: list[tuple[Request, int]] = []
+        draft_row_ids: list[int] = []
+        for s in out.scheduled:
+            first, end = first_row[s.request.request_id], s.context_len + s.num_new_tokens
+            after = first + s.num_new_tokens  # the packed row after its last
+            if s.samples:
+                sampled.append(after - 1 - s.num_draft)
+            if s.num_draft:
+                draft_rows.append((s.request, s.num_draft))
+                draft_row_ids.extend(range(after - s.num_draft, after))
+            wanted = prompt_positions(s.request, s.context_len, end)
+            if wanted:
+                prompt_rows.append(PromptRows(s.request, wanted.start, len(wanted)))
+                extra_rows.extend(first + p - s.context_len for p in wanted)
+        return sampled + extra_rows + draft_row_ids, prompt_rows, draft_rows
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (source id, destination id) in every layer, K and V."""

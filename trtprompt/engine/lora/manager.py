@@ -172,4 +172,4 @@ class LoraManager:
         if self._stacks is None or self._dirty:
             self._stacks = LoraStacks(self.cfg, self._slots, self.dtype, self.device)
             self._dirty = False
-        return LoraStep(self._stacks, torch.tensor(row_slot, dtype=torch.long, device=self.device), self.dtype)
+        return LoraStep(self._stacks, row_slot, self.dtype, self.device)
