@@ -56,6 +56,10 @@ class LoraManager:
         self._slot_lru: OrderedDict[int, None] = OrderedDict()
         self._pins: dict[int, int] = {}  # slot -> running requests
         self._running = 0  # running requests with an adapter: none, and a step skips LoRA without a look
+        # The products are computed in float32 whatever the model's dtype, as PEFT computes them: on a bf16
+        # model torch's bf16 GEMMs go through oneDNN, whose per-shape primitives (every run length, every
+        # adapter's width) would crowd the base linears' out of its small cache (linear.py: 64 shapes) and be
+        # made again and again; a bf16 GEMM of a few rows also costs ~3x its float32 one here.
         self._stacks: LoraStacks | None = None
         self._dirty = False
 
@@ -170,6 +174,6 @@ class LoraManager:
         if all(s < 0 for s in row_slot):
             return None
         if self._stacks is None or self._dirty:
-            self._stacks = LoraStacks(self.cfg, self._slots, self.dtype, self.device)
+            self._stacks = LoraStacks(self.cfg, self._slots, torch.float32, self.device)
             self._dirty = False
-        return LoraStep(self._stacks, row_slot, self.dtype, self.device)
+        return LoraStep(self._stacks, row_slot, torch.float32, self.device)

@@ -135,8 +135,18 @@ class LoraStacks:
 
     def __init__(self, cfg: ModelConfig, slots: Sequence[LoraAdapter | None], dtype: torch.dtype,
                  device: torch.device) -> None:
+        self.dtype = dtype
         self.groups = {(layer, g): _group_stack(cfg, layer, g, slots, dtype, device)
                        for layer in range(cfg.num_hidden_layers) for g in GROUPS}
+
+
+def _add(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor) -> None:
+    """y += xa @ b, y in the model's dtype, xa and b in the stacks' (float32 stacks of a bf16 model: the product
+    is rounded once, where it is added, as PEFT adds its float32 product)."""
+    if y.dtype == b.dtype:
+        y.addmm_(xa, b)
+    else:
+        y.add_(torch.mm(xa, b))
 
 
 def slot_runs(row_slot: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -184,13 +194,14 @@ class LoraStep:
         g = self.stacks.groups[(layer, group)]
         if g is None:
             return y
+        x = x.to(g.a_t.dtype)  # float32 stacks of a bf16 model (LoraManager.step): x in float32
         if self.by_runs:
             return self._by_runs(y, x, g)
         xa = torch.mm(x, g.a_t)
         xa.mul_(self._mask(g))
         xa = xa.index_select(1, g.perm)  # module-major: each module's products side by side
         for b in g.blocks:
-            y[:, b.out_offset:b.out_offset + b.out_features].addmm_(xa[:, b.start:b.end], b.b)
+            _add(y[:, b.out_offset:b.out_offset + b.out_features], xa[:, b.start:b.end], b.b)
         return y
 
     def _by_runs(self, y: torch.Tensor, x: torch.Tensor, g: GroupStack) -> torch.Tensor:
@@ -200,7 +211,7 @@ class LoraStep:
             if view is None:
                 continue  # this adapter targets none of the linear's modules in this layer
             rows_x, rows_y = (x, y) if whole else (x[first:last], y[first:last])
-            rows_y.addmm_(torch.mm(rows_x, view.a), view.b)
+            _add(rows_y, torch.mm(rows_x, view.a), view.b)
         return y
 
 
