@@ -13,21 +13,9 @@ def make_peft_adapter(checkpoint: Path, out: Path, rank: int, modules: Sequence[
                       rslora: bool = False, alpha: int | None = None, layers: Sequence[int] | None = None) -> Path:
     """A PEFT LoRA adapter of `checkpoint` in `out`: every lora_A / lora_B random N(0, scale^2) (PEFT's own
     init leaves B zero, which would make every adapter the base model)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(modules), use_rslora=rslora,
-                        layers_to_transform=None if layers is None else list(layers), init_lora_weights=False)
-    model = get_peft_model(base, config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn_like(param) * scale)
-    model.save_pretrained(out)
-    return out
+    return make_peft_adapter_with(checkpoint, out, seed, scale, r=rank, lora_alpha=alpha or 2 * rank,
+                                  target_modules=list(modules), use_rslora=rslora,
+                                  layers_to_transform=None if layers is None else list(layers))
 
 
 def peft_greedy(checkpoint: Path, adapter: Path | None, prompt: Sequence[int], max_new_tokens: int) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -23,6 +23,19 @@ from trtprompt.serve.wire import protocol as P
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 NAMES = json.loads((Path(__file__).parent / "fixtures" / "trtllm_names.json").read_text())["releases"]
+TASK_IDS = (4101, 4102, 4103)  # the task ids these tests send weights for
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forget_task_adapters(served: Served) -> Iterator[None]:
+    """The session server is shared: the adapters sent here are unloaded after the module, so the next modules
+    see the engine's own adapters only (/v1/models lists every adapter the engine knows)."""
+    yield
+    for task_id in TASK_IDS:
+        try:
+            P.call(served.socket_path, {"op": "lora_unload", "name": str(task_id)})
+        except P.EngineError:
+            pass  # never sent (a test failed first), or refused: nothing to forget
 
 
 @pytest.fixture(scope="module")

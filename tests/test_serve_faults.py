@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-
 from serve_fixtures import Oracle, Served
+
 from trtprompt.client import LLMClient, StreamResult, make_input, text_inputs, token_inputs
 
 pytestmark = pytest.mark.server
@@ -81,9 +81,12 @@ def test_unsupported_options_are_refused(served: Served, optional: dict[str, Any
     assert message in _error(served.text("hi", 4, **optional))
 
 
-def test_unsupported_lora_and_prompt_table_inputs(served: Served) -> None:
+def test_unknown_lora_task_and_unsupported_prompt_table_inputs(served: Served) -> None:
+    # A task id never sent with its weights is refused with TensorRT-LLM's wording (docs/lora.md), and the server
+    # goes on; prompt tables are still not supported.
     lora = make_input("lora_task_id", 7, np.uint64)
-    assert "'lora_task_id' is not supported" in _error(_raw(served, text_inputs("hi", 4) + [lora]))
+    assert "input 'lora_task_id': LoRA task 7 not found in cache. Please send LoRA weights with request" in \
+        _error(_raw(served, text_inputs("hi", 4) + [lora]))
     table = make_input("prompt_embedding_table", np.zeros((1, 2, 4), dtype=np.float16))
     assert "'prompt_embedding_table' is not supported" in _error(_raw(served, text_inputs("hi", 4) + [table]))
     assert "input 'beam_width' (3) exceeds max_beam_width (1)" in _error(served.tokens([1, 2], 4, beam_width=3))
