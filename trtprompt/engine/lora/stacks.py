@@ -167,7 +167,7 @@ class LoraStep:
     - by runs (a prompt chunk's rows share one adapter): each run's own pairs, two calls per module and run,
       no work for rows or columns of other adapters;
     - masked (decode: one row per request): every resident column for every row in three calls per linear
-      plus one per module, the products of other adapters zeroed by the mask.
+      plus one per module (its B product), the products of other adapters zeroed by the mask.
     Runs are chosen when a run averages at least RUN_ROWS rows: then their calls cost less than the masked
     path's wasted products."""
 
