@@ -104,8 +104,10 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def start_server(engine_dir: Path, run_dir: Path, *extra: str) -> Served:
-    grpc, http, metrics, openai = free_ports(4)
+def start_server(engine_dir: Path, run_dir: Path, *extra: str, ports: Sequence[int] | None = None) -> Served:
+    """ports: (grpc, http, metrics, openai) chosen by the caller; servers started side by side must be given
+    ports from one free_ports call, or both may pick a port the other has released but not yet bound."""
+    grpc, http, metrics, openai = ports if ports is not None else free_ports(4)
     log_path = run_dir.parent / f"{run_dir.name}.log"
     cmd = [sys.executable, "-m", "trtprompt.cli", "serve", str(engine_dir), "--run-dir", str(run_dir),
            "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics),

@@ -80,9 +80,11 @@ def cluster(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory, sto
     router, proc = start_router_node(root, key_file, api_key_file)
     c = Cluster(router, proc, [], key_file, api_key_file, root)
     try:
+        ports = free_ports(8)  # one call: the two starts below must not pick the same released port
         with cf.ThreadPoolExecutor(2) as pool:  # the two "machines" start side by side
             c.servers = list(pool.map(lambda i: start_server(tiny_engine_dir, root / f"machine-{i}",
-                                                             *c.join_args()), range(2)))
+                                                             *c.join_args(), ports=ports[4 * i:4 * i + 4]),
+                                      range(2)))
     except BaseException:
         stop_cluster(c)
         raise
