@@ -82,9 +82,13 @@ def cluster(tiny_engine_dir: Path, tmp_path_factory: pytest.TempPathFactory, sto
     try:
         ports = free_ports(8)  # one call: the two starts below must not pick the same released port
         with cf.ThreadPoolExecutor(2) as pool:  # the two "machines" start side by side
-            c.servers = list(pool.map(lambda i: start_server(tiny_engine_dir, root / f"machine-{i}",
-                                                             *c.join_args(), ports=ports[4 * i:4 * i + 4]),
-                                      range(2)))
+            starts = [pool.submit(start_server, tiny_engine_dir, root / f"machine-{i}", *c.join_args(),
+                                  ports=ports[4 * i:4 * i + 4]) for i in range(2)]
+            cf.wait(starts)
+        # A server that started is stopped with the cluster even when the other failed to (it would be left running).
+        c.servers = [f.result() for f in starts if f.exception() is None]
+        for f in starts:
+            f.result()  # the first failure, raised
     except BaseException:
         stop_cluster(c)
         raise
