@@ -54,6 +54,18 @@ def test_engine_threads_beyond_a_replicas_cores_refused(tiny_engine_dir: Path) -
                            frozenset({0, 1})).engine_threads == 2
 
 
+def test_replicas_ports_are_all_distinct(tmp_path: Path) -> None:
+    """Every replica's Triton and front-end ports come from one pick: none repeats another's, nor the user's."""
+    from trtprompt.serve.launch.launcher import Ports
+    from trtprompt.serve.launch.replicas import plan_replicas
+
+    user = Ports(grpc=18001, http=18000, metrics=18002)
+    specs = plan_replicas(4, user, tmp_path, [frozenset({i}) for i in range(4)])
+    assert specs[0].ports == user
+    taken = [p for s in specs for p in (s.ports.grpc, s.ports.http, s.ports.metrics, s.openai_port)]
+    assert len(taken) == len(set(taken)) == 16
+
+
 def test_inspect_shows_the_replicas_option(tiny_engine_dir: Path) -> None:
     from trtprompt.engine.engine_dir import read_engine_dir
     from trtprompt.report import inspect_data, inspect_text

@@ -68,10 +68,12 @@ class ReplicaSpec:
 
 
 def plan_replicas(count: int, ports: Ports, run_dir: Path, cpu_sets: list[frozenset[int]]) -> list[ReplicaSpec]:
-    """Replica 0 takes the user's Triton ports; the others, and every front end, free ones."""
+    """Replica 0 takes the user's Triton ports; the others, and every front end, free ones (from one free_ports
+    call: ports picked one replica at a time could repeat one released by the previous pick, none bound yet)."""
     specs = []
+    chosen = free_ports(4 * len(cpu_sets[:count]))
     for i, cpus in enumerate(cpu_sets[:count]):
-        grpc, http, metrics, openai = free_ports(4)
+        grpc, http, metrics, openai = chosen[4 * i:4 * i + 4]
         own = ports if i == 0 else dataclasses.replace(ports, grpc=grpc, http=http, metrics=metrics)
         specs.append(ReplicaSpec(i, own, openai, cpus, run_dir / f"replica-{i}"))
     return specs
