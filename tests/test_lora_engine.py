@@ -243,8 +243,8 @@ def test_stacked_products_equal_the_reference_and_rows_without_an_adapter_get_ze
     slots: list[LoraAdapter | None] = [read["attn4"], None, read["all16rs"], read["layers8"]]
     row_slot = [0, 0, 2, -1, -1, 3, 3, 3, 0, -1, 2, 2]
     segments = [(i, i + 1, None if s < 0 else slots[s]) for i, s in enumerate(row_slot)]
-    step = LoraStep(LoraStacks(cfg, slots, torch.float32, torch.device("cpu")), row_slot, torch.float32,
-                    torch.device("cpu"), by_runs)
+    step = LoraStep(LoraStacks(cfg, slots, torch.float32, torch.device("cpu")), row_slot, torch.device("cpu"),
+                    by_runs)
     assert step.by_runs is by_runs
     shapes = module_shapes(cfg)
     g = torch.Generator().manual_seed(0)
@@ -260,7 +260,7 @@ def test_stacked_products_equal_the_reference_and_rows_without_an_adapter_get_ze
             assert torch.equal(alone[[i for i, s in enumerate(row_slot) if s < 0]], torch.zeros(3, fan_out))
     # No resident adapter targets the MLP's fused gate/up: the step leaves that linear's output as it is.
     attn_only = LoraStep(LoraStacks(cfg, [read["attn4"]], torch.float32, torch.device("cpu")), [0, -1],
-                         torch.float32, torch.device("cpu"), by_runs)
+                         torch.device("cpu"), by_runs)
     y = torch.randn(2, 2 * cfg.intermediate_size)
     assert attn_only.apply(y, torch.randn(2, cfg.hidden_size), 0, "gate_up") is y
 
@@ -580,6 +580,6 @@ def test_runs_are_chosen_for_prompt_chunks_and_the_mask_for_decode_rows() -> Non
     assert slot_runs([-1, -1]) == [] and slot_runs([]) == []
     stacks = LoraStacks.__new__(LoraStacks)  # LoraStep only reads the rows' slots to choose
     chunk = [1] * 40 + [-1] * 8 + [0] * 24
-    assert LoraStep(stacks, chunk, torch.float32, torch.device("cpu")).by_runs  # 2 runs of 32 rows on average
+    assert LoraStep(stacks, chunk, torch.device("cpu")).by_runs  # 2 runs of 32 rows on average
     decode = [0, 1, 2, 3, -1, 0, 1, 2]
-    assert not LoraStep(stacks, decode, torch.float32, torch.device("cpu")).by_runs
+    assert not LoraStep(stacks, decode, torch.device("cpu")).by_runs

@@ -132,7 +132,7 @@ class LLMEngine:
         slow_bf16 = isa.bf16_problem(isa.cpu_flags()) if dtype == torch.bfloat16 and self.device.type == "cpu" else None
         if slow_bf16 is not None:
             log.warning("dtype bfloat16: %s (compute_dtype bfloat16; unset, this CPU computes in float32)", slow_bf16)
-        self.lora = LoraManager(config.model, config.lora, dtype, self.device)
+        self.lora = LoraManager(config.model, config.lora, self.device)
         self.runner = ModelRunner(model, caches, tpb, self.device, self.attention_backend, self.lora)
         stores = list(tier_stores) if tier_stores is not None else open_stores(config.tiers)
         if stores and config.kv_cache.enable_block_reuse:

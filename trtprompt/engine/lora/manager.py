@@ -44,8 +44,8 @@ class KnownAdapter:
 
 
 class LoraManager:
-    def __init__(self, cfg: ModelConfig, config: LoraConfig, dtype: torch.dtype, device: torch.device) -> None:
-        self.cfg, self.config, self.dtype, self.device = cfg, config, dtype, device
+    def __init__(self, cfg: ModelConfig, config: LoraConfig, device: torch.device) -> None:
+        self.cfg, self.config, self.device = cfg, config, device
         self._lock = threading.Lock()
         self._dirs: dict[str, str] = {}  # name -> directory
         self._host: OrderedDict[str, LoraAdapter] = OrderedDict()  # most recently used last
@@ -176,4 +176,4 @@ class LoraManager:
         if self._stacks is None or self._dirty:
             self._stacks = LoraStacks(self.cfg, self._slots, torch.float32, self.device)
             self._dirty = False
-        return LoraStep(self._stacks, row_slot, torch.float32, self.device)
+        return LoraStep(self._stacks, row_slot, self.device)

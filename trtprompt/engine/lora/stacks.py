@@ -69,17 +69,17 @@ def _group_stack(cfg: ModelConfig, layer: int, group: str, slots: Sequence[LoraA
     a_parts: list[torch.Tensor] = []
     layout: list[tuple[int, int]] = []
     cols: dict[tuple[str, int], tuple[int, int]] = {}  # (module, slot) -> slot-major columns
+    total = 0  # columns so far
     for slot, adapter in enumerate(slots):
-        first = sum(w for _, w in layout)
+        first = total
         for m in modules:
             pair = None if adapter is None else adapter.pairs.get((layer, m))
             if pair is not None:
-                start = sum(p.shape[0] for p in a_parts)
-                cols[(m, slot)] = (start, start + pair.rank)
+                cols[(m, slot)] = (total, total + pair.rank)
                 a_parts.append(pair.a)
-        width = sum(p.shape[0] for p in a_parts) - first
-        if width:
-            layout.append((slot, width))
+                total += pair.rank
+        if total > first:
+            layout.append((slot, total - first))
     if not a_parts:
         return None
     a_t = torch.cat(a_parts).t().contiguous().to(device=device, dtype=dtype)
@@ -135,7 +135,6 @@ class LoraStacks:
 
     def __init__(self, cfg: ModelConfig, slots: Sequence[LoraAdapter | None], dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.dtype = dtype
         self.groups = {(layer, g): _group_stack(cfg, layer, g, slots, dtype, device)
                        for layer in range(cfg.num_hidden_layers) for g in GROUPS}
 
@@ -173,9 +172,9 @@ class LoraStep:
 
     RUN_ROWS = 16
 
-    def __init__(self, stacks: LoraStacks, row_slot: Sequence[int], dtype: torch.dtype, device: torch.device,
+    def __init__(self, stacks: LoraStacks, row_slot: Sequence[int], device: torch.device,
                  by_runs: bool | None = None) -> None:
-        self.stacks, self.dtype = stacks, dtype
+        self.stacks = stacks
         self.runs = slot_runs(row_slot)
         lora_rows = sum(e - s for s, e, _ in self.runs)
         self.by_runs = lora_rows >= self.RUN_ROWS * len(self.runs) if by_runs is None else by_runs
@@ -185,7 +184,7 @@ class LoraStep:
     def _mask(self, g: GroupStack) -> torch.Tensor:
         mask = self._masks.get(g.layout)
         if mask is None:  # most layers share a layout: one mask per layout and step
-            mask = (self.row_slot[:, None] == g.col_slot[None, :]).to(self.dtype)
+            mask = (self.row_slot[:, None] == g.col_slot[None, :]).to(g.a_t.dtype)
             self._masks[g.layout] = mask
         return mask
 
