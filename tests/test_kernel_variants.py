@@ -1,11 +1,11 @@
 """Kernel variants per instruction set (engine/isa.py): chosen from the CPU's flags, each one the
 machine supports equal to the reference.
 
-The parity tests of the compiled kernels (tests/test_layer_ops.py, tests/test_attention_paths.py and the
-int8 KV kernels' in tests/test_kv_int8.py) run in the default variant with the rest of the suite; here
-they run again in a child process for every other variant this CPU supports (one process loads one
-variant: they define the same ops). `make install` builds them all (`python -m trtprompt.engine.kernels
---all`), so the children only load them.
+The parity tests of the compiled kernels (tests/test_layer_ops.py, tests/test_attention_paths.py, the
+int8 KV kernels' in tests/test_kv_int8.py and the LoRA kernel's, tests/test_lora_kernel.py) run in the
+default variant with the rest of the suite; here they run again in a child process for every other
+variant this CPU supports (one process loads one variant: they define the same ops). `make install`
+builds them all (`python -m trtprompt.engine.kernels --all`), so the children only load them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from trtprompt.engine import isa, kernels
 
 AVX2_FLAGS = frozenset("fpu sse2 avx avx2 fma f16c".split())
 AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile"}
-PARITY = "fast_paths_equal_reference or log_sum_exp or rms_norm or silu or rotary or int8_in_place"
+PARITY = "fast_paths_equal_reference or log_sum_exp or rms_norm or silu or rotary or int8_in_place or lora_kernel"
 
 
 def test_flags_are_read_from_cpuinfo_on_x86_and_arm(tmp_path: Path) -> None:
@@ -82,7 +82,8 @@ def children() -> Iterator[dict[str, subprocess.Popen[str]]]:
     """Every other variant's child, started together (each waits on imports and one core, not on the others)."""
     tests = Path(__file__).parent
     args = ["-q", "-p", "no:cacheprovider", "-k", PARITY,
-            *(str(tests / f) for f in ("test_layer_ops.py", "test_attention_paths.py", "test_kv_int8.py"))]
+            *(str(tests / f) for f in ("test_layer_ops.py", "test_attention_paths.py", "test_kv_int8.py",
+                                          "test_lora_kernel.py"))]
     started = {v: subprocess.Popen([sys.executable, "-c", CHILD, *args], env={**os.environ, isa.ISA_ENV: v},
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for v in OTHERS}
     yield started

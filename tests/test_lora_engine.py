@@ -31,12 +31,13 @@ from lora_adapters import (
 from real_model_fixtures import REAL_CKPT
 
 from trtprompt.build import BuildRequest, run_build
+from trtprompt.engine import kernels
 from trtprompt.engine.engine import LLMEngine
 from trtprompt.engine.errors import EngineRequestError
 from trtprompt.engine.lora.adapter import LoraAdapter, LoraError, read_peft_dir
 from trtprompt.engine.lora.manager import UnknownLoraError
 from trtprompt.engine.lora.modules import GROUPS, module_shapes
-from trtprompt.engine.lora.stacks import LoraStacks, LoraStep, reference_delta
+from trtprompt.engine.lora.stacks import LoraPath, LoraStacks, LoraStep, reference_delta
 from trtprompt.engine.request import RequestOutput, SamplingParams
 from trtprompt.error_codes import ErrorCode
 from trtprompt.serve.engine_process.lora_ops import lora_op
@@ -161,6 +162,15 @@ def test_every_adapter_equals_peft_in_one_batch_with_the_base_model(tiny_of: Cal
     assert got == expected
 
 
+def test_the_pure_torch_path_equals_peft_too(llama: Tiny) -> None:
+    """Without the compiled kernels (attention_backend torch: a machine without a compiler) the products go
+    masked for decode rows and by runs for prompt chunks: the same tokens."""
+    jobs = mixed_jobs(list(TINY_ADAPTERS), PROMPTS)
+    engine = llama.engine(attention_backend="torch")
+    assert engine.lora.kernel_lanes is None
+    assert run_jobs(engine, jobs) == llama.oracle(jobs)
+
+
 @pytest.fixture(scope="module")
 def smollm2_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if not (REAL_CKPT / "config.json").is_file():
@@ -234,18 +244,28 @@ def test_rank_and_alpha_patterns_are_read_as_peft_reads_them(llama: Tiny, tmp_pa
 # -- 2. the stacked fast path against its per-adapter reference ----------------------------------------------
 
 
-@pytest.mark.parametrize("by_runs", [False, True], ids=["masked", "runs"])
+def kernel_lanes(path: LoraPath) -> int | None:
+    """The kernel's vector width for the kernel path (skipping where it does not build), else None."""
+    if path != "kernel":
+        return None
+    if not kernels.compiled_kernel_status()[0]:
+        pytest.skip("compiled kernels unavailable")
+    return kernels.variant().lanes
+
+
+@pytest.mark.parametrize("path", ["masked", "runs", "kernel"])
 def test_stacked_products_equal_the_reference_and_rows_without_an_adapter_get_zero(
-        tiny_of: Callable[[str], Tiny], by_runs: bool) -> None:
+        tiny_of: Callable[[str], Tiny], path: LoraPath) -> None:
     tiny = tiny_of("qwen3")  # head_dim != hidden / heads: o_proj's input is wider than the hidden state
     cfg = LLMEngine.from_engine_dir(tiny.engine_dir, max_tokens_in_paged_kv_cache=256).config.model
     read = {n: read_peft_dir(n, p, cfg, 64) for n, p in tiny.adapters.items()}
     slots: list[LoraAdapter | None] = [read["attn4"], None, read["all16rs"], read["layers8"]]
     row_slot = [0, 0, 2, -1, -1, 3, 3, 3, 0, -1, 2, 2]
     segments = [(i, i + 1, None if s < 0 else slots[s]) for i, s in enumerate(row_slot)]
+    lanes = kernel_lanes(path)
     step = LoraStep(LoraStacks(cfg, slots, torch.float32, torch.device("cpu")), row_slot, torch.device("cpu"),
-                    by_runs)
-    assert step.by_runs is by_runs
+                    path, lanes)
+    assert step.path == path
     shapes = module_shapes(cfg)
     g = torch.Generator().manual_seed(0)
     for layer in range(cfg.num_hidden_layers):
@@ -260,7 +280,7 @@ def test_stacked_products_equal_the_reference_and_rows_without_an_adapter_get_ze
             assert torch.equal(alone[[i for i, s in enumerate(row_slot) if s < 0]], torch.zeros(3, fan_out))
     # No resident adapter targets the MLP's fused gate/up: the step leaves that linear's output as it is.
     attn_only = LoraStep(LoraStacks(cfg, [read["attn4"]], torch.float32, torch.device("cpu")), [0, -1],
-                         torch.device("cpu"), by_runs)
+                         torch.device("cpu"), path, lanes)
     y = torch.randn(2, 2 * cfg.intermediate_size)
     assert attn_only.apply(y, torch.randn(2, cfg.hidden_size), 0, "gate_up") is y
 
@@ -573,13 +593,19 @@ def test_engine_process_ops_load_list_unload_and_refuse_with_error_frames(
 
 
 
-def test_runs_are_chosen_for_prompt_chunks_and_the_mask_for_decode_rows() -> None:
+def test_the_kernel_is_chosen_where_it_runs_else_runs_for_prompt_chunks_and_the_mask_for_decode_rows() -> None:
     from trtprompt.engine.lora.stacks import slot_runs
 
     assert slot_runs([0, 0, -1, 2, 2, 2, 0, -1]) == [(0, 2, 0), (3, 6, 2), (6, 7, 0)]
     assert slot_runs([-1, -1]) == [] and slot_runs([]) == []
     stacks = LoraStacks.__new__(LoraStacks)  # LoraStep only reads the rows' slots to choose
     chunk = [1] * 40 + [-1] * 8 + [0] * 24
-    assert LoraStep(stacks, chunk, torch.device("cpu")).by_runs  # 2 runs of 32 rows on average
     decode = [0, 1, 2, 3, -1, 0, 1, 2]
-    assert not LoraStep(stacks, decode, torch.device("cpu")).by_runs
+    assert LoraStep(stacks, chunk, torch.device("cpu")).path == "runs"  # 2 runs of 32 rows on average
+    assert LoraStep(stacks, decode, torch.device("cpu")).path == "masked"
+    for rows in (chunk, decode):
+        step = LoraStep(stacks, rows, torch.device("cpu"), kernel_lanes=16)
+        assert step.path == "kernel" and step.kernel_runs is not None
+        assert step.kernel_runs.tolist() == [list(r) for r in slot_runs(rows)]
+    with pytest.raises(ValueError, match="path 'kernel' needs kernel_lanes"):
+        LoraStep(stacks, decode, torch.device("cpu"), "kernel")

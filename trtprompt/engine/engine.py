@@ -11,7 +11,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from trtprompt.engine import isa
+from trtprompt.engine import isa, kernels
 from trtprompt.engine.attention import allocate_kv_cache, log_attention_backend, resolve_attention_backend
 from trtprompt.engine.beam_search import Hypothesis
 from trtprompt.engine.beams import BeamSearches, finish_reason, output_tokens
@@ -132,7 +132,8 @@ class LLMEngine:
         slow_bf16 = isa.bf16_problem(isa.cpu_flags()) if dtype == torch.bfloat16 and self.device.type == "cpu" else None
         if slow_bf16 is not None:
             log.warning("dtype bfloat16: %s (compute_dtype bfloat16; unset, this CPU computes in float32)", slow_bf16)
-        self.lora = LoraManager(config.model, config.lora, self.device)
+        self.lora = LoraManager(config.model, config.lora, self.device,
+                                kernels.variant().lanes if self.attention_backend == "compiled" else None)
         self.runner = ModelRunner(model, caches, tpb, self.device, self.attention_backend, self.lora)
         stores = list(tier_stores) if tier_stores is not None else open_stores(config.tiers)
         if stores and config.kv_cache.enable_block_reuse:

@@ -19,6 +19,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "bf16_vec.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -33,27 +34,13 @@ namespace {
 
 using namespace trtprompt_vec;
 
-typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint8_t vub __attribute__((vector_size(kLanes)));
-typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 
 constexpr int64_t kRowsPerPass = 8;      // rows of x that share one read of the weight
 constexpr int64_t kOutRowsPerTask = 16;  // rows of W a thread takes at a time (parallel_for grain)
 
 // kLanes narrow values widened to int32 lanes. One instruction each with the variant's ISA; compilers
 // widen vector-extension types lane by lane, which made the kernel compute-bound.
-inline vi widen_u16(const uint16_t* p) {
-#if TRTPROMPT_LANES == 16 && defined(__AVX512F__)
-  return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif TRTPROMPT_LANES == 8 && defined(__AVX2__)
-  return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, vi);
-#endif
-}
-
 inline vi widen_s8(const int8_t* p) {
 #if TRTPROMPT_LANES == 16 && defined(__AVX512F__)
   return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -78,12 +65,6 @@ inline vi widen_u8(const uint8_t* p) {
 #endif
 }
 
-inline vf as_float(vi bits) {
-  vf f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 // The weight's kLanes values at column k of row n, as float32 (without the int formats' scales).
 struct F32Weight {
   const float* w;
@@ -94,7 +75,7 @@ struct F32Weight {
 struct Bf16Weight {
   const uint16_t* w;
   int64_t k_dim;
-  vf at(int64_t n, int64_t k) const { return as_float(widen_u16(w + n * k_dim + k) << 16); }  // float32's top half
+  vf at(int64_t n, int64_t k) const { return load_bf16(w + n * k_dim + k); }
 };
 
 struct Int8Weight {

@@ -44,8 +44,10 @@ class KnownAdapter:
 
 
 class LoraManager:
-    def __init__(self, cfg: ModelConfig, config: LoraConfig, device: torch.device) -> None:
-        self.cfg, self.config, self.device = cfg, config, device
+    def __init__(self, cfg: ModelConfig, config: LoraConfig, device: torch.device,
+                 kernel_lanes: int | None = None) -> None:
+        """kernel_lanes: the compiled kernels' vector width where the engine runs them (LoraStep), else None."""
+        self.cfg, self.config, self.device, self.kernel_lanes = cfg, config, device, kernel_lanes
         self._lock = threading.Lock()
         self._dirs: dict[str, str] = {}  # name -> directory
         self._host: OrderedDict[str, LoraAdapter] = OrderedDict()  # most recently used last
@@ -176,4 +178,4 @@ class LoraManager:
         if self._stacks is None or self._dirty:
             self._stacks = LoraStacks(self.cfg, self._slots, torch.float32, self.device)
             self._dirty = False
-        return LoraStep(self._stacks, row_slot, self.device)
+        return LoraStep(self._stacks, row_slot, self.device, kernel_lanes=self.kernel_lanes)

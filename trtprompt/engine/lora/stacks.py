@@ -11,14 +11,16 @@ adds, to the linear's output y for its input x,
 where mask [T, C] is 1 where row t's adapter owns column c: a fixed number of torch calls per linear, however
 many adapters the batch mixes, and none in a step where no row has an adapter. A step of long prompt chunks
 computes each run of rows with its own adapter's columns only (LoraStep). Rows without an adapter get exact
-zeros. The stacks are rebuilt only when the resident set changes (manager.py). `reference_delta` computes the
-same per row, adapter by adapter, the way PEFT does: tests compare.
+zeros. Where the compiled kernels run (kernels.py), short runs (decode rows) go to csrc/lora_runs.cpp instead:
+each run's rows read their adapter's pairs once, in one call per linear, with no products for other adapters.
+The stacks are rebuilt only when the resident set changes (manager.py). `reference_delta` computes the same
+per row, adapter by adapter, the way PEFT does: tests compare.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 
@@ -50,10 +52,20 @@ class SlotView:
 
 
 @dataclass(frozen=True, eq=False)
+class KernelPairs:
+    """One fused linear's pairs as csrc/lora_runs.cpp reads them: every A row slot-major, every B flattened,
+    and per pair (slot, first A row, rank, offset in b, out_offset, out_features)."""
+
+    a: torch.Tensor  # [C, in]
+    b: torch.Tensor  # 1-D
+    pairs: torch.Tensor  # [P, 6] long
+
+
+@dataclass(frozen=True, eq=False)
 class GroupStack:
     """One fused linear's resident pairs: a_t [in, C] slot-major (each adapter's columns together, for runs),
     `perm` reordering x @ a_t's columns module-major (for the masked path's one B product per module), each
-    module's stacked B, the slot owning each slot-major column, and each slot's views."""
+    module's stacked B, the slot owning each slot-major column, each slot's views and the kernel's pairs."""
 
     a_t: torch.Tensor
     perm: torch.Tensor  # [C] long: module-major position -> slot-major column
@@ -61,6 +73,7 @@ class GroupStack:
     col_slot: torch.Tensor  # [C] long, slot-major
     layout: tuple[tuple[int, int], ...]  # (slot, columns) in slot-major order: steps share masks by it
     views: dict[int, SlotView]
+    kernel: KernelPairs
 
 
 def _group_stack(cfg: ModelConfig, layer: int, group: str, slots: Sequence[LoraAdapter | None],
@@ -82,13 +95,27 @@ def _group_stack(cfg: ModelConfig, layer: int, group: str, slots: Sequence[LoraA
             layout.append((slot, total - first))
     if not a_parts:
         return None
-    a_t = torch.cat(a_parts).t().contiguous().to(device=device, dtype=dtype)
+    a_rows = torch.cat(a_parts).to(device=device, dtype=dtype)
     blocks, perm, b_rows = _module_blocks(shapes, modules, slots, layer, cols, dtype, device)
     out = sum(shapes[m].out_features for m in modules)
+    a_t = a_rows.t().contiguous()
     views = _slot_views(a_t, layout, modules, b_rows, out)
     col_slot = torch.cat([torch.full((w,), s, dtype=torch.long) for s, w in layout]).to(device)
     return GroupStack(a_t, torch.tensor(perm, dtype=torch.long, device=device), tuple(blocks), col_slot,
-                      tuple(layout), views)
+                      tuple(layout), views, _kernel_pairs(a_rows, cols, b_rows))
+
+
+def _kernel_pairs(a_rows: torch.Tensor, cols: dict[tuple[str, int], tuple[int, int]],
+                  b_rows: dict[tuple[str, int], ModuleBlock]) -> KernelPairs:
+    fields: list[list[int]] = []
+    b_parts: list[torch.Tensor] = []
+    offset = 0
+    for (m, slot), (c0, c1) in sorted(cols.items(), key=lambda item: item[1]):
+        block = b_rows[(m, slot)]
+        fields.append([slot, c0, c1 - c0, offset, block.out_offset, block.out_features])
+        b_parts.append(block.b.reshape(-1))
+        offset += block.b.numel()
+    return KernelPairs(a_rows, torch.cat(b_parts), torch.tensor(fields, dtype=torch.long))
 
 
 def _module_blocks(shapes: dict[str, ModuleShape], modules: tuple[str, ...], slots: Sequence[LoraAdapter | None],
@@ -160,24 +187,39 @@ def slot_runs(row_slot: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-class LoraStep:
-    """One step's products for its packed rows' slots (-1: no adapter), computed one of two ways:
+LoraPath = Literal["masked", "runs", "kernel"]
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations csrc/lora_runs.cpp takes
 
-    - by runs (a prompt chunk's rows share one adapter): each run's own pairs, two calls per module and run,
-      no work for rows or columns of other adapters;
-    - masked (decode: one row per request): every resident column for every row in three calls per linear
+
+class LoraStep:
+    """One step's products for its packed rows' slots (-1: no adapter), computed along one of three paths:
+
+    - kernel (where the compiled kernels run): csrc/lora_runs.cpp, one call per linear for every run, each run's
+      rows reading their own adapter's pairs once and computing no product for another adapter; measured
+      faster than torch's GEMMs from 4-row decode runs to 512-row prompt chunks (docs/lora.md);
+    - runs (a prompt chunk's rows share one adapter): each run's own pairs, two torch calls per run and linear;
+    - masked (decode rows without the kernel): every resident column for every row in three calls per linear
       plus one per module (its B product), the products of other adapters zeroed by the mask.
-    Runs are chosen when a run averages at least RUN_ROWS rows: then their calls cost less than the masked
-    path's wasted products."""
+    By default (path None) the kernel where it runs; else runs when a run averages at least RUN_ROWS rows (their
+    calls then cost less than the masked path's wasted products), the mask otherwise. On the kernel path, a
+    linear whose input width is not a multiple of the kernel's vector (or float16 activations) goes by runs."""
 
     RUN_ROWS = 16
 
     def __init__(self, stacks: LoraStacks, row_slot: Sequence[int], device: torch.device,
-                 by_runs: bool | None = None) -> None:
+                 path: LoraPath | None = None, kernel_lanes: int | None = None) -> None:
+        """kernel_lanes: the compiled kernels' vector width (kernels.variant().lanes), None where they do not
+        run."""
+        if path == "kernel" and kernel_lanes is None:
+            raise ValueError("path 'kernel' needs kernel_lanes (the compiled kernels' vector width)")
         self.stacks = stacks
         self.runs = slot_runs(row_slot)
-        lora_rows = sum(e - s for s, e, _ in self.runs)
-        self.by_runs = lora_rows >= self.RUN_ROWS * len(self.runs) if by_runs is None else by_runs
+        if path is None:
+            path = "kernel" if kernel_lanes is not None else (
+                "runs" if sum(e - s for s, e, _ in self.runs) >= self.RUN_ROWS * len(self.runs) else "masked")
+        self.path: LoraPath = path
+        self.kernel_runs = torch.tensor(self.runs, dtype=torch.long) if path == "kernel" and self.runs else None
+        self.lanes = kernel_lanes or 1
         self.row_slot = torch.tensor(list(row_slot), dtype=torch.long, device=device)
         self._masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
 
@@ -193,9 +235,14 @@ class LoraStep:
         g = self.stacks.groups[(layer, group)]
         if g is None:
             return y
+        if self.kernel_runs is not None and x.shape[1] % self.lanes == 0 and x.dtype in KERNEL_DTYPES:
+            k = g.kernel
+            torch.ops.trtprompt.lora_runs(y, x, self.kernel_runs, k.a, k.b, k.pairs)
+            return y
         x = x.to(g.a_t.dtype)  # float32 stacks of a bf16 model (LoraManager.step): x in float32
-        if self.by_runs:
-            return self._by_runs(y, x, g)
+        return self._masked(y, x, g) if self.path == "masked" else self._by_runs(y, x, g, self.runs)
+
+    def _masked(self, y: torch.Tensor, x: torch.Tensor, g: GroupStack) -> torch.Tensor:
         xa = torch.mm(x, g.a_t)
         xa.mul_(self._mask(g))
         xa = xa.index_select(1, g.perm)  # module-major: each module's products side by side
@@ -203,9 +250,10 @@ class LoraStep:
             _add(y[:, b.out_offset:b.out_offset + b.out_features], xa[:, b.start:b.end], b.b)
         return y
 
-    def _by_runs(self, y: torch.Tensor, x: torch.Tensor, g: GroupStack) -> torch.Tensor:
-        whole = len(self.runs) == 1 and self.runs[0][1] - self.runs[0][0] == x.shape[0]
-        for first, last, slot in self.runs:
+    @staticmethod
+    def _by_runs(y: torch.Tensor, x: torch.Tensor, g: GroupStack, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+        whole = len(runs) == 1 and runs[0][1] - runs[0][0] == x.shape[0]
+        for first, last, slot in runs:
             view = g.views.get(slot)
             if view is None:
                 continue  # this adapter targets none of the linear's modules in this layer
