@@ -171,6 +171,13 @@ def test_the_pure_torch_path_equals_peft_too(llama: Tiny) -> None:
     assert run_jobs(engine, jobs) == llama.oracle(jobs)
 
 
+def test_the_kernel_runs_on_the_variants_where_it_beats_torch() -> None:
+    if not kernels.compiled_kernel_status()[0]:
+        pytest.skip("compiled kernels unavailable")
+    want = kernels.variant().lanes if kernels.variant().name in ("avx512", "avx2") else None
+    assert kernels.lora_kernel_lanes() == want
+
+
 @pytest.fixture(scope="module")
 def smollm2_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if not (REAL_CKPT / "config.json").is_file():

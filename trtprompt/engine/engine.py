@@ -133,7 +133,7 @@ class LLMEngine:
         if slow_bf16 is not None:
             log.warning("dtype bfloat16: %s (compute_dtype bfloat16; unset, this CPU computes in float32)", slow_bf16)
         self.lora = LoraManager(config.model, config.lora, self.device,
-                                kernels.variant().lanes if self.attention_backend == "compiled" else None)
+                                kernels.lora_kernel_lanes() if self.attention_backend == "compiled" else None)
         self.runner = ModelRunner(model, caches, tpb, self.device, self.attention_backend, self.lora)
         stores = list(tier_stores) if tier_stores is not None else open_stores(config.tiers)
         if stores and config.kv_cache.enable_block_reuse:

@@ -208,8 +208,7 @@ class LoraStep:
 
     def __init__(self, stacks: LoraStacks, row_slot: Sequence[int], device: torch.device,
                  path: LoraPath | None = None, kernel_lanes: int | None = None) -> None:
-        """kernel_lanes: the compiled kernels' vector width (kernels.variant().lanes), None where they do not
-        run."""
+        """kernel_lanes: the kernel's vector width (kernels.lora_kernel_lanes), None where it does not run."""
         if path == "kernel" and kernel_lanes is None:
             raise ValueError("path 'kernel' needs kernel_lanes (the compiled kernels' vector width)")
         self.stacks = stacks
