@@ -171,6 +171,26 @@ def test_the_pure_torch_path_equals_peft_too(llama: Tiny) -> None:
     assert run_jobs(engine, jobs) == llama.oracle(jobs)
 
 
+def test_a_bf16_engine_runs_every_adapter_through_the_kernel_in_one_batch(llama: Tiny, tmp_path: Path) -> None:
+    """bf16 activations into the kernel (float32 adapters and sums, rounded into y once) on a bf16 engine.
+    Its tokens are not compared: on these tiny random models bf16 greedy tokens flip between two correct
+    paths (the base model's too, compiled against pure-torch attention), so the kernel's bf16 sums are held
+    to an exact reference in tests/test_lora_kernel.py and this checks the wiring: a mixed batch runs, every
+    adapter changes its tokens, and all first tokens but one are PEFT's float32 ones (attn4's first token on
+    the second prompt flips here; a kernel adding wrong products would move many)."""
+    bf16 = run_build(BuildRequest(llama.checkpoint, tmp_path / "bf16", "cpu-dev", overrides={"dtype": "bfloat16"},
+                                  progress=False))
+    assert bf16 is not None
+    jobs = mixed_jobs(list(TINY_ADAPTERS), PROMPTS)
+    engine = LLMEngine.from_engine_dir(bf16, lora_modules={n: str(p) for n, p in llama.adapters.items()},
+                                       speculative_decoding="none", max_tokens_in_paged_kv_cache=4096)
+    assert engine.config.dtype == "bfloat16" and engine.lora.kernel_lanes == kernels.lora_kernel_lanes()
+    got = run_jobs(engine, jobs)
+    assert_adapters_matter(jobs, got)
+    first = [t[0] for t in got]
+    assert sum(a == b[0] for a, b in zip(first, llama.oracle(jobs, 1))) >= len(jobs) - 1
+
+
 def test_the_kernel_runs_on_the_variants_where_it_beats_torch() -> None:
     if not kernels.compiled_kernel_status()[0]:
         pytest.skip("compiled kernels unavailable")
