@@ -177,7 +177,7 @@ def test_a_bf16_engine_runs_every_adapter_through_the_kernel_in_one_batch(llama:
     paths (the base model's too, compiled against pure-torch attention), so the kernel's bf16 sums are held
     to an exact reference in tests/test_lora_kernel.py and this checks the wiring: a mixed batch runs, every
     adapter changes its tokens, and all first tokens but one are PEFT's float32 ones (attn4's first token on
-    the second prompt flips here; a kernel adding wrong products would move many)."""
+    the first prompt flips here; a kernel adding wrong products would move many)."""
     bf16 = run_build(BuildRequest(llama.checkpoint, tmp_path / "bf16", "cpu-dev", overrides={"dtype": "bfloat16"},
                                   progress=False))
     assert bf16 is not None
