@@ -63,9 +63,15 @@ inline void add_into(uint16_t* y, float v) {
 }
 
 // An FMA waits ~4 cycles for its accumulator: R weight rows (or vectors) at once keep R * M sums in flight.
+// AVX2 has 16 vector registers, not 32: 8 rows take R = 1 there (2 x 8 sums spilled; R = 1 measured 0-10 %
+// faster on the avx2 build, side by side on the AVX-512 Xeon; R = 3 on avx512 was within its noise).
 template <int M>
 constexpr int in_flight() {
+#if TRTPROMPT_LANES == 8
+  return M >= 6 ? 1 : (M >= 3 ? 2 : (M == 1 ? 8 : 4));
+#else
   return M >= 4 ? 2 : (M == 1 ? 8 : 4);
+#endif
 }
 
 // The rank remainder, one row of a at a time; s rows `stride` apart.
