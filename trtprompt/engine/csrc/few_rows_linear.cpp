@@ -36,7 +36,7 @@ using namespace trtprompt_vec;
 
 typedef uint8_t vub __attribute__((vector_size(kLanes)));
 
-constexpr int64_t kRowsPerPass = 8;      // rows of x that share one read of the weight
+constexpr int64_t kRowsPerPass = kMaxUnrolledRows;  // rows of x that share one read of the weight
 constexpr int64_t kOutRowsPerTask = 16;  // rows of W a thread takes at a time (parallel_for grain)
 
 // kLanes narrow values widened to int32 lanes. One instruction each with the variant's ISA; compilers
@@ -154,21 +154,6 @@ void for_each_task(int64_t n_dim, Fn&& fn) {
       fn(n0, n1, buf);
     }
   });
-}
-
-// Calls body(std::integral_constant<int, M>) for M in 1..kRowsPerPass.
-template <typename Body>
-void with_rows(int64_t m, Body&& body) {
-  switch (m) {
-    case 1: return body(std::integral_constant<int, 1>{});
-    case 2: return body(std::integral_constant<int, 2>{});
-    case 3: return body(std::integral_constant<int, 3>{});
-    case 4: return body(std::integral_constant<int, 4>{});
-    case 5: return body(std::integral_constant<int, 5>{});
-    case 6: return body(std::integral_constant<int, 6>{});
-    case 7: return body(std::integral_constant<int, 7>{});
-    default: return body(std::integral_constant<int, 8>{});
-  }
 }
 
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, int64_t k_dim) {

@@ -30,7 +30,7 @@ namespace {
 
 using namespace trtprompt_vec;
 
-constexpr int64_t kRows = 8;       // rows of a run that share each read of the adapter's weights
+constexpr int64_t kRows = kMaxUnrolledRows;  // rows of a run that share each read of the adapter's weights
 constexpr int64_t kPairFields = 6;  // slot, a_row, rank, b_offset, out_offset, out_features
 
 // Keeps v in a register: compilers otherwise fold its load into each FMA that uses it (R loads of one
@@ -139,21 +139,6 @@ void expand(const float* s, int64_t rank, const W* b, int64_t n, Y* y, int64_t y
       for (int64_t i = 0; i < rank; ++i) v += s[r * rank + i] * scalar(b[i * n + c]);
       add_into(y + r * y_stride + c, v);
     }
-  }
-}
-
-// Calls body(std::integral_constant<int, M>) for M in 1..kRows.
-template <typename Body>
-void with_rows(int64_t m, Body&& body) {
-  switch (m) {
-    case 1: return body(std::integral_constant<int, 1>{});
-    case 2: return body(std::integral_constant<int, 2>{});
-    case 3: return body(std::integral_constant<int, 3>{});
-    case 4: return body(std::integral_constant<int, 4>{});
-    case 5: return body(std::integral_constant<int, 5>{});
-    case 6: return body(std::integral_constant<int, 6>{});
-    case 7: return body(std::integral_constant<int, 7>{});
-    default: return body(std::integral_constant<int, 8>{});
   }
 }
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #ifndef TRTPROMPT_LANES
 #define TRTPROMPT_LANES 8
@@ -70,6 +71,23 @@ inline vf exp_nonpositive(vf x) {
   vf scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// Calls body(std::integral_constant<int, M>) for M = m in 1..8 (8 for more): kernels that read each weight
+// vector once for up to 8 rows of x unroll their rows at compile time.
+constexpr int64_t kMaxUnrolledRows = 8;
+template <typename Body>
+void with_rows(int64_t m, Body&& body) {
+  switch (m) {
+    case 1: return body(std::integral_constant<int, 1>{});
+    case 2: return body(std::integral_constant<int, 2>{});
+    case 3: return body(std::integral_constant<int, 3>{});
+    case 4: return body(std::integral_constant<int, 4>{});
+    case 5: return body(std::integral_constant<int, 5>{});
+    case 6: return body(std::integral_constant<int, 6>{});
+    case 7: return body(std::integral_constant<int, 7>{});
+    default: return body(std::integral_constant<int, kMaxUnrolledRows>{});
+  }
 }
 
 }  // namespace trtprompt_vec
