@@ -134,8 +134,8 @@ def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
 
 
 # Variants whose LoRA kernel (csrc/lora_runs.cpp) beats torch's paths. The generic one (SSE2 on x86-64: no FMA,
-# two instructions per 8-float vector) ran a SmolLM2 layer's products at 2.0 ms against 0.2 ms for avx2 and
-# ~0.8 ms masked (8 adapters x 4 rows, docs/lora.md).
+# two instructions per 8-float vector) ran a SmolLM2 layer's products at 2.0 ms against 0.25 ms for avx2 and
+# ~0.8 ms masked (8 adapters x 4 rows, docs/design.md "Kernel variants").
 LORA_KERNEL_VARIANTS = frozenset({"avx512", "avx2"})
 
 

@@ -11,7 +11,7 @@ adds, to the linear's output y for its input x,
 where mask [T, C] is 1 where row t's adapter owns column c: a fixed number of torch calls per linear, however
 many adapters the batch mixes, and none in a step where no row has an adapter. A step of long prompt chunks
 computes each run of rows with its own adapter's columns only (LoraStep). Rows without an adapter get exact
-zeros. Where the compiled kernels run (kernels.py), short runs (decode rows) go to csrc/lora_runs.cpp instead:
+zeros. Where the compiled kernels run (kernels.lora_kernel_lanes), every run goes to csrc/lora_runs.cpp instead:
 each run's rows read their adapter's pairs once, in one call per linear, with no products for other adapters.
 The stacks are rebuilt only when the resident set changes (manager.py). `reference_delta` computes the same
 per row, adapter by adapter, the way PEFT does: tests compare.
@@ -196,7 +196,8 @@ class LoraStep:
 
     - kernel (where the compiled kernels run): csrc/lora_runs.cpp, one call per linear for every run, each run's
       rows reading their own adapter's pairs once and computing no product for another adapter; measured
-      faster than torch's GEMMs from 4-row decode runs to 512-row prompt chunks (docs/lora.md);
+      faster than torch's paths from 4-row decode runs up, and level with them on float32 512-row prompt
+      chunks (docs/lora.md);
     - runs (a prompt chunk's rows share one adapter): each run's own pairs, two torch calls per run and linear;
     - masked (decode rows without the kernel): every resident column for every row in three calls per linear
       plus one per module (its B product), the products of other adapters zeroed by the mask.
@@ -239,7 +240,7 @@ class LoraStep:
             torch.ops.trtprompt.lora_runs(y, x, self.kernel_runs, k.a, k.b, k.pairs)
             return y
         x = x.to(g.a_t.dtype)  # float32 stacks of a bf16 model (LoraManager.step): x in float32
-        return self._masked(y, x, g) if self.path == "masked" else self._by_runs(y, x, g, self.runs)
+        return self._masked(y, x, g) if self.path == "masked" else self._by_runs(y, x, g)
 
     def _masked(self, y: torch.Tensor, x: torch.Tensor, g: GroupStack) -> torch.Tensor:
         xa = torch.mm(x, g.a_t)
@@ -249,10 +250,9 @@ class LoraStep:
             _add(y[:, b.out_offset:b.out_offset + b.out_features], xa[:, b.start:b.end], b.b)
         return y
 
-    @staticmethod
-    def _by_runs(y: torch.Tensor, x: torch.Tensor, g: GroupStack, runs: list[tuple[int, int, int]]) -> torch.Tensor:
-        whole = len(runs) == 1 and runs[0][1] - runs[0][0] == x.shape[0]
-        for first, last, slot in runs:
+    def _by_runs(self, y: torch.Tensor, x: torch.Tensor, g: GroupStack) -> torch.Tensor:
+        whole = len(self.runs) == 1 and self.runs[0][1] - self.runs[0][0] == x.shape[0]
+        for first, last, slot in self.runs:
             view = g.views.get(slot)
             if view is None:
                 continue  # this adapter targets none of the linear's modules in this layer
