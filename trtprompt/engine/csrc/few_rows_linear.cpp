@@ -65,24 +65,54 @@ inline vi widen_u8(const uint8_t* p) {
 #endif
 }
 
-// The weight's kLanes values at column k of row n, as float32 (without the int formats' scales).
+// The weight's kLanes values at column k of row n, as float32 (without the int formats' scales), and where its
+// rows lie in memory (rows is the weight's N, for prefetch bounds).
 struct F32Weight {
   const float* w;
-  int64_t k_dim;
+  int64_t k_dim, rows;
   vf at(int64_t n, int64_t k) const { return load(w + n * k_dim + k); }
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * k_dim); }
+  static constexpr int64_t kBytes = sizeof(float);
 };
 
 struct Bf16Weight {
   const uint16_t* w;
-  int64_t k_dim;
+  int64_t k_dim, rows;
   vf at(int64_t n, int64_t k) const { return load_bf16(w + n * k_dim + k); }
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * k_dim); }
+  static constexpr int64_t kBytes = sizeof(uint16_t);
 };
 
 struct Int8Weight {
   const int8_t* w;
-  int64_t k_dim;
+  int64_t k_dim, rows;
   vf at(int64_t n, int64_t k) const { return __builtin_convertvector(widen_s8(w + n * k_dim + k), vf); }
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * k_dim); }
+  static constexpr int64_t kBytes = sizeof(int8_t);
 };
+
+// Software prefetch of the weight. R rows are read side by side, each only K values long, and the hardware
+// prefetchers lose the streams at every jump to the next R rows: one thread streamed SmolLM2's int8 linears at
+// 7-11 GB/s, and at 19 GB/s when each group of R rows asks for the group kPrefetchGroups ahead while it is read,
+// its step's share per k iteration (a burst at the group's start: 15 GB/s; docs/design.md, "Few-rows linear").
+constexpr int64_t kPrefetchGroups = 2;
+constexpr int64_t kLine = 64;
+
+struct GroupPrefetch {
+  const char* ahead;  // the first row kPrefetchGroups groups on; nullptr where that is past the weight
+  int64_t step;       // its bytes to request per k iteration (R rows x kLanes values)
+  void at(int64_t k) const {
+    if (ahead == nullptr) return;
+    const char* p = ahead + (k / kLanes) * step;
+    for (int64_t b = 0; b < step; b += kLine) __builtin_prefetch(p + b, 0, 1);
+  }
+};
+
+template <int R, typename W>
+GroupPrefetch group_prefetch(const W& w, int64_t n) {
+  const int64_t first = n + kPrefetchGroups * R;
+  return {first + R <= w.rows ? w.row(first) : nullptr, R * kLanes * W::kBytes};
+}
 
 // Independent sums in flight: an FMA waits ~4 cycles for its accumulator, so one chain per row of W would
 // run at a quarter of the FMA rate. R rows of W at once give R * M chains (R * M >= 4 for every M).
@@ -98,7 +128,9 @@ void dot_rows(const float* xf, int64_t k_dim, const W& w, int64_t n0, int64_t n1
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     vf acc[R][M] = {};
+    const GroupPrefetch prefetch = group_prefetch<R>(w, n);
     for (int64_t k = 0; k < k_dim; k += kLanes) {
+      prefetch.at(k);
       for (int j = 0; j < R; ++j) {
         const vf wv = w.at(n + j, k);
         for (int r = 0; r < M; ++r) acc[j][r] += load(xf + r * k_dim + k) * wv;
@@ -117,19 +149,25 @@ void dot_rows(const float* xf, int64_t k_dim, const W& w, int64_t n0, int64_t n1
   }
 }
 
+// int4 rows are read one at a time; the row kInt4RowsAhead on (as many bytes ahead as int8's prefetch) is
+// requested at the same offsets while this one is read.
+constexpr int64_t kInt4RowsAhead = 16;
+
 // int4 in groups: the group's scale and minimum are folded into each weight vector (one FMA per
 // vector, shared by the M rows), so the sum needs no per-group pass. Low and high nibbles feed
 // separate sums (two chains per row).
 template <int M>
 void dot_rows_int4(const float* xf, int64_t k_dim, const uint8_t* w, const float* scale, int64_t group,
-                   int64_t n0, int64_t n1, float* acc_out) {
+                   int64_t n_dim, int64_t n0, int64_t n1, float* acc_out) {
   const int64_t half = group / 2, groups = k_dim / group;
   for (int64_t n = n0; n < n1; ++n) {
     vf acc_lo[M] = {}, acc_hi[M] = {};
     const uint8_t* row = w + n * (k_dim / 2);
+    const uint8_t* ahead = n + kInt4RowsAhead < n_dim ? row + kInt4RowsAhead * (k_dim / 2) : nullptr;
     for (int64_t g = 0; g < groups; ++g) {
       const vf s = vf{} + scale[2 * (n * groups + g)], low = vf{} + scale[2 * (n * groups + g) + 1];
       for (int64_t b = 0; b < half; b += kLanes) {
+        if (ahead != nullptr && (g * half + b) % kLine == 0) __builtin_prefetch(ahead + g * half + b, 0, 1);
         const vi q = widen_u8(row + g * half + b);
         const vf wlo = __builtin_convertvector(q & 15, vf) * s + low;
         const vf whi = __builtin_convertvector(q >> 4, vf) * s + low;
@@ -221,19 +259,19 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
       for_each_task(n_dim, [&](int64_t n0, int64_t n1, float* buf) {
         switch (weight.scalar_type()) {
           case at::kFloat:
-            dot_rows<M>(xf.data(), k_dim, F32Weight{weight.data_ptr<float>(), k_dim}, n0, n1, buf);
+            dot_rows<M>(xf.data(), k_dim, F32Weight{weight.data_ptr<float>(), k_dim, n_dim}, n0, n1, buf);
             break;
           case at::kBFloat16:
             dot_rows<M>(xf.data(), k_dim,
-                        Bf16Weight{reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>()), k_dim},
+                        Bf16Weight{reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>()), k_dim, n_dim},
                         n0, n1, buf);
             break;
           case at::kChar:
-            dot_rows<M>(xf.data(), k_dim, Int8Weight{weight.data_ptr<int8_t>(), k_dim}, n0, n1, buf);
+            dot_rows<M>(xf.data(), k_dim, Int8Weight{weight.data_ptr<int8_t>(), k_dim, n_dim}, n0, n1, buf);
             break;
           default:
-            dot_rows_int4<M>(xf.data(), k_dim, weight.data_ptr<uint8_t>(), scale->data_ptr<float>(), group, n0,
-                             n1, buf);
+            dot_rows_int4<M>(xf.data(), k_dim, weight.data_ptr<uint8_t>(), scale->data_ptr<float>(), group,
+                             n_dim, n0, n1, buf);
         }
         store_rows(out, r0, m, n0, n1, buf, row_scale);
       });
