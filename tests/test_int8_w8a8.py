@@ -11,20 +11,24 @@ import torch
 from safetensors.torch import load_file
 
 from trtprompt.build import BuildRequest, run_build
-from trtprompt.engine import quant_w8a8
+from trtprompt.engine import kernels, quant_w8a8
 from trtprompt.engine.attention import SeqSlice, build_attention_metadata
 from trtprompt.engine.engine import LLMEngine
 from trtprompt.engine.quant_w8a8 import (
     BUILD_BITS,
+    FBGEMM_MAX_ROWS,
     INT16_MAX,
     LEGACY_BITS,
     FbgemmW8A8Linear,
+    OneDnnW8A8Linear,
     ReferenceW8A8Linear,
     W8A8Bits,
     bits_of,
     fbgemm_unavailable_reason,
     make_w8a8_linear,
+    onednn_unavailable_reason,
     quantize_per_token,
+    quantize_rows_u8,
     reference_w8a8,
     resolve_w8a8_backend,
 )
@@ -34,6 +38,8 @@ from trtprompt.targets.torch_build import quantize_int8
 SPLITS = [LEGACY_BITS, W8A8Bits(weight_bits=7, activation_bits=8)]
 needs_fbgemm = pytest.mark.skipif(any(fbgemm_unavailable_reason(b) is not None for b in SPLITS),
                                   reason=f"fbgemm int8 GEMM unavailable: {fbgemm_unavailable_reason()}")
+needs_onednn = pytest.mark.skipif(any(onednn_unavailable_reason(b) is not None for b in SPLITS),
+                                  reason=f"oneDNN int8 backend not chosen here: {onednn_unavailable_reason()}")
 PROMPTS = [list(range(5, 45)), list(range(100, 117)), [7, 3, 9, 300, 2, 11] * 5]
 
 
@@ -137,6 +143,69 @@ def test_reference_against_float_math() -> None:
     torch.testing.assert_close(reference_w8a8(x, qweight, scale, None).double(), expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.skipif(not kernels.compiled_kernel_status()[0], reason="compiled kernels unavailable")
+@pytest.mark.parametrize("bits", SPLITS, ids=["w8a7", "w7a8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_quantize_rows_equals_torch(bits: W8A8Bits, dtype: torch.dtype) -> None:
+    """One compiled pass (csrc/quantize_rows.cpp) gives quantize_per_token's integers and scales bit for bit:
+    vector body and tail (K 100), ties at .5, an all-zero token, values near the smallest scale."""
+    gen = torch.Generator().manual_seed(3)
+    for k in (576, 100):
+        x = (torch.randn(37, k, generator=gen) * 4).to(dtype)
+        x[0] = 0.0
+        x[1, :4] = torch.tensor([1e-13, -1e-13, 0.0, 2e-13]).to(dtype)
+        x[2, :] = 0.5
+        x[2, 0] = bits.act_qmax  # scale 1: every other value lies on a .5 tie
+        q, s = torch.ops.trtprompt.quantize_rows(x, bits.act_qmax, bits.act_zero_point, quant_w8a8.MIN_SCALE)
+        want_q, want_s = quantize_per_token(x, bits.act_qmax)
+        assert q.dtype == torch.uint8 and torch.equal(s, want_s)
+        assert torch.equal(q.float() - bits.act_zero_point, want_q)
+        q2, s2 = quantize_rows_u8(x, bits)
+        assert torch.equal(q2, q) and torch.equal(s2, s)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bits", SPLITS, ids=["w8a7", "w7a8"])
+@pytest.mark.parametrize(("m", "k", "n", "bias"), [(1, 64, 48, False), (FBGEMM_MAX_ROWS, 96, 200, True),
+                                                    (FBGEMM_MAX_ROWS + 1, 576, 960, True), (40, 1536, 576, False),
+                                                    (300, 576, 3072, False)])
+def test_onednn_matches_reference(m: int, k: int, n: int, bias: bool, bits: W8A8Bits) -> None:
+    """oneDNN's int8 GEMM above FBGEMM_MAX_ROWS rows, fbgemm at or below: the same integer sums as the
+    reference, bfloat16 activations too."""
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    qweight, scale = _random_linear(gen, n, k, bits)
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(m, k, generator=gen)
+    x[:, ::7] *= 30.0
+    linear = OneDnnW8A8Linear(qweight, scale, b, bits)
+    torch.testing.assert_close(linear(x), reference_w8a8(x, qweight, scale, b, bits), rtol=1e-5, atol=1e-5)
+    xb = x.bfloat16()
+    got = linear(xb)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), reference_w8a8(xb, qweight, scale, b, bits).float(), rtol=8e-3, atol=0)
+
+
+def test_onednn_backend_only_where_it_was_measured_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """onednn where the CPU has AMX int8 and the probes pass; fbgemm elsewhere."""
+    monkeypatch.setattr(quant_w8a8, "fbgemm_unavailable_reason", lambda bits: None)
+    monkeypatch.setattr(quant_w8a8, "onednn_unavailable_reason", lambda bits: None)
+    assert resolve_w8a8_backend("onednn") == "onednn"
+    monkeypatch.setattr(quant_w8a8, "onednn_unavailable_reason", lambda bits: "the CPU lacks amx_int8")
+    assert resolve_w8a8_backend("onednn") == "fbgemm"
+    assert resolve_w8a8_backend("reference") == "reference"
+
+
+def test_onednn_reason_names_the_missing_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trtprompt.engine import isa
+
+    quant_w8a8.onednn_unavailable_reason.cache_clear()
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
+    try:
+        assert onednn_unavailable_reason(LEGACY_BITS) == "the CPU lacks amx_int8"
+    finally:
+        quant_w8a8.onednn_unavailable_reason.cache_clear()
+
+
 def test_unavailable_kernel_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quant_w8a8, "fbgemm_unavailable_reason", lambda bits: "torch's quantized engine is 'qnnpack'")
     with pytest.raises(ValueError, match=r"need torch's fbgemm int8 GEMM.*'qnnpack'.*linear_backend='reference'"):
@@ -175,11 +244,14 @@ def _greedy(engine: LLMEngine, n: int = 16) -> list[list[int]]:
 
 
 @needs_fbgemm
-def test_engine_runs_fbgemm_and_matches_reference_greedy(w8a8_engine_dir: Path) -> None:
+def test_engine_runs_int8_gemm_and_matches_reference_greedy(w8a8_engine_dir: Path) -> None:
+    """The default backend (oneDNN with AMX: prompt rows on oneDNN, decode rows on fbgemm; else fbgemm) and the
+    reference give the same greedy tokens."""
     fast = LLMEngine.from_engine_dir(w8a8_engine_dir)
     ref = LLMEngine.from_engine_dir(w8a8_engine_dir, linear_backend="reference")
-    assert fast.runner.model.w8a8_backend == "fbgemm" and ref.runner.model.w8a8_backend == "reference"
-    assert isinstance(fast.runner.model.layers[0].mlp.down, FbgemmW8A8Linear)
+    want = "onednn" if onednn_unavailable_reason(fast.runner.model.w8a8_bits) is None else "fbgemm"
+    assert fast.runner.model.w8a8_backend == want and ref.runner.model.w8a8_backend == "reference"
+    assert isinstance(fast.runner.model.layers[0].mlp.down, OneDnnW8A8Linear if want == "onednn" else FbgemmW8A8Linear)
     assert isinstance(ref.runner.model.layers[0].mlp.down, ReferenceW8A8Linear)
     tokens = _greedy(fast)
     assert tokens == _greedy(ref)

@@ -22,7 +22,8 @@ from trtprompt.engine import isa, kernels
 
 AVX2_FLAGS = frozenset("fpu sse2 avx avx2 fma f16c".split())
 AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile"}
-PARITY = "fast_paths_equal_reference or log_sum_exp or rms_norm or silu or rotary or int8_in_place or lora_kernel"
+PARITY = ("fast_paths_equal_reference or log_sum_exp or rms_norm or silu or rotary or int8_in_place or lora_kernel "
+          "or quantize_rows")
 
 
 def test_flags_are_read_from_cpuinfo_on_x86_and_arm(tmp_path: Path) -> None:
@@ -83,7 +84,7 @@ def children() -> Iterator[dict[str, subprocess.Popen[str]]]:
     tests = Path(__file__).parent
     args = ["-q", "-p", "no:cacheprovider", "-k", PARITY,
             *(str(tests / f) for f in ("test_layer_ops.py", "test_attention_paths.py", "test_kv_int8.py",
-                                          "test_lora_kernel.py"))]
+                                          "test_lora_kernel.py", "test_int8_w8a8.py"))]
     started = {v: subprocess.Popen([sys.executable, "-c", CHILD, *args], env={**os.environ, isa.ISA_ENV: v},
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for v in OTHERS}
     yield started

@@ -175,6 +175,7 @@ _LINEAR_KINDS: dict[str, str] = {
     "OneDnnLinear": "oneDNN prepacked",
     "WeightOnlyLinear": f"weight-only kept quantized (few-rows kernel <= {FEW_ROWS_MAX} rows, dense above)",
     "FbgemmW8A8Linear": "W8A8 int8 GEMM (fbgemm)",
+    "OneDnnW8A8Linear": "W8A8 int8 GEMM (oneDNN with AMX; fbgemm for few rows)",
     "ReferenceW8A8Linear": "W8A8 in plain torch (reference)",
 }
 

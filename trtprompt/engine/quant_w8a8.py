@@ -8,6 +8,10 @@ paths below compute the same integer sums; they differ only in fp32 rounding of 
   on a weight prepacked once. fbgemm takes one activation scale per call, so each token is first
   divided by its own scale (the call then sees integers and scale 1) and its output multiplied
   back: per-token scales on a per-tensor kernel.
+- onednn (where the CPU has AMX int8): oneDNN's int8 GEMM (`onednn::qlinear_pointwise`, AMX tiles) for
+  calls of more than FBGEMM_MAX_ROWS rows, on uint8 activations quantized per token by one compiled pass
+  (csrc/quantize_rows.cpp); fbgemm for fewer rows, where oneDNN's per-call cost is larger than the GEMM.
+  It holds both packed copies. Measured: docs/quantization.md, "W8A8 on AMX".
 - reference: the same integers multiplied in floating point, exact while every partial sum stays
   below 2^24 (float64 beyond), then rescaled.
 
@@ -29,7 +33,13 @@ from typing import Any, Mapping
 
 import torch
 
-W8A8_BACKENDS: tuple[str, ...] = ("fbgemm", "reference")
+W8A8_BACKENDS: tuple[str, ...] = ("onednn", "fbgemm", "reference")
+# Rows a call of the onednn backend leaves to fbgemm: on machine A (AMX) the two crossed between 8 and 32
+# rows per call over SmolLM2's 120 linears (docs/quantization.md, "W8A8 on AMX").
+FBGEMM_MAX_ROWS = 16
+# The CPU flag the onednn backend needs: measured faster than fbgemm only with AMX's int8 tiles; without
+# VNNI oneDNN's int8 GEMM was slower than fbgemm's (the AVX2 EPYC, docs/quantization.md).
+ONEDNN_W8A8_FLAG = "amx_int8"
 INT16_MAX = (1 << 15) - 1  # where vpmaddubsw saturates a pair of u8 x s8 products
 MIN_SCALE = 1e-12  # an all-zero token quantizes to zeros instead of dividing by zero
 FP32_EXACT = 1 << 24  # float32 holds every integer below this exactly
@@ -171,6 +181,44 @@ class FbgemmW8A8Linear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
+def quantize_rows_u8(x: torch.Tensor, bits: W8A8Bits) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q uint8 [M, K], scale [M, 1]): quantize_per_token's integers plus the zero point, in one compiled pass
+    where the kernels run (bit-identical), else in torch."""
+    from trtprompt.engine import kernels
+
+    if kernels.compiled_kernel_status()[0]:
+        q, s = torch.ops.trtprompt.quantize_rows(x.contiguous(), bits.act_qmax, bits.act_zero_point, MIN_SCALE)
+        return q, s
+    qf, s = quantize_per_token(x, bits.act_qmax)
+    return qf.add_(bits.act_zero_point).to(torch.uint8), s
+
+
+class OneDnnW8A8Linear(torch.nn.Module):
+    """oneDNN's int8 GEMM (AMX) above FBGEMM_MAX_ROWS rows, fbgemm at or below: both packed copies."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 bits: W8A8Bits = LEGACY_BITS) -> None:
+        super().__init__()
+        self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
+        self.few_rows = FbgemmW8A8Linear(qweight, scale, bias, bits)
+        self.packed = torch.ops.onednn.qlinear_prepack(qweight.contiguous(), [FBGEMM_MAX_ROWS * 2, self.in_features])
+        self.scale = scale.float().contiguous()
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
+        self.bias, self.bits = bias, bits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= FBGEMM_MAX_ROWS:
+            few: torch.Tensor = self.few_rows(x)
+            return few
+        q, s = quantize_rows_u8(x2, self.bits)
+        y: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, self.bits.act_zero_point, self.packed, self.scale, self.zero_points, None, 1.0, 0,
+            torch.float32, "none", [], "")
+        y = y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
 def _probe_inputs(bits: W8A8Bits) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(qweight, scale, x): random values, and the worst case for saturation (every product at its largest)."""
     gen = torch.Generator().manual_seed(0)
@@ -180,6 +228,25 @@ def _probe_inputs(bits: W8A8Bits) -> list[tuple[torch.Tensor, torch.Tensor, torc
     worst = torch.full((24, 64), q, dtype=torch.int8)
     worst[1::2] = -q
     return [(qweight, scale, torch.randn(5, 64, generator=gen)), (worst, scale, torch.ones(3, 64))]
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_unavailable_reason(bits: W8A8Bits = LEGACY_BITS) -> str | None:
+    """Why the onednn backend is not chosen here (None: the CPU has AMX int8 and it matches the reference on
+    probes, above and at FBGEMM_MAX_ROWS)."""
+    from trtprompt.engine import isa
+
+    if ONEDNN_W8A8_FLAG not in isa.cpu_flags():
+        return f"the CPU lacks {ONEDNN_W8A8_FLAG}"
+    for qweight, scale, _ in _probe_inputs(bits):
+        x = torch.randn(FBGEMM_MAX_ROWS + 3, qweight.shape[1], generator=torch.Generator().manual_seed(1))
+        try:
+            y = OneDnnW8A8Linear(qweight, scale, None, bits)(x)
+        except RuntimeError as exc:
+            return f"oneDNN's int8 linear failed: {str(exc).strip().splitlines()[0][:200]}"
+        if not torch.allclose(y, reference_w8a8(x, qweight, scale, None, bits), rtol=1e-5, atol=1e-4):
+            return "oneDNN's int8 linear disagrees with the reference on a probe"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,7 +267,8 @@ def fbgemm_unavailable_reason(bits: W8A8Bits = LEGACY_BITS) -> str | None:
 
 
 def resolve_w8a8_backend(linear_backend: str, bits: W8A8Bits = LEGACY_BITS) -> str:
-    """The W8A8 kernel for an already resolved linear backend: onednn (the fast CPU path) -> fbgemm."""
+    """The W8A8 kernel for an already resolved linear backend: on the onednn linear backend (the fast CPU
+    path), oneDNN's int8 GEMM where the CPU has AMX int8 and it passes its probes, else fbgemm."""
     if linear_backend == "reference":
         return "reference"
     why = fbgemm_unavailable_reason(bits)
@@ -208,7 +276,7 @@ def resolve_w8a8_backend(linear_backend: str, bits: W8A8Bits = LEGACY_BITS) -> s
         raise ValueError(f"W8A8 linears (quantization int8_w8a8) need torch's fbgemm int8 GEMM, which cannot "
                          f"run here: {why}. Load the engine with linear_backend='reference' to run the "
                          "pure-torch int8 path instead (slower), or build with --quantization int8_wo")
-    return "fbgemm"
+    return "onednn" if onednn_unavailable_reason(bits) is None else "fbgemm"
 
 
 def make_w8a8_linear(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -216,6 +284,8 @@ def make_w8a8_linear(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     if backend not in W8A8_BACKENDS:
         raise ValueError(f"W8A8 backend must be one of {', '.join(W8A8_BACKENDS)}, got {backend!r}")
     check_weight_range(qweight, bits)
+    if backend == "onednn":
+        return OneDnnW8A8Linear(qweight.cpu(), scale.cpu(), bias, bits)
     if backend == "fbgemm":
         return FbgemmW8A8Linear(qweight.cpu(), scale.cpu(), bias, bits)
     return ReferenceW8A8Linear(qweight, scale, bias, bits)
