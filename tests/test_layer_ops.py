@@ -85,8 +85,11 @@ def test_rotary_of_qkv_views(dtype: torch.dtype, d: int) -> None:
     cos, sin = rotary_inputs(t, d, dtype, gen)
     torch_ops, compiled = TorchOps(), CompiledOps()
     for x in (q, k, q.contiguous()):  # each with its own step tables (rotary_tables), as the model passes them
-        close(torch_ops.rotary(x, *torch_ops.rotary_tables(cos, sin)),
-              compiled.rotary(x, *compiled.rotary_tables(cos, sin)))
+        want = torch_ops.rotary(x, *torch_ops.rotary_tables(cos, sin))
+        got = compiled.rotary(x, *compiled.rotary_tables(cos, sin))
+        close(want, got)
+        if dtype == torch.bfloat16:  # products, sums and roundings only (no exp, no sqrt): bit for bit, vector
+            assert torch.equal(got, want)  # body and tail (d 48 on AVX-512: 16 lanes, then 8)
 
 
 def test_the_compiled_backend_brings_the_compiled_ops() -> None:

@@ -41,15 +41,22 @@ inline vf as_float(vi bits) {
 
 inline vf load_bf16(const uint16_t* p) { return as_float(widen_u16(p) << 16); }
 
-// v rounded to bfloat16, to nearest even, into p[0, kLanes).
-inline void store_bf16(uint16_t* p, vf v) {
+// v rounded to bfloat16, to nearest even (a NaN stays a quiet NaN), as the low 16 bits of each lane.
+inline vu bf16_bits(vf v) {
   vu bits;
   std::memcpy(&bits, &v, sizeof bits);
   const vu rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
   const vu nan = (vu)((bits & 0x7fffffffu) > 0x7f800000u);  // all ones where v is a NaN
-  const vu out = (rounded & ~nan) | ((bits >> 16) & nan) | (nan & 0x40u);  // a NaN stays a (quiet) NaN
-  const vh h = __builtin_convertvector(out, vh);
+  return (rounded & ~nan) | ((bits >> 16) & nan) | (nan & 0x40u);
+}
+
+// v rounded to bfloat16 into p[0, kLanes).
+inline void store_bf16(uint16_t* p, vf v) {
+  const vh h = __builtin_convertvector(bf16_bits(v), vh);
   std::memcpy(p, &h, sizeof h);
 }
+
+// v as it reads after a round trip through bfloat16 (torch rounds every bfloat16 op's float result).
+inline vf round_bf16(vf v) { return as_float((vi)(bf16_bits(v) << 16)); }
 
 }  // namespace trtprompt_vec

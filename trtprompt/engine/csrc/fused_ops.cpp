@@ -14,6 +14,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bf16_vec.h"
 #include "dtypes.h"
 #include "vec.h"
 
@@ -39,6 +40,8 @@ inline int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
 }
 
+// kLanes elements of T as floats, stored back as T, and rounded as a T result is: one vector operation each
+// for float and bfloat16 (bf16_vec.h, round to nearest even as torch's), float16 lane by lane.
 template <typename T>
 inline vf load_as_float(const T* p) {
   vf v;
@@ -48,6 +51,35 @@ inline vf load_as_float(const T* p) {
 template <>
 inline vf load_as_float<float>(const float* p) {
   return load(p);
+}
+template <>
+inline vf load_as_float<c10::BFloat16>(const c10::BFloat16* p) {
+  return load_bf16(reinterpret_cast<const uint16_t*>(p));
+}
+
+template <typename T>
+inline void store_as(T* p, vf v) {
+  for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<T>(v[i]);
+}
+template <>
+inline void store_as<float>(float* p, vf v) {
+  store(p, v);
+}
+template <>
+inline void store_as<c10::BFloat16>(c10::BFloat16* p, vf v) {
+  store_bf16(reinterpret_cast<uint16_t*>(p), v);
+}
+
+template <typename T>
+inline vf round_vec(vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return round_bf16(v);
+  } else {
+    for (int64_t i = 0; i < kLanes; ++i) v[i] = round_to<T>(v[i]);
+    return v;
+  }
 }
 
 template <typename T>
@@ -108,15 +140,8 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
       const T* u = g + n;
       T* o = op + r * n;
       int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes) {
-        const vf s = silu(load_as_float(g + i));
-        if constexpr (std::is_same_v<T, float>) {
-          store(o + i, s * load(u + i));
-        } else {
-          for (int64_t l = 0; l < kLanes; ++l)
-            o[i + l] = static_cast<T>(round_to<T>(s[l]) * static_cast<float>(u[i + l]));
-        }
-      }
+      for (; i + kLanes <= n; i += kLanes)
+        store_as(o + i, round_vec<T>(silu(load_as_float(g + i))) * load_as_float(u + i));
       for (; i < n; ++i) o[i] = static_cast<T>(round_to<T>(silu(static_cast<float>(g[i]))) * static_cast<float>(u[i]));
     }
   });
@@ -139,7 +164,14 @@ void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
       for (int64_t h = 0; h < heads; ++h) {
         const T* xi = xp + r * row_stride + h * head_stride;
         T* o = op + (r * heads + h) * d;
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+        for (; i + kLanes <= half; i += kLanes) {
+          const vf x1 = load_as_float(xi + i), x2 = load_as_float(xi + i + half);
+          const vf ci = load_as_float(c + i), si = load_as_float(s + i);
+          store_as(o + i, round_vec<T>(x1 * ci) - round_vec<T>(x2 * si));
+          store_as(o + i + half, round_vec<T>(x2 * ci) + round_vec<T>(x1 * si));
+        }
+        for (; i < half; ++i) {
           const float x1 = static_cast<float>(xi[i]), x2 = static_cast<float>(xi[i + half]);
           const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
           o[i] = static_cast<T>(round_to<T>(x1 * ci) - round_to<T>(x2 * si));
