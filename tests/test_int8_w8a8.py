@@ -164,6 +164,20 @@ def test_compiled_quantize_rows_equals_torch(bits: W8A8Bits, dtype: torch.dtype)
         assert torch.equal(q2, q) and torch.equal(s2, s)
 
 
+@pytest.mark.skipif(not kernels.compiled_kernel_status()[0], reason="compiled kernels unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_scale_rows_equals_torch(dtype: torch.dtype) -> None:
+    """The output's per-token rescale and cast in one pass: torch's mul_ then cast, bit for bit (vector body
+    and tail, N 200); with a bias within an ulp of float32 before the cast."""
+    gen = torch.Generator().manual_seed(5)
+    y, s = torch.randn(37, 200, generator=gen) * 100, torch.rand(37, 1, generator=gen)
+    b = torch.randn(200, generator=gen)
+    assert torch.equal(torch.ops.trtprompt.scale_rows(y, s, None, dtype), (y * s).to(dtype))
+    got = torch.ops.trtprompt.scale_rows(y, s, b, dtype)
+    torch.testing.assert_close(got.float(), torch.addcmul(b, y, s).to(dtype).float(), rtol=1e-6,
+                               atol=float(torch.finfo(dtype).eps) * 200)
+
+
 @needs_onednn
 @pytest.mark.parametrize("bits", SPLITS, ids=["w8a7", "w7a8"])
 @pytest.mark.parametrize(("m", "k", "n", "bias"), [(1, 64, 48, False), (FBGEMM_MAX_ROWS, 96, 200, True),

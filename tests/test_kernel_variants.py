@@ -23,7 +23,7 @@ from trtprompt.engine import isa, kernels
 AVX2_FLAGS = frozenset("fpu sse2 avx avx2 fma f16c".split())
 AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile"}
 PARITY = ("fast_paths_equal_reference or log_sum_exp or rms_norm or silu or rotary or int8_in_place or lora_kernel "
-          "or quantize_rows")
+          "or quantize_rows or scale_rows")
 
 
 def test_flags_are_read_from_cpuinfo_on_x86_and_arm(tmp_path: Path) -> None:

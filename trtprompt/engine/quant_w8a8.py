@@ -181,16 +181,29 @@ class FbgemmW8A8Linear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
+def _compiled() -> bool:
+    from trtprompt.engine import kernels
+
+    return kernels.compiled_kernel_status()[0]
+
+
 def quantize_rows_u8(x: torch.Tensor, bits: W8A8Bits) -> tuple[torch.Tensor, torch.Tensor]:
     """(q uint8 [M, K], scale [M, 1]): quantize_per_token's integers plus the zero point, in one compiled pass
     where the kernels run (bit-identical), else in torch."""
-    from trtprompt.engine import kernels
-
-    if kernels.compiled_kernel_status()[0]:
+    if _compiled():
         q, s = torch.ops.trtprompt.quantize_rows(x.contiguous(), bits.act_qmax, bits.act_zero_point, MIN_SCALE)
         return q, s
     qf, s = quantize_per_token(x, bits.act_qmax)
     return qf.add_(bits.act_zero_point).to(torch.uint8), s
+
+
+def rescale_rows(y: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """(y [M, N] float32 * s [M, 1] (+ bias)) as dtype: one compiled pass where the kernels run (bit-identical
+    without a bias; with one, within an ulp of float32), else torch's mul_ (or addcmul) and cast."""
+    if _compiled():
+        out: torch.Tensor = torch.ops.trtprompt.scale_rows(y, s, bias, dtype)
+        return out
+    return (y.mul_(s) if bias is None else torch.addcmul(bias, y, s)).to(dtype)
 
 
 class OneDnnW8A8Linear(torch.nn.Module):
@@ -204,7 +217,8 @@ class OneDnnW8A8Linear(torch.nn.Module):
         self.packed = torch.ops.onednn.qlinear_prepack(qweight.contiguous(), [FBGEMM_MAX_ROWS * 2, self.in_features])
         self.scale = scale.float().contiguous()
         self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
-        self.bias, self.bits = bias, bits
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.bits = bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -215,8 +229,7 @@ class OneDnnW8A8Linear(torch.nn.Module):
         y: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, self.bits.act_zero_point, self.packed, self.scale, self.zero_points, None, 1.0, 0,
             torch.float32, "none", [], "")
-        y = y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s)
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return rescale_rows(y, s, self.bias, x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 def _probe_inputs(bits: W8A8Bits) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -1,4 +1,5 @@
-// Per-token int8 quantization of a W8A8 linear's input in one pass per row (engine/quant_w8a8.py).
+// Per-token int8 quantization of a W8A8 linear's input, and the per-token rescale of its output, one pass
+// each (engine/quant_w8a8.py).
 //
 // Each row of x [M, K] gets its own scale s = max(max|x|, min_scale) / qmax, and its values become
 // round(x / s) + zero_point as uint8 (what oneDNN's u8 x s8 int8 GEMM reads). torch spells this as
@@ -6,6 +7,10 @@
 // 2,048-token prompt chunk those passes cost more than the AMX GEMM they feed. Every step is torch's
 // own float32 arithmetic in the same order (a division correctly rounded, round half to even), so q
 // and s equal the torch expression's bit for bit (tests/test_int8_w8a8.py).
+//
+// scale_rows is the way back: the GEMM's float32 output [M, N] times each row's scale (plus the bias),
+// rounded once to the activations' dtype, in one pass where torch's mul_ and cast make two over the
+// float32 output.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -117,12 +122,67 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t qm
   return {q, scale};
 }
 
+template <typename T>
+inline void store_floats(T* p, vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    store(p, v);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    store_bf16(reinterpret_cast<uint16_t*>(p), v);
+  } else {
+    for (int64_t l = 0; l < kLanes; ++l) p[l] = static_cast<T>(v[l]);
+  }
+}
+
+// out[r, n] = (y[r, n] * s[r] (+ bias[n])) as T: torch's y.mul_(s) (then + bias), then .to(T).
+template <typename T>
+void scale(const at::Tensor& y, const at::Tensor& s, const float* bias, at::Tensor& out) {
+  const int64_t rows = y.size(0), n = y.size(1);
+  const float* yp = y.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, n)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* yr = yp + r * n;
+      T* o = op + r * n;
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes) {
+        vf v = load(yr + i) * sp[r];
+        if (bias != nullptr) v = v + load(bias + i);
+        store_floats(o + i, v);
+      }
+      for (; i < n; ++i) {
+        float v = yr[i] * sp[r];
+        if (bias != nullptr) v = v + bias[i];
+        o[i] = static_cast<T>(v);
+      }
+    }
+  });
+}
+
+at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& s, const c10::optional<at::Tensor>& bias,
+                      at::ScalarType dtype) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat,
+              "scale_rows: y must be a contiguous float32 [M, N] tensor");
+  TORCH_CHECK(s.is_contiguous() && s.scalar_type() == at::kFloat && s.numel() == y.size(0),
+              "scale_rows: s must hold one float32 scale per row of y");
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == at::kFloat &&
+                                    bias->numel() == y.size(1)),
+              "scale_rows: bias must be a contiguous float32 [N]");
+  auto out = at::empty(y.sizes(), y.options().dtype(dtype));
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  dispatch_float_types(out, "scale_rows", [&](auto tag) { scale<decltype(tag)>(y, s, b, out); });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
   m.def("quantize_rows(Tensor x, int qmax, int zero_point, float min_scale) -> (Tensor, Tensor)");
+  m.def("scale_rows(Tensor y, Tensor s, Tensor? bias, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
   m.impl("quantize_rows", &quantize_rows);
+  m.impl("scale_rows", &scale_rows);
 }
