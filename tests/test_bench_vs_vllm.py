@@ -107,3 +107,19 @@ def test_greedy_agreement_counts_matching_tokens() -> None:
     assert report.greedy_agreement(results, "vllm") == {"sequences": 2, "identical": 1, "tokens_equal": 5,
                                                         "tokens": 6}
     assert report.greedy_agreement({"vllm": {}, "trtprompt": {}}, "vllm") is None
+
+
+def test_reps_run_in_rounds_with_the_sides_order_alternating() -> None:
+    """Each round carries one rep's prompts; a side's rounds append in rep order; the order flips every round."""
+    spec = {"max_num_tokens": 64, "workloads": {"throughput": {"max_tokens": 4, "reps": [[[1]], [[2]], [[3]]]},
+                                                "latency": {"max_tokens": 4, "reps": [[[4]], [[5]], [[6]]]}}}
+    assert sidebyside.round_spec(spec, 1)["workloads"]["latency"]["reps"] == [[[5]]]
+    assert sidebyside.round_spec(spec, 1)["max_num_tokens"] == 64 and spec["workloads"]["latency"]["reps"][0] == [[4]]
+    merged: dict[str, object] = {}
+    for rep in range(3):
+        sidebyside.merge_round(merged, {"side": "trtprompt", "init_s": float(rep), "throughput": [{"rep": rep}],
+                                        "latency": [{"rep": rep}]}, ["throughput", "latency"])
+    assert merged == {"side": "trtprompt", "init_s": 0.0, "throughput": [{"rep": 0}, {"rep": 1}, {"rep": 2}],
+                      "latency": [{"rep": 0}, {"rep": 1}, {"rep": 2}]}
+    sides = ["trtprompt", "openvino", "vllm"]
+    assert [sidebyside.round_order(sides, r) for r in range(3)] == [sides, sides[::-1], sides]

@@ -18,8 +18,9 @@ of its own, the peers in their own venvs (PEERS = --peers-dir): vLLM (PEERS/vllm
 llama.cpp's llama-server (PEERS/llamacpp, docs/peer-llamacpp.md; its offline workloads go through the server,
 every request in flight at once), OpenVINO GenAI's ContinuousBatchingPipeline (PEERS/ov-venv, the model exported
 on first use under PEERS/openvino, docs/peer-openvino.md). `--install-peers` installs what is missing. Offline
-prompts are token ids in one JSON file every side reads. trtprompt decodes plainly (`--speculative-decoding
-none`: the peers do not speculate). Prints the machine (CPU model, family/model, kernel flags), each side's
+prompts are token ids in one JSON file every side reads. The offline reps run in rounds: in each, every side
+runs that rep (after its own warm-up), the sides' order alternating from round to round. trtprompt decodes
+plainly (`--speculative-decoding none`: the peers do not speculate). Prints the machine (CPU model, family/model, kernel flags), each side's
 precision and command line, a Markdown table of medians and ratios (trtprompt / peer) and the cores each side
 kept busy, and writes everything to OUT/results.json. Not part of `make test`.
 """
@@ -185,13 +186,37 @@ def run_offline(args: argparse.Namespace, side: str, prompts: Path) -> dict[str,
     return openvino_side.parse_result(text) if side == "openvino" else dict(json.loads(text))
 
 
+def round_spec(spec: dict[str, Any], rep: int) -> dict[str, Any]:
+    """The offline workloads with rep `rep`'s prompts only: one round of the side-by-side."""
+    return {**spec, "workloads": {name: {**wl, "reps": [wl["reps"][rep]]} for name, wl in spec["workloads"].items()}}
+
+
+def merge_round(into: dict[str, Any], result: dict[str, Any], workloads: Sequence[str]) -> None:
+    """A side's result of one round appended to its earlier rounds' (reps in order; the rest kept from the first)."""
+    for key, value in result.items():
+        if key in workloads:
+            into.setdefault(key, []).extend(value)
+        else:
+            into.setdefault(key, value)
+
+
+def round_order(sides: Sequence[str], rep: int) -> list[str]:
+    """Sides in order on even rounds, reversed on odd ones: a drift in the machine's speed (other tenants of a
+    shared host) falls on every side alike instead of on whoever ran last."""
+    return list(sides) if rep % 2 == 0 else list(reversed(sides))
+
+
 def run_all(args: argparse.Namespace, spec: dict[str, Any] | None) -> dict[str, Any]:
+    """Each rep is a round in which every side runs it in a process of its own (after its own warm-up), the
+    order alternating between rounds; then the served runs."""
     results: dict[str, Any] = {side: {} for side in args.sides}
     if spec is not None:
-        prompts = args.out_dir / "offline-prompts.json"
-        prompts.write_text(json.dumps(spec), encoding="utf-8")
-        for side in args.sides:
-            results[side].update(run_offline(args, side, prompts))
+        (args.out_dir / "offline-prompts.json").write_text(json.dumps(spec), encoding="utf-8")
+        for rep in range(args.reps):
+            prompts = args.out_dir / f"offline-prompts-rep{rep}.json"
+            prompts.write_text(json.dumps(round_spec(spec, rep)), encoding="utf-8")
+            for side in round_order(args.sides, rep):
+                merge_round(results[side], run_offline(args, side, prompts), list(spec["workloads"]))
     if "served" in args.only:
         for side in args.sides:
             if side in served.SERVED_SIDES:
@@ -241,7 +266,8 @@ def report_text(args: argparse.Namespace, info: dict[str, Any], table: list[dict
     lines = [f"machine: {machine.one_line(info)}",
              f"model {args.model}, dtype {args.dtype}: " + "; ".join(f"{s} runs {p}" for s, p in
                                                                      precision(args).items()),
-             f"{args.threads} threads per side, medians of {args.reps} reps, trtprompt {info['trtprompt_commit']}, "
+             f"{args.threads} threads per side, medians of {args.reps} reps (one round each, sides alternating), "
+             f"trtprompt {info['trtprompt_commit']}, "
              f"{info['time_utc']} UTC, load average at start {info['loadavg_start'][0]:.2f}; served: "
              "vllm.benchmarks.serve, streamed /v1/completions, every side with a server", "",
              *(f"{name}: {cmd}" for name, cmd in commands(args).items()), "",
