@@ -20,9 +20,10 @@ every request in flight at once), OpenVINO GenAI's ContinuousBatchingPipeline (P
 on first use under PEERS/openvino, docs/peer-openvino.md). `--install-peers` installs what is missing. Offline
 prompts are token ids in one JSON file every side reads. The offline reps run in rounds: in each, every side
 runs that rep (after its own warm-up), the sides' order alternating from round to round. trtprompt decodes
-plainly (`--speculative-decoding none`: the peers do not speculate). Prints the machine (CPU model, family/model, kernel flags), each side's
-precision and command line, a Markdown table of medians and ratios (trtprompt / peer) and the cores each side
-kept busy, and writes everything to OUT/results.json. Not part of `make test`.
+plainly (`--speculative-decoding none`: the peers do not speculate). Prints the machine (CPU model,
+family/model, kernel flags), each side's precision and command line, a Markdown table of medians and ratios
+(trtprompt / peer) and the cores each side kept busy, and writes everything to OUT/results.json. Not part of
+`make test`.
 """
 
 from __future__ import annotations
