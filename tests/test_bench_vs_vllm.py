@@ -123,3 +123,13 @@ def test_reps_run_in_rounds_with_the_sides_order_alternating() -> None:
                       "latency": [{"rep": 0}, {"rep": 1}, {"rep": 2}]}
     sides = ["trtprompt", "openvino", "vllm"]
     assert [sidebyside.round_order(sides, r) for r in range(3)] == [sides, sides[::-1], sides]
+
+
+def test_each_round_gives_a_ratio_and_the_table_shows_their_spread() -> None:
+    args = sidebyside.parse_args(["--only", "throughput", "--sides", "trtprompt,openvino"])
+    results = {"trtprompt": {"throughput": [{"output_tok_s": 500.0}, {"output_tok_s": 400.0}, {"output_tok_s": 420.0}]},
+               "openvino": {"throughput": [{"output_tok_s": 400.0}, {"output_tok_s": 400.0}, {"output_tok_s": 600.0}]}}
+    row = report.rows(args, results)[0]
+    assert row["round_ratios"]["openvino"] == pytest.approx([1.25, 1.0, 0.7])
+    assert row["ratios"]["openvino"] == pytest.approx(420.0 / 400.0)
+    assert "1.05× (higher is better; rounds 0.70-1.25, median 1.00)" in report.markdown([row], args.sides)

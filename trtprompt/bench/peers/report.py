@@ -37,6 +37,13 @@ def _ratio(ours: float | None, theirs: float | None) -> float | None:
     return ours / theirs if ours and theirs else None
 
 
+def round_ratios(ours: list[dict[str, Any]] | None, theirs: list[dict[str, Any]] | None, key: str) -> list[float]:
+    """trtprompt / peer of each round (rep i of both sides ran back to back, sidebyside.run_all): on a shared host
+    whose speed drifts, the spread of these says how far the medians' ratio can be trusted."""
+    pairs = zip(ours or [], theirs or [])
+    return [r for r in (_ratio(a.get(key), b.get(key)) for a, b in pairs) if r is not None]
+
+
 def rows(args: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (workload, metric): medians of each side and trtprompt / each peer."""
     out = []
@@ -45,9 +52,12 @@ def rows(args: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, An
             continue
         vals = {side: median_of(results.get(side, {}).get(workload), key) for side in args.sides}
         cores = {side: median_of(results.get(side, {}).get(workload), "cores_busy") for side in args.sides}
-        ratios = {peer: _ratio(vals["trtprompt"], vals[peer]) for peer in args.sides if peer in PEERS}
+        peers = [peer for peer in args.sides if peer in PEERS]
+        ratios = {peer: _ratio(vals["trtprompt"], vals[peer]) for peer in peers}
+        rounds = {peer: round_ratios(results.get("trtprompt", {}).get(workload), results.get(peer, {}).get(workload),
+                                     key) for peer in peers}
         out.append({"workload": label, "metric": metric, "better": better, **vals, "ratios": ratios,
-                    "cores_busy": cores})
+                    "round_ratios": rounds, "cores_busy": cores})
     return out
 
 
@@ -55,13 +65,19 @@ def _fmt(value: float | None) -> str:
     return "—" if value is None else f"{value:.4g}"
 
 
+def _rounds_text(ratios: list[float]) -> str:
+    if len(ratios) < 2:
+        return ""
+    return f"; rounds {min(ratios):.2f}-{max(ratios):.2f}, median {statistics.median(ratios):.2f}"
+
+
 def markdown(table: list[dict[str, Any]], sides: Sequence[str]) -> str:
     peers = [s for s in sides if s in PEERS]
     head = ["workload", "metric", *(NAMES[s] for s in sides), *(f"trtprompt / {NAMES[p]}" for p in peers)]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in table:
-        ratios = ["—" if r["ratios"][p] is None else f"{r['ratios'][p]:.2f}× ({r['better']} is better)"
-                  for p in peers]
+        ratios = ["—" if r["ratios"][p] is None else f"{r['ratios'][p]:.2f}× ({r['better']} is better"
+                  f"{_rounds_text(r.get('round_ratios', {}).get(p, []))})" for p in peers]
         lines.append("| " + " | ".join([r["workload"], r["metric"], *(_fmt(r[s]) for s in sides), *ratios]) + " |")
     return "\n".join(lines)
 
