@@ -34,8 +34,10 @@ from typing import Any, Mapping
 import torch
 
 W8A8_BACKENDS: tuple[str, ...] = ("onednn", "fbgemm", "reference")
-# Rows a call of the onednn backend leaves to fbgemm: on machine A (AMX) the two crossed between 8 and 32
-# rows per call over SmolLM2's 120 linears (docs/quantization.md, "W8A8 on AMX").
+# Rows a call of the onednn backend leaves to fbgemm. With the compiled quantize and rescale, oneDNN was the
+# faster from 2 rows up on machine A (AMX; 1.2-1.6x at 4-16 rows, 0.95x at 1), but each new row count costs it a
+# primitive (~0.5 ms a linear shape, once), and its cache is bounded (linear.py): decode steps of up to 16
+# sequences, whose row count changes every few steps, stay on fbgemm (docs/quantization.md, "W8A8 on AMX").
 FBGEMM_MAX_ROWS = 16
 # The CPU flag the onednn backend needs: measured faster than fbgemm only with AMX's int8 tiles; without
 # VNNI oneDNN's int8 GEMM was slower than fbgemm's (the AVX2 EPYC, docs/quantization.md).
