@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -234,34 +234,39 @@ class OneDnnW8A8Linear(torch.nn.Module):
         return rescale_rows(y, s, self.bias, x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def _probe_inputs(bits: W8A8Bits) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(qweight, scale, x): random values, and the worst case for saturation (every product at its largest)."""
+def _probe_inputs(bits: W8A8Bits, rows: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(qweight, scale, x of `rows` rows): random values, and the worst case for saturation (every product at
+    its largest)."""
     gen = torch.Generator().manual_seed(0)
     q = bits.weight_qmax
     qweight = torch.randint(-q, q + 1, (24, 64), generator=gen, dtype=torch.int8)
     scale = torch.rand(24, generator=gen) + 0.5
     worst = torch.full((24, 64), q, dtype=torch.int8)
     worst[1::2] = -q
-    return [(qweight, scale, torch.randn(5, 64, generator=gen)), (worst, scale, torch.ones(3, 64))]
+    return [(qweight, scale, torch.randn(rows, 64, generator=gen)), (worst, scale, torch.ones(rows, 64))]
+
+
+def _probe(name: str, make: Callable[..., torch.nn.Module], bits: W8A8Bits, rows: int) -> str | None:
+    """Why the int8 linear `make` builds cannot serve here (None: it runs and matches the reference on probes)."""
+    for qweight, scale, x in _probe_inputs(bits, rows):
+        try:
+            y = make(qweight, scale, None, bits)(x)
+        except RuntimeError as exc:
+            return f"{name}'s int8 linear failed: {str(exc).strip().splitlines()[0][:200]}"
+        if not torch.allclose(y, reference_w8a8(x, qweight, scale, None, bits), rtol=1e-5, atol=1e-4):
+            return f"{name}'s int8 linear disagrees with the reference on a probe"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
 def onednn_unavailable_reason(bits: W8A8Bits = LEGACY_BITS) -> str | None:
     """Why the onednn backend is not chosen here (None: the CPU has AMX int8 and it matches the reference on
-    probes, above and at FBGEMM_MAX_ROWS)."""
+    probes of more than FBGEMM_MAX_ROWS rows)."""
     from trtprompt.engine import isa
 
     if ONEDNN_W8A8_FLAG not in isa.cpu_flags():
         return f"the CPU lacks {ONEDNN_W8A8_FLAG}"
-    for qweight, scale, _ in _probe_inputs(bits):
-        x = torch.randn(FBGEMM_MAX_ROWS + 3, qweight.shape[1], generator=torch.Generator().manual_seed(1))
-        try:
-            y = OneDnnW8A8Linear(qweight, scale, None, bits)(x)
-        except RuntimeError as exc:
-            return f"oneDNN's int8 linear failed: {str(exc).strip().splitlines()[0][:200]}"
-        if not torch.allclose(y, reference_w8a8(x, qweight, scale, None, bits), rtol=1e-5, atol=1e-4):
-            return "oneDNN's int8 linear disagrees with the reference on a probe"
-    return None
+    return _probe("oneDNN", OneDnnW8A8Linear, bits, FBGEMM_MAX_ROWS + 3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,14 +276,7 @@ def fbgemm_unavailable_reason(bits: W8A8Bits = LEGACY_BITS) -> str | None:
     if engine not in FBGEMM_ENGINES:
         return (f"torch's quantized engine is {engine!r} (supported here: "
                 f"{', '.join(torch.backends.quantized.supported_engines)}), not fbgemm or x86")
-    for qweight, scale, x in _probe_inputs(bits):
-        try:
-            y = FbgemmW8A8Linear(qweight, scale, None, bits)(x)
-        except RuntimeError as exc:
-            return f"fbgemm's int8 linear failed: {str(exc).strip().splitlines()[0][:200]}"
-        if not torch.allclose(y, reference_w8a8(x, qweight, scale, None, bits), rtol=1e-5, atol=1e-4):
-            return "fbgemm's int8 linear disagrees with the reference on a probe"
-    return None
+    return _probe("fbgemm", FbgemmW8A8Linear, bits, 5)
 
 
 def resolve_w8a8_backend(linear_backend: str, bits: W8A8Bits = LEGACY_BITS) -> str:

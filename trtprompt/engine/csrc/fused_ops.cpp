@@ -14,9 +14,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "bf16_vec.h"
 #include "dtypes.h"
-#include "vec.h"
+#include "typed_vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -34,42 +33,7 @@ inline float round_to(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
-// Threads split rows only when a share holds enough elements to pay for waking them.
-constexpr int64_t kGrainElements = 1 << 14;
-inline int64_t grain_rows(int64_t row_elements) {
-  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
-}
-
-// kLanes elements of T as floats, stored back as T, and rounded as a T result is: one vector operation each
-// for float and bfloat16 (bf16_vec.h, round to nearest even as torch's), float16 lane by lane.
-template <typename T>
-inline vf load_as_float(const T* p) {
-  vf v;
-  for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
-template <>
-inline vf load_as_float<float>(const float* p) {
-  return load(p);
-}
-template <>
-inline vf load_as_float<c10::BFloat16>(const c10::BFloat16* p) {
-  return load_bf16(reinterpret_cast<const uint16_t*>(p));
-}
-
-template <typename T>
-inline void store_as(T* p, vf v) {
-  for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<T>(v[i]);
-}
-template <>
-inline void store_as<float>(float* p, vf v) {
-  store(p, v);
-}
-template <>
-inline void store_as<c10::BFloat16>(c10::BFloat16* p, vf v) {
-  store_bf16(reinterpret_cast<uint16_t*>(p), v);
-}
-
+// v rounded as a T result is (torch rounds after every op): float32 as it is, bfloat16 a vector at once.
 template <typename T>
 inline vf round_vec(vf v) {
   if constexpr (std::is_same_v<T, float>) {

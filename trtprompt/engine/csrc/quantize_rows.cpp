@@ -16,8 +16,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include "bf16_vec.h"
 #include "dtypes.h"
+#include "typed_vec.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -35,8 +35,6 @@ namespace {
 using namespace trtprompt_dtypes;
 using namespace trtprompt_vec;
 
-// Rows a thread takes at once: enough elements to pay for waking it.
-constexpr int64_t kGrainElements = 1 << 14;
 // v + 1.5 * 2^23 - 1.5 * 2^23 is v rounded to an integer, half to even (the default rounding mode), for
 // |v| < 2^22: here |v| <= qmax.
 constexpr float kRoundMagic = 12582912.f;
@@ -56,24 +54,11 @@ inline void store_u8(uint8_t* p, vf v) {
 }
 
 template <typename T>
-inline vf load_floats(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return load(p);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    return load_bf16(reinterpret_cast<const uint16_t*>(p));
-  } else {
-    vf v;
-    for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
-    return v;
-  }
-}
-
-template <typename T>
 float row_absmax(const T* x, int64_t k) {
   vf top = {};
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes) {
-    const vf v = load_floats(x + i);
+    const vf v = load_as_float(x + i);
     const vf a = v < 0.f ? -v : v;
     top = a > top ? a : top;
   }
@@ -91,7 +76,7 @@ void quantize(const at::Tensor& x, int64_t qmax, int64_t zero_point, double min_
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* sp = scale.data_ptr<float>();
   const float floor_scale = static_cast<float>(min_scale), zp = static_cast<float>(zero_point);
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, k)),
+  at::parallel_for(0, rows, grain_rows(k),
                    [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = xp + r * k;
@@ -101,7 +86,7 @@ void quantize(const at::Tensor& x, int64_t qmax, int64_t zero_point, double min_
       // |x / s| <= qmax by construction, so round(x / s) + zero_point lies in [zp - qmax, zp + qmax].
       int64_t i = 0;
       for (; i + kLanes <= k; i += kLanes) {
-        const vf rounded = (load_floats(xr + i) / s + kRoundMagic) - kRoundMagic;
+        const vf rounded = (load_as_float(xr + i) / s + kRoundMagic) - kRoundMagic;
         store_u8(qr + i, rounded + zp);
       }
       for (; i < k; ++i) qr[i] = static_cast<uint8_t>(std::nearbyint(static_cast<float>(xr[i]) / s) + zp);
@@ -122,17 +107,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t qm
   return {q, scale};
 }
 
-template <typename T>
-inline void store_floats(T* p, vf v) {
-  if constexpr (std::is_same_v<T, float>) {
-    store(p, v);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    store_bf16(reinterpret_cast<uint16_t*>(p), v);
-  } else {
-    for (int64_t l = 0; l < kLanes; ++l) p[l] = static_cast<T>(v[l]);
-  }
-}
-
 // out[r, n] = (y[r, n] * s[r] (+ bias[n])) as T: torch's y.mul_(s) (then + bias), then .to(T).
 template <typename T>
 void scale(const at::Tensor& y, const at::Tensor& s, const float* bias, at::Tensor& out) {
@@ -140,7 +114,7 @@ void scale(const at::Tensor& y, const at::Tensor& s, const float* bias, at::Tens
   const float* yp = y.data_ptr<float>();
   const float* sp = s.data_ptr<float>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, n)),
+  at::parallel_for(0, rows, grain_rows(n),
                    [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* yr = yp + r * n;
@@ -149,7 +123,7 @@ void scale(const at::Tensor& y, const at::Tensor& s, const float* bias, at::Tens
       for (; i + kLanes <= n; i += kLanes) {
         vf v = load(yr + i) * sp[r];
         if (bias != nullptr) v = v + load(bias + i);
-        store_floats(o + i, v);
+        store_as(o + i, v);
       }
       for (; i < n; ++i) {
         float v = yr[i] * sp[r];

@@ -73,6 +73,13 @@ inline vf exp_nonpositive(vf x) {
   return p * scale;
 }
 
+// Rows a thread takes at once in a row-wise op (at::parallel_for's grain): threads split rows only when a share
+// holds enough elements to pay for waking them.
+constexpr int64_t kGrainElements = 1 << 14;
+inline int64_t grain_rows(int64_t row_elements) {
+  return row_elements >= kGrainElements ? 1 : kGrainElements / (row_elements > 0 ? row_elements : 1);
+}
+
 // Calls body(std::integral_constant<int, M>) for M = m in 1..8 (8 for more): kernels that read each weight
 // vector once for up to 8 rows of x unroll their rows at compile time.
 constexpr int64_t kMaxUnrolledRows = 8;
