@@ -16,7 +16,7 @@ quality:    SmolLM2-135M-Instruct (`make real-model`), fp32 against int8_w8a8 va
             (alpha searched per linear), +skip1 (calibration maxima without each sequence's
             first token), and wo for int8_wo): perplexity on a held-out text (/usr/share/common-licenses/GPL-3,
             Debian's base-files), teacher-forced top-1 and free-running greedy agreement over
-            32 prompts x 64 tokens. Every variant runs the engine's default (fbgemm) path.
+            32 prompts x 64 tokens. Every variant runs the engine's default W8A8 path (fbgemm, or oneDNN with AMX).
 
 Writes JSON under build/bench-int8/ and prints Markdown. Not part of `make test`.
 docs/quantization.md explains the kernels and the numbers.
