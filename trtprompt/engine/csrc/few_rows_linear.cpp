@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "typed_vec.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -204,14 +205,12 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, int64_t k_dim) 
 }
 
 // x rows [r0, r0 + m) as float32 [m, K].
-void rows_as_float(const at::Tensor& x, int64_t r0, int64_t m, float* dst) {
+void x_rows_as_float(const at::Tensor& x, int64_t r0, int64_t m, float* dst) {
   const int64_t k = x.size(1);
-  if (x.scalar_type() == at::kFloat) {
-    std::memcpy(dst, x.data_ptr<float>() + r0 * k, sizeof(float) * m * k);
-    return;
-  }
-  const c10::BFloat16* src = x.data_ptr<c10::BFloat16>() + r0 * k;
-  for (int64_t i = 0; i < m * k; ++i) dst[i] = static_cast<float>(src[i]);
+  if (x.scalar_type() == at::kFloat)
+    rows_as_float(x.data_ptr<float>() + r0 * k, k, m, k, dst);
+  else
+    rows_as_float(x.data_ptr<c10::BFloat16>() + r0 * k, k, m, k, dst);
 }
 
 void store_rows(at::Tensor& out, int64_t r0, int64_t m, int64_t n0, int64_t n1, const float* buf,
@@ -253,7 +252,7 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
   const float* row_scale = (scaled && !int4) ? scale->data_ptr<float>() : nullptr;
   for (int64_t r0 = 0; r0 < x.size(0); r0 += kRowsPerPass) {
     const int64_t m = std::min(kRowsPerPass, x.size(0) - r0);
-    rows_as_float(x, r0, m, xf.data());
+    x_rows_as_float(x, r0, m, xf.data());
     with_rows(m, [&](auto rows) {
       constexpr int M = decltype(rows)::value;
       for_each_task(n_dim, [&](int64_t n0, int64_t n1, float* buf) {

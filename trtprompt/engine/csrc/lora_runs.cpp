@@ -21,9 +21,11 @@
 #include <torch/library.h>
 
 #include "bf16_vec.h"
+#include "typed_vec.h"
 #include "vec.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -142,14 +144,9 @@ void expand(const float* s, int64_t rank, const W* b, int64_t n, Y* y, int64_t y
   }
 }
 
-inline void rows_as_float(const float* x, int64_t stride, int64_t m, int64_t k, float* dst) {
-  for (int64_t r = 0; r < m; ++r) std::memcpy(dst + r * k, x + r * stride, sizeof(float) * k);
-}
-
-inline void rows_as_float(const uint16_t* x, int64_t stride, int64_t m, int64_t k, float* dst) {
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t c = 0; c < k; c += kLanes) store(dst + r * k + c, load_bf16(x + r * stride + c));
-}
+// The element type rows_as_float (typed_vec.h) reads: bfloat16 rows are handled here as their uint16_t bits.
+template <typename X>
+using Typed = std::conditional_t<std::is_same_v<X, uint16_t>, c10::BFloat16, X>;
 
 struct Task {
   int64_t first, rows, slot;
@@ -178,7 +175,8 @@ void run_tasks(const std::vector<Task>& tasks, at::Tensor& y, const at::Tensor& 
     std::vector<float> xf(kRows * k_dim), s(kRows * max_rank);
     for (int64_t t = t0; t < t1; ++t) {
       const Task& task = tasks[t];
-      rows_as_float(xp + task.first * x.stride(0), x.stride(0), task.rows, k_dim, xf.data());
+      rows_as_float(reinterpret_cast<const Typed<X>*>(xp + task.first * x.stride(0)), x.stride(0), task.rows, k_dim,
+                    xf.data());
       for (int64_t p = 0; p < num_pairs; ++p) {
         const int64_t* f = pp + p * kPairFields;
         if (f[0] != task.slot) continue;

@@ -40,4 +40,16 @@ inline void store_as<c10::BFloat16>(c10::BFloat16* p, vf v) {
   store_bf16(reinterpret_cast<uint16_t*>(p), v);
 }
 
+// m rows of k values of x (rows `stride` elements apart) as float32, row after row, into dst [m, k].
+template <typename T>
+inline void rows_as_float(const T* x, int64_t stride, int64_t m, int64_t k, float* dst) {
+  for (int64_t r = 0; r < m; ++r) {
+    const T* row = x + r * stride;
+    float* out = dst + r * k;
+    int64_t c = 0;
+    for (; c + kLanes <= k; c += kLanes) store(out + c, load_as_float(row + c));
+    for (; c < k; ++c) out[c] = static_cast<float>(row[c]);
+  }
+}
+
 }  // namespace trtprompt_vec
