@@ -178,3 +178,14 @@ def test_llamacpp_stream_tokens_are_counted_once() -> None:
     assert got == [4, 5]
     assert merge(got, {"tokens": [4, 5, 6], "stop": True, "tokens_predicted": 3}) == [4, 5, 6]  # all again
     assert merge(got, {"tokens": [6], "stop": True, "tokens_predicted": 3}) == [4, 5, 6]  # only the last
+
+
+def test_a_scenario_result_is_printed_and_written_with_the_machine(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    machine.print_and_write({"tok_s": 1.5, "args": {"reps": "2"}}, out)
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text(encoding="utf-8"))
+    assert printed["tok_s"] == 1.5 and printed["machine"]["cores"] == machine.describe()["cores"]
+    machine.print_and_write({"tok_s": 2.0}, None)  # no --out: printed only
+    assert json.loads(capsys.readouterr().out)["tok_s"] == 2.0

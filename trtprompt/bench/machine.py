@@ -7,6 +7,7 @@ reader (/proc/cpuinfo, else torch's dispatch), filtered to those that decide whi
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -51,3 +52,11 @@ def one_line(info: dict[str, Any] | None = None) -> str:
     d = describe() if info is None else info
     return (f"{d['cores']}-core {d['cpu']} (family {d['cpu_family']} model {d['cpu_model']}; "
             f"{' '.join(d['flags']) or 'no AVX2/AVX-512/AMX flags'})")
+
+
+def print_and_write(result: dict[str, Any], out: Path | None) -> None:
+    """A scenario's result with the machine under "machine", printed as JSON and written to `out` when given."""
+    text = json.dumps({**result, "machine": describe()}, indent=1, default=str)
+    print(text)
+    if out is not None:
+        out.write_text(text, encoding="utf-8")

@@ -16,7 +16,6 @@ between reps. Prints JSON with the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
@@ -88,11 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     per_rep = {w: [r / b for r, b in zip(rates[w], rates["base"])] for w in rates if w != "base"}
     result: dict[str, Any] = {"tok_s": medians, "reps": rates, "ratio_per_rep": per_rep,
                               "ratio_to_base": {w: statistics.median(r) for w, r in per_rep.items()},
-                              "args": {k: str(v) for k, v in vars(args).items()}, "machine": machine.describe()}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text)
+                              "args": {k: str(v) for k, v in vars(args).items()}}
+    machine.print_and_write(result, args.out)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,8 @@ memory as they do in a real step. Prints JSON with the machine. docs/lora.md, "B
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -77,12 +75,7 @@ def main(argv: list[str] | None = None) -> None:
                                    kernels.variant().lanes if path == "kernel" else None),
                           cfg, dtype, args.rows, args.reps)
             for path in PATHS}
-    result: dict[str, Any] = {"ms_per_step": ms, "args": {k: str(v) for k, v in vars(args).items()},
-                              "machine": machine.describe()}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text)
+    machine.print_and_write({"ms_per_step": ms, "args": {k: str(v) for k, v in vars(args).items()}}, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ other small ops); the rest of the step is Python between ops. Prints JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -199,11 +198,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     res = run(args)
     res["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
-    res["machine"] = machine.describe()
-    text = json.dumps(res, indent=1, default=str)
-    if args.out:
-        args.out.write_text(text, encoding="utf-8")
-    print(text)
+    machine.print_and_write(res, args.out)
 
 
 if __name__ == "__main__":
