@@ -1,7 +1,7 @@
 """W8A8 linears: int8 weights per output channel, int8 activations per token, integer GEMM.
 
 y[m, n] = s_x[m] * s_w[n] * sum_k q_x[m, k] * q_w[n, k] (+ bias[n]): the weight is quantized once
-at build (symmetric per output channel), the activation at every call (symmetric per token). Both
+at build (symmetric per output channel), the activation at every call (symmetric per token). The
 paths below compute the same integer sums; they differ only in fp32 rounding of the rescale.
 
 - fbgemm: torch's fbgemm int8 GEMM (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`)
@@ -10,8 +10,9 @@ paths below compute the same integer sums; they differ only in fp32 rounding of 
   back: per-token scales on a per-tensor kernel.
 - onednn (where the CPU has AMX int8): oneDNN's int8 GEMM (`onednn::qlinear_pointwise`, AMX tiles) for
   calls of more than FBGEMM_MAX_ROWS rows, on uint8 activations quantized per token by one compiled pass
-  (csrc/quantize_rows.cpp); fbgemm for fewer rows, where oneDNN's per-call cost is larger than the GEMM.
-  It holds both packed copies. Measured: docs/quantization.md, "W8A8 on AMX".
+  (csrc/quantize_rows.cpp) and scaled back by another (scale_rows); fbgemm for fewer rows (decode steps of a
+  few sequences, whose changing row counts would each cost oneDNN a new primitive). It holds both packed
+  copies. Measured: docs/quantization.md, "W8A8 on AMX".
 - reference: the same integers multiplied in floating point, exact while every partial sum stays
   below 2^24 (float64 beyond), then rescaled.
 
@@ -216,6 +217,7 @@ class OneDnnW8A8Linear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
         self.few_rows = FbgemmW8A8Linear(qweight, scale, bias, bits)
+        # The input shape oneDNN packs the weight for: a hint (any row count runs on it); past FBGEMM_MAX_ROWS.
         self.packed = torch.ops.onednn.qlinear_prepack(qweight.contiguous(), [FBGEMM_MAX_ROWS * 2, self.in_features])
         self.scale = scale.float().contiguous()
         self.zero_points = torch.zeros(self.out_features, dtype=torch.long)
