@@ -2,7 +2,8 @@
 
 Each weight format (float32, bfloat16, int8 + row scale, int4 in groups) at every row count a pass holds
 (1-8) and past it (9, 17: two and three passes), with float32 and bfloat16 activations; then
-WeightOnlyLinear on both sides of FEW_ROWS_MAX (kernel vs dequantize + dense GEMM).
+WeightOnlyLinear on both sides of FEW_ROWS_MAX (kernel vs dequantize + dense GEMM), and a dense linear on both
+sides of DENSE_FEW_ROWS_MAX (kernel vs oneDNN).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from trtprompt.engine import kernels
-from trtprompt.engine.linear import FEW_ROWS_MAX, WeightOnlyLinear, dequantize, few_rows_available, make_linear
+from trtprompt.engine.linear import (DENSE_FEW_ROWS_MAX, FEW_ROWS_MAX, DenseFewRowsLinear, OneDnnLinear,
+                                     WeightOnlyLinear, dequantize, few_rows_available, make_linear, onednn_available)
 from trtprompt.engine.quant_int4 import dequantize_int4, quantize_int4
 from trtprompt.engine.quant_w8a8 import quantize_int8
 
@@ -88,6 +90,29 @@ def test_weight_only_linear_on_both_sides_of_the_threshold(fmt: str, dtype: torc
     w = dequantize(stored, scale, dtype)
     for m in (1, 9, FEW_ROWS_MAX, FEW_ROWS_MAX + 1):
         x = torch.randn(m, w.shape[1]).to(dtype)
+        want = F.linear(x.float(), w.float(), bias.float())
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(linear(x).float(), want, rtol=tol, atol=tol * want.abs().max().item()), m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_linear_runs_its_fewest_rows_on_the_kernel(dtype: torch.dtype) -> None:
+    if not onednn_available(dtype, torch.device("cpu")):
+        pytest.skip(f"no oneDNN {dtype} on this CPU")
+    gen = torch.Generator().manual_seed(4)
+    w, bias = (torch.randn(48, 96, generator=gen) * 0.05).to(dtype), torch.randn(48, generator=gen).to(dtype)
+    linear = make_linear(w, bias, "onednn", dtype)
+    assert isinstance(linear, DenseFewRowsLinear) and linear.few_rows_max == DENSE_FEW_ROWS_MAX[dtype]
+    packed_only = make_linear(w, bias, "onednn", dtype, few_rows=False)
+    assert type(packed_only) is OneDnnLinear
+    for m in (1, DENSE_FEW_ROWS_MAX[dtype], DENSE_FEW_ROWS_MAX[dtype] + 1, 40):
+        x = torch.randn(m, 96, generator=gen).to(dtype)
+        # Bit-identical to the path that should have run: the kernel up to the bound, oneDNN past it.
+        if m <= linear.few_rows_max:
+            path = torch.ops.trtprompt.few_rows_linear(x, w, None, 0) + bias
+        else:
+            path = packed_only(x)
+        assert torch.equal(linear(x), path), m
         want = F.linear(x.float(), w.float(), bias.float())
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(linear(x).float(), want, rtol=tol, atol=tol * want.abs().max().item()), m

@@ -21,12 +21,13 @@ pytestmark = pytest.mark.skipif(not onednn_available(torch.float32, torch.device
                                 reason="no oneDNN on this CPU")
 
 # Through the engine's own entry (resolve_backend), run CAP + 1 distinct token counts, then the
-# first again; print what became of that last call.
+# first again; print what became of that last call. few_rows=False: every count goes to oneDNN (a dense
+# layer linear runs its fewest rows on the few-rows kernel, which has no primitive cache).
 CHILD = """
 import sys, torch
 from trtprompt.engine.linear import make_linear, resolve_backend
 backend = resolve_backend("onednn", torch.float32, torch.device("cpu"))
-lin = make_linear(torch.randn(8, 16), None, backend, torch.float32)
+lin = make_linear(torch.randn(8, 16), None, backend, torch.float32, few_rows=False)
 print("BACKEND", backend, flush=True)
 for m in list(range(1, int(sys.argv[1]) + 2)) + [1]:
     print("CALL", m, flush=True)

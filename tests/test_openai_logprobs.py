@@ -192,7 +192,10 @@ def test_streamed_chat_logprobs_equal_the_whole_answer(served: Served) -> None:
     chunks = list(client(served).chat.completions.create(stream=True, **args))
     streamed = [e for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in whole.logprobs.content]
-    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole.logprobs.content], abs=1e-5)
+    # The second request reuses the first one's cached prompt blocks, so its steps have other row counts, and
+    # a step's row count picks its GEMM (the few-rows kernel or oneDNN): float32 sums in another order, within
+    # the 1e-4 this file holds every logprob to against transformers.
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole.logprobs.content], abs=1e-4)
     assert "".join(c.delta.content or "" for ch in chunks for c in ch.choices) == whole.message.content
 
 

@@ -27,6 +27,12 @@ LINEAR_BACKENDS: tuple[str, ...] = ("onednn", "reference")
 # dense GEMM. The kernel was the faster of the two at every row count from 1 to 32 on SmolLM2's linears, int8
 # and int4 (docs/quantization.md, "Weight-only at run time"); a speculative step's 1 + 16 rows stay on it.
 FEW_ROWS_MAX = 32
+# Rows a dense (float32 / bfloat16) layer linear runs on the few-rows kernel over a plain copy of its weight
+# (DenseFewRowsLinear); above, oneDNN's prepacked GEMM. oneDNN's per-call work is a large share of a call that
+# reads ~1 MB: with one to three rows the kernel took 0.59-0.98x oneDNN's time for SmolLM2's 120 layer linears
+# in bf16, and 0.73-0.96x with one to four in float32; at six bf16 rows it took 1.2-1.4x (docs/design.md,
+# "Few-rows linear"). The plain copy costs the layer weights' bytes a second time.
+DENSE_FEW_ROWS_MAX: dict[torch.dtype, int] = {torch.bfloat16: 3, torch.float32: 4}
 # The M a prepacked weight is tuned for; measured insensitive between decode and prefill sizes.
 ONEDNN_BATCH_HINT = 32
 # Two caches keep an entry per distinct input shape, and the engine's token count changes
@@ -111,6 +117,22 @@ class OneDnnLinear(torch.nn.Module):
         return out
 
 
+class DenseFewRowsLinear(OneDnnLinear):
+    """oneDNN prepacked, and calls of at most `few_rows_max` rows on the few-rows kernel over the plain weight
+    (a decode step of one to a few sequences, where a linear is bound by reading its weight)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, few_rows_max: int) -> None:
+        super().__init__(weight, bias)
+        self.weight = weight.contiguous()
+        self.few_rows_max = few_rows_max
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > self.few_rows_max:
+            return super().forward(x)
+        out: torch.Tensor = torch.ops.trtprompt.few_rows_linear(x.contiguous(), self.weight, None, 0)
+        return out if self.bias is None else out + self.bias
+
+
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The float weight of int8 [out, in] + scale [out], or of packed int4 (uint8) + [out, groups, 2]."""
     if qweight.dtype == torch.uint8:
@@ -151,11 +173,13 @@ class WeightOnlyLinear(torch.nn.Module):
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, dtype: torch.dtype,
                 scale: torch.Tensor | None = None, w8a8_backend: str | None = None,
-                w8a8_bits: W8A8Bits = LEGACY_BITS) -> torch.nn.Module:
+                w8a8_bits: W8A8Bits = LEGACY_BITS, few_rows: bool = True) -> torch.nn.Module:
     """A linear for `weight` [out, in] (int8 / packed int4 when `scale` is given) on an already resolved backend.
 
     int8 weights run the W8A8 kernel `w8a8_backend` when one is given; weight-only int8 / int4 stay
-    quantized on the onednn backend where the few-rows kernel runs, else are dequantized at load.
+    quantized on the onednn backend where the few-rows kernel runs, else are dequantized at load. Dense weights
+    on the onednn backend also run their fewest rows on that kernel unless `few_rows` is False (lm_head: oneDNN
+    streams its one large weight as fast).
     """
     if scale is not None and w8a8_backend is not None:
         return make_w8a8_linear(weight, scale, bias, w8a8_backend, w8a8_bits)
@@ -164,15 +188,19 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, d
         return WeightOnlyLinear(weight, scale, bias, dtype)
     if scale is not None:
         weight = dequantize(weight, scale, dtype)
-    if backend == "onednn":
-        return OneDnnLinear(weight, bias)
-    return DenseLinear(weight, bias)
+    if backend != "onednn":
+        return DenseLinear(weight, bias)
+    few_rows_max = DENSE_FEW_ROWS_MAX.get(dtype) if few_rows and weight.dtype == dtype else None
+    if few_rows_max is not None and few_rows_available(dtype, weight.device, in_features):
+        return DenseFewRowsLinear(weight, bias, few_rows_max)
+    return OneDnnLinear(weight, bias)
 
 
 # What each linear class computes with, for the one log line that says what runs (linear_summary).
 _LINEAR_KINDS: dict[str, str] = {
     "DenseLinear": "F.linear (reference)",
     "OneDnnLinear": "oneDNN prepacked",
+    "DenseFewRowsLinear": "oneDNN prepacked (few-rows kernel <= {few} rows)",
     "WeightOnlyLinear": f"weight-only kept quantized (few-rows kernel <= {FEW_ROWS_MAX} rows, dense above)",
     "FbgemmW8A8Linear": "W8A8 int8 GEMM (fbgemm)",
     "OneDnnW8A8Linear": "W8A8 int8 GEMM (oneDNN with AMX; fbgemm for few rows)",
@@ -186,7 +214,12 @@ def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
     for m in linears:
         held = m.qweight.dtype if isinstance(m, WeightOnlyLinear) else None
         name = _LINEAR_KINDS.get(type(m).__name__, type(m).__name__)
+        if isinstance(m, DenseFewRowsLinear):
+            name = name.format(few=m.few_rows_max)
         key = f"{name}, {'int4' if held == torch.uint8 else 'int8' if held == torch.int8 else ''}".rstrip(", ")
         counts[key] = counts.get(key, 0) + 1
     parts = ", ".join(f"{n} x {k}" for k, n in counts.items())
-    return f"linears in {str(dtype).removeprefix('torch.')}: {parts}"
+    # The few-rows kernel's plain copies are memory beside the prepacked weights: say how much.
+    copies = sum(m.weight.nbytes for m in linears if isinstance(m, DenseFewRowsLinear))
+    extra = f" (+{copies / 2**20:.0f} MiB of plain weight copies for the few-rows kernel)" if copies else ""
+    return f"linears in {str(dtype).removeprefix('torch.')}: {parts}{extra}"

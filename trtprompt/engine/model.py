@@ -191,7 +191,7 @@ class DecoderModel(torch.nn.Module):
             head = self.embed_tokens
         else:
             head = take_tensor(tensors, "lm_head.weight", embed_shape, self.dtype, self.device)
-        self.lm_head = make_linear(head, None, self.linear_backend, self.dtype)
+        self.lm_head = make_linear(head, None, self.linear_backend, self.dtype, few_rows=False)
 
     def compute_summary(self) -> str:
         """What the linears run (engine.py logs it once with the attention path): kinds, counts, dtype."""
