@@ -120,13 +120,14 @@ inline const ReadAs<C>* block_rows(const C* rows, float* buf, int64_t n, int64_t
 }
 
 // Blocks sit at scattered places, and hardware prefetchers do not follow a jump to
-// the next one: ask for it while the current block is being read. One request per 256 bytes
-// (a row of 64 floats) and the prefetchers fetch the lines between: a request per 64-byte line
-// cost more issue slots than it saved (measured: docs/attention.md, "Decode").
+// the next one: ask for it, every 64-byte line into L1, while the current block is being read. With
+// the cache cold (a step's linears stream between two layers' attention), a request per line took
+// 0.76-0.96x the time of one per 256 bytes into L2, which left the prefetchers to fetch the lines
+// between and lost to no prefetch at all (measured: docs/attention.md, "Decode").
 template <typename T>
 inline void prefetch_run(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 256) __builtin_prefetch(c + i, 0, 1);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
 // s[j * sp + i] = q[j] . k[i] for HB heads (q rows of d) and R rows of k (stride rs), R a multiple of 4.
