@@ -29,10 +29,10 @@ LINEAR_BACKENDS: tuple[str, ...] = ("onednn", "reference")
 FEW_ROWS_MAX = 32
 # Rows a dense (float32 / bfloat16) layer linear runs on the few-rows kernel over a plain copy of its weight
 # (DenseFewRowsLinear); above, oneDNN's prepacked GEMM. oneDNN's per-call work is a large share of a call that
-# reads ~1 MB: with one to three rows the kernel took 0.59-0.98x oneDNN's time for SmolLM2's 120 layer linears
-# in bf16, and 0.73-0.96x with one to four in float32; at six bf16 rows it took 1.2-1.4x (docs/design.md,
-# "Few-rows linear"). The plain copy costs the layer weights' bytes a second time.
-DENSE_FEW_ROWS_MAX: dict[torch.dtype, int] = {torch.bfloat16: 3, torch.float32: 4}
+# reads ~1 MB: for SmolLM2's 120 layer linears the kernel took 0.49-0.89x oneDNN's time at one to four bf16
+# rows (1.0-1.1x at six) and 0.71-0.85x at one to eight float32 rows (0.9-1.06x at ten), on an AVX-512 + AMX
+# Xeon (docs/design.md, "Few-rows linear"). The plain copy costs the layer weights' bytes a second time.
+DENSE_FEW_ROWS_MAX: dict[torch.dtype, int] = {torch.bfloat16: 4, torch.float32: 8}
 # The M a prepacked weight is tuned for; measured insensitive between decode and prefill sizes.
 ONEDNN_BATCH_HINT = 32
 # Two caches keep an entry per distinct input shape, and the engine's token count changes
