@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from trtprompt.engine import kernels
 from trtprompt.engine.request import Request, SamplingParams, TokenLogprob
 
 
@@ -128,15 +129,22 @@ def unusable_rows(logits: torch.Tensor) -> list[bool]:
     return bad.tolist()
 
 
-def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+def greedy_tokens(logits: torch.Tensor, compiled: bool | None = None) -> tuple[list[int], list[bool]]:
     """Each row's argmax and whether the row is unusable, in one pass over [rows, vocab].
 
     A row's max is NaN when it holds a NaN (max propagates it) and -inf exactly when every
     logit is; its index is the first maximal one, as argmax's. Four passes (isnan, any,
     isneginf, all) plus argmax's became one: 49,152-wide rows make that a step's largest
-    cost outside the model at batch 32 (docs/design.md, "Per-step overhead").
+    cost outside the model at batch 32 (docs/design.md, "Per-step overhead"). The compiled
+    kernel's pass (csrc/greedy_rows.cpp) runs where it is built (compiled None: wherever it
+    is), torch's max(dim=-1) elsewhere: the reference tests compare it with.
     """
-    best, index = logits.max(dim=-1)
+    if compiled is None:
+        compiled = logits.device.type == "cpu" and kernels.compiled_kernel_status()[0]
+    if compiled and logits.dtype == torch.float32:
+        best, index = torch.ops.trtprompt.greedy_rows(logits.contiguous())
+    else:
+        best, index = logits.max(dim=-1)
     bad = torch.isnan(best) | torch.isneginf(best)
     return index.tolist(), bad.tolist()
 
