@@ -123,10 +123,12 @@ def test_more_requests_than_max_queue_size(served: Served) -> None:
     # a burst of 80 short ones finds room for 64 in the queue (max_queue_size) and exactly 16 are
     # turned away. The queued ones are short so that serving them after the long ones is quick.
     # The long ones do not draft: while fewer than speculation_max_concurrency run, accepted drafts
-    # could finish one early and free a slot for the burst (CI saw 66 accepted).
+    # could finish one early and free a slot for the burst (CI saw 66 accepted). They are long enough (1,500
+    # tokens) that none ends while the burst's 80 connections are still arriving: at 600, a whole-suite run
+    # on a loaded 2-core machine saw one finish first (15 turned away).
     running: list[list[StreamResult]] = [[]]
     long = threading.Thread(target=lambda: running.__setitem__(
-        0, _burst(served, 16, 600, min_tokens=600, speculative_decoding=False)))
+        0, _burst(served, 16, 1500, min_tokens=1500, speculative_decoding=False)))
     long.start()
     deadline = time.monotonic() + 60
     while served.engine_stats()["active_requests"] < 16 or served.engine_stats()["waiting_requests"]:
