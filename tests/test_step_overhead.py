@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -33,6 +36,15 @@ def test_greedy_tokens_is_argmax_and_the_unusable_rows_in_one_pass(compiled: boo
     usable = [i for i, b in enumerate(bad) if not b]
     assert [tokens[i] for i in usable] == torch.argmax(logits[usable], dim=-1).tolist()
     assert tokens[5] == 0 and tokens[4] == 9 and tokens[7] == vocab - 1 and tokens[12] == 3
+
+
+def test_greedy_tokens_take_the_kernel_only_once_it_is_loaded() -> None:
+    code = ("import torch; from trtprompt.engine import sampler, kernels; before = sampler.kernels_loaded(); "
+            "sampler.greedy_tokens(torch.zeros(2, 8)); still = sampler.kernels_loaded(); "
+            "print(before, still, kernels.compiled_kernel_status()[0] and sampler.kernels_loaded())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    # Sampling built nothing; loading the kernels (the engine's attention and linears do) makes it available.
+    assert out.stdout.split() == ["False", "False", str(kernels.compiled_kernel_status()[0])]
 
 
 def test_torch_rotary_tables_are_the_step_tables_unchanged() -> None:

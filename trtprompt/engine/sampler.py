@@ -15,7 +15,6 @@ from typing import Sequence
 
 import torch
 
-from trtprompt.engine import kernels
 from trtprompt.engine.request import Request, SamplingParams, TokenLogprob
 
 
@@ -129,6 +128,12 @@ def unusable_rows(logits: torch.Tensor) -> list[bool]:
     return bad.tolist()
 
 
+def kernels_loaded() -> bool:
+    """Whether this process has loaded the compiled kernels. Never builds them: an engine on the torch or
+    reference attention path has not, and its first step must not wait minutes for a compiler."""
+    return hasattr(torch.ops.trtprompt, "greedy_rows")
+
+
 def greedy_tokens(logits: torch.Tensor, compiled: bool | None = None) -> tuple[list[int], list[bool]]:
     """Each row's argmax and whether the row is unusable, in one pass over [rows, vocab].
 
@@ -136,11 +141,12 @@ def greedy_tokens(logits: torch.Tensor, compiled: bool | None = None) -> tuple[l
     logit is; its index is the first maximal one, as argmax's. Four passes (isnan, any,
     isneginf, all) plus argmax's became one: 49,152-wide rows make that a step's largest
     cost outside the model at batch 32 (docs/design.md, "Per-step overhead"). The compiled
-    kernel's pass (csrc/greedy_rows.cpp) runs where it is built (compiled None: wherever it
-    is), torch's max(dim=-1) elsewhere: the reference tests compare it with.
+    kernel's pass (csrc/greedy_rows.cpp) runs where this process has loaded the kernels
+    (compiled None: decided here), torch's max(dim=-1) elsewhere: the reference tests compare
+    it with.
     """
     if compiled is None:
-        compiled = logits.device.type == "cpu" and kernels.compiled_kernel_status()[0]
+        compiled = logits.device.type == "cpu" and kernels_loaded()
     if compiled and logits.dtype == torch.float32:
         best, index = torch.ops.trtprompt.greedy_rows(logits.contiguous())
     else:
