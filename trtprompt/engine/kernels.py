@@ -1,5 +1,5 @@
 """The compiled kernels (csrc/), built on first use: paged attention, fused layer ops, the KV write, the
-few-rows linear, the LoRA products, and W8A8's per-token quantize and rescale.
+few-rows linear, the LoRA products, W8A8's per-token quantize and rescale, and the greedy argmax.
 
 One build per instruction set (isa.py chooses the variant from the CPU's flags).
 

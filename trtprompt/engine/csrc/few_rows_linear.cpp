@@ -207,13 +207,13 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, int64_t k_dim) 
   TORCH_CHECK(k_dim % kLanes == 0, "few_rows_linear: K (", k_dim, ") must be a multiple of ", kLanes);
 }
 
-// x rows [r0, r0 + m) as float32 [m, K].
-void x_rows_as_float(const at::Tensor& x, int64_t r0, int64_t m, float* dst) {
-  const int64_t k = x.size(1);
+// Every row of x as float32 [M, K] (each task's passes read them all).
+void x_as_float(const at::Tensor& x, float* dst) {
+  const int64_t m = x.size(0), k = x.size(1);
   if (x.scalar_type() == at::kFloat)
-    rows_as_float(x.data_ptr<float>() + r0 * k, k, m, k, dst);
+    rows_as_float(x.data_ptr<float>(), k, m, k, dst);
   else
-    rows_as_float(x.data_ptr<c10::BFloat16>() + r0 * k, k, m, k, dst);
+    rows_as_float(x.data_ptr<c10::BFloat16>(), k, m, k, dst);
 }
 
 // The task's sums (buf [n - n0][r]) into out [r0 + r, n], times the int8 row scale where there is one.
@@ -256,7 +256,7 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
   }
   at::Tensor out = at::empty({x.size(0), n_dim}, x.options());
   std::vector<float> xf(x.size(0) * k_dim);
-  x_rows_as_float(x, 0, x.size(0), xf.data());
+  x_as_float(x, xf.data());
   const float* row_scale = (scaled && !int4) ? scale->data_ptr<float>() : nullptr;
   // Each task's rows of W are read from memory once: every pass of kRowsPerPass rows of x runs over them
   // while they are in cache (a task's 16 rows take 9-98 KB on SmolLM2), rather than each pass streaming W.
