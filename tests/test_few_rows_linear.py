@@ -100,13 +100,14 @@ def test_dense_linear_runs_its_fewest_rows_on_the_kernel(dtype: torch.dtype) -> 
     if not onednn_available(dtype, torch.device("cpu")):
         pytest.skip(f"no oneDNN {dtype} on this CPU")
     gen = torch.Generator().manual_seed(4)
-    w, bias = (torch.randn(48, 96, generator=gen) * 0.05).to(dtype), torch.randn(48, generator=gen).to(dtype)
+    # 80 columns: not whole AMX tiles, so a bf16 weight takes this path on an AMX CPU too (test_amx_linear.py)
+    w, bias = (torch.randn(48, 80, generator=gen) * 0.05).to(dtype), torch.randn(48, generator=gen).to(dtype)
     linear = make_linear(w, bias, "onednn", dtype)
     assert isinstance(linear, DenseFewRowsLinear) and linear.few_rows_max == DENSE_FEW_ROWS_MAX[dtype]
     packed_only = make_linear(w, bias, "onednn", dtype, few_rows=False)
     assert type(packed_only) is OneDnnLinear
     for m in (1, DENSE_FEW_ROWS_MAX[dtype], DENSE_FEW_ROWS_MAX[dtype] + 1, 40):
-        x = torch.randn(m, 96, generator=gen).to(dtype)
+        x = torch.randn(m, 80, generator=gen).to(dtype)
         # Bit-identical to the path that should have run: the kernel up to the bound, oneDNN past it.
         if m <= linear.few_rows_max:
             path = torch.ops.trtprompt.few_rows_linear(x, w, None, 0) + bias

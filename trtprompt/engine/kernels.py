@@ -1,5 +1,6 @@
 """The compiled kernels (csrc/), built on first use: paged attention, fused layer ops, the KV write, the
-few-rows linear, the LoRA products, W8A8's per-token quantize and rescale, and the greedy argmax.
+few-rows linear, the LoRA products, W8A8's per-token quantize and rescale, the greedy argmax, and the bf16
+linear on AMX tiles.
 
 One build per instruction set (isa.py chooses the variant from the CPU's flags).
 
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "fused_ops.cpp",
            CSRC / "few_rows_linear.cpp", CSRC / "kv_write.cpp", CSRC / "lora_runs.cpp", CSRC / "quantize_rows.cpp",
-           CSRC / "greedy_rows.cpp")
+           CSRC / "greedy_rows.cpp", CSRC / "amx_linear.cpp")
 HEADERS = (CSRC / "vec.h", CSRC / "bf16_vec.h", CSRC / "typed_vec.h", CSRC / "dtypes.h", CSRC / "paged_checks.h")
 # The kernel tiles rows by four; head sizes must be a multiple of the variant's vector width.
 TOKENS_PER_BLOCK_MULTIPLE = 4

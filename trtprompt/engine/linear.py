@@ -19,6 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from trtprompt.engine.amx_linear import AMX_ROWS_MAX, AmxLinear, amx_available
 from trtprompt.engine.quant_int4 import dequantize_int4, group_of
 from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, make_w8a8_linear
 
@@ -177,9 +178,10 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, d
     """A linear for `weight` [out, in] (int8 / packed int4 when `scale` is given) on an already resolved backend.
 
     int8 weights run the W8A8 kernel `w8a8_backend` when one is given; weight-only int8 / int4 stay
-    quantized on the onednn backend where the few-rows kernel runs, else are dequantized at load. Dense weights
-    on the onednn backend also run their fewest rows on that kernel unless `few_rows` is False (lm_head: oneDNN
-    streams its one large weight as fast).
+    quantized on the onednn backend where the few-rows kernel runs, else are dequantized at load. Dense bf16
+    weights on the onednn backend run calls of a few dozen rows on AMX where the CPU has it (amx_linear.py);
+    elsewhere dense weights run their fewest rows on the few-rows kernel unless `few_rows` is False (lm_head:
+    oneDNN streams its one large weight as fast as that kernel).
     """
     if scale is not None and w8a8_backend is not None:
         return make_w8a8_linear(weight, scale, bias, w8a8_backend, w8a8_bits)
@@ -190,6 +192,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, d
         weight = dequantize(weight, scale, dtype)
     if backend != "onednn":
         return DenseLinear(weight, bias)
+    if weight.dtype == dtype and amx_available(dtype, weight.device, *weight.shape):
+        return AmxLinear(weight, bias, OneDnnLinear(weight, bias))
     few_rows_max = DENSE_FEW_ROWS_MAX.get(dtype) if few_rows and weight.dtype == dtype else None
     if few_rows_max is not None and few_rows_available(dtype, weight.device, in_features):
         return DenseFewRowsLinear(weight, bias, few_rows_max)
@@ -201,6 +205,7 @@ _LINEAR_KINDS: dict[str, str] = {
     "DenseLinear": "F.linear (reference)",
     "OneDnnLinear": "oneDNN prepacked",
     "DenseFewRowsLinear": "oneDNN prepacked (few-rows kernel <= {few} rows)",
+    "AmxLinear": f"oneDNN prepacked (AMX bf16 kernel <= {AMX_ROWS_MAX} rows)",
     "WeightOnlyLinear": f"weight-only kept quantized (few-rows kernel <= {FEW_ROWS_MAX} rows, dense above)",
     "FbgemmW8A8Linear": "W8A8 int8 GEMM (fbgemm)",
     "OneDnnW8A8Linear": "W8A8 int8 GEMM (oneDNN with AMX; fbgemm for few rows)",
@@ -219,7 +224,8 @@ def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
         key = f"{name}, {'int4' if held == torch.uint8 else 'int8' if held == torch.int8 else ''}".rstrip(", ")
         counts[key] = counts.get(key, 0) + 1
     parts = ", ".join(f"{n} x {k}" for k, n in counts.items())
-    # The few-rows kernel's plain copies are memory beside the prepacked weights: say how much.
+    # The small-call kernels' copies are memory beside the prepacked weights: say how much.
     copies = sum(m.weight.nbytes for m in linears if isinstance(m, DenseFewRowsLinear))
-    extra = f" (+{copies / 2**20:.0f} MiB of plain weight copies for the few-rows kernel)" if copies else ""
+    copies += sum(m.packed.nbytes for m in linears if isinstance(m, AmxLinear))
+    extra = f" (+{copies / 2**20:.0f} MiB of weight copies for the few-rows kernels)" if copies else ""
     return f"linears in {str(dtype).removeprefix('torch.')}: {parts}{extra}"

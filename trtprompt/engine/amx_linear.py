@@ -1,0 +1,59 @@
+"""bf16 linears of a few dozen rows on AMX tiles (csrc/amx_linear.cpp), where the CPU has AMX-BF16.
+
+oneDNN runs its bf16 GEMM on AMX too, but at 1-32 rows its per-call work costs about as much as reading the
+weight: SmolLM2's 120 layer linears took 11.7-13.8 ms a step in oneDNN and 7.8-9.4 ms here, and its lm_head
+1.4-3.4 against 1.4-1.8 ms (docs/design.md, "AMX linear"). The kernel reads a copy of the weight packed once
+into AMX's tile layout; calls of more rows (prefill) stay on oneDNN's prepacked weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows a call runs on AMX; above, oneDNN. At 64 rows the kernel took 0.83-0.91x oneDNN's time and at 128
+# rows 0.93-0.98x, within the host's noise; a decode step of up to 32 sequences is where it pays.
+AMX_ROWS_MAX = 32
+# The tile shape the packed weight is cut into: 16 output rows x 32 input columns.
+TILE_N = 16
+TILE_K = 32
+
+
+def amx_available(dtype: torch.dtype, device: torch.device, out_features: int, in_features: int) -> bool:
+    """True when the AMX kernel runs here for a bf16 weight [out_features, in_features] (whole tiles only)."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return False
+    if out_features % TILE_N or in_features % TILE_K:
+        return False
+    from trtprompt.engine import kernels  # builds or loads the compiled library once
+
+    if not kernels.compiled_kernel_status()[0] or not hasattr(torch.ops.trtprompt, "amx_bf16_ready"):
+        return False
+    return bool(torch.ops.trtprompt.amx_bf16_ready())
+
+
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] as [N / 16, K / 32, 16, 32]: packed[nb, kb, r, 2c + j] = weight[16 nb + c, 32 kb + 2r + j].
+
+    One 1 KB block per (16 output rows, 32 input columns), each the B operand of AMX's bf16 dot product
+    (pairs of input columns side by side per output row), in the order the kernel streams them.
+    """
+    n, k = weight.shape
+    tiles = weight.reshape(n // TILE_N, TILE_N, k // TILE_K, TILE_K // 2, 2).permute(0, 2, 3, 1, 4)
+    return tiles.reshape(n // TILE_N, k // TILE_K, TILE_K // 2, 2 * TILE_N).contiguous()
+
+
+class AmxLinear(torch.nn.Module):
+    """Calls of at most AMX_ROWS_MAX rows on the AMX kernel over the packed weight; the rest on `dense`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: torch.nn.Module) -> None:
+        super().__init__()
+        self.packed = pack_tiles(weight.contiguous())
+        self.bias_f32 = None if bias is None else bias.float().contiguous()
+        self.dense = dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > AMX_ROWS_MAX or x.dtype != torch.bfloat16:
+            out: torch.Tensor = self.dense(x)
+            return out
+        out = torch.ops.trtprompt.amx_linear(x.contiguous(), self.packed, self.bias_f32)
+        return out

@@ -1,0 +1,204 @@
+// y = x @ W^T in bfloat16 on AMX tiles (Intel Sapphire Rapids and later), for a decode step's rows.
+//
+// oneDNN's bf16 GEMM runs on AMX too, but for a call of 8-64 rows its per-call work and blocking cost
+// as much as reading the weight: SmolLM2's 120 layer linears took about as long at 8 rows as at 32.
+// Here the weight is packed once (amx_pack_bf16 in linear.py) into the tile layout AMX multiplies by,
+// 16 output rows x 32 columns per 1 KB tile, laid out in the order a task reads them, so a call streams
+// the weight once, in order, and every tile of it meets all rows of x while it is in cache.
+//
+//   packed [N / 16, K / 32, 16, 32]: packed[nb, kb, r, 2 c + j] = W[16 nb + c, 32 kb + 2 r + j]
+//   x bf16 [M, K] (any M; passes of 32 rows), y bf16 [M, N], summed in float32 (AMX's TDPBF16PS).
+//
+// Built only into the avx512 variant, in functions compiled for AMX; amx_bf16_ready() says whether this
+// CPU has AMX-BF16 and Linux lets the process use its tile registers (they must be requested once).
+// Design and figures: docs/design.md, "AMX linear".
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && __GNUC__ >= 11
+#define TRTPROMPT_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTileRows = 16;   // rows of x (and output rows of W) per tile
+constexpr int64_t kTileK = 32;      // bf16 columns per tile row (64 bytes)
+constexpr int64_t kPassRows = 32;   // rows of x per pass: two A tiles
+constexpr int64_t kBlockOut = 32;   // output columns a task takes at a time: two B tiles
+
+#ifdef TRTPROMPT_AMX
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// Linux hands out the tile registers' state (8 KB per thread) only to a process that asked (arch_prctl).
+bool request_tile_state() {
+  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+bool cpu_has_amx_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  return tile && bf16 && (a & (1u << 5));  // and AVX512_BF16, for the output's conversion
+}
+
+// The 64-byte operand of LDTILECFG: palette 1; tiles 0-3 are C (m tile i % 2, n tile i / 2), 4-5 A (rows of
+// x), 6-7 B (the weight). Rows of the A and C tiles are the pass's rows of x in each half.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+TileConfig tile_config(int64_t m) {
+  TileConfig cfg;
+  const uint8_t lo = static_cast<uint8_t>(std::min(m, kTileRows)), hi = static_cast<uint8_t>(m - lo);
+  const uint8_t m_rows[2] = {lo, hi};
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = m_rows[t % 2], cfg.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) cfg.rows[t] = m_rows[t - 4], cfg.colsb[t] = 64;
+  for (int t = 6; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t = 0; t < 8; ++t)
+    if (cfg.rows[t] == 0) cfg.colsb[t] = 0;  // an unused tile is configured empty
+  return cfg;
+}
+
+// C tile (16 x 16 float32 in buf) rows [0, rows) into y[row0 + i, n0 : n0 + 16] as bf16, plus the bias.
+AMX_TARGET void store_tile(const float* buf, int64_t rows, c10::BFloat16* y, int64_t n_dim, int64_t row0, int64_t n0,
+                           const float* bias) {
+  const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(buf + i * 16), b));
+    std::memcpy(y + (row0 + i) * n_dim + n0, &v, 32);
+  }
+}
+
+// One pass (m <= 32 rows of x from x0) times kBlocks (1 or 2) B tiles' columns from tile nb of the weight
+// [w, w_end).
+template <int kBlocks>
+AMX_TARGET void pass_block(const c10::BFloat16* x0, int64_t m, int64_t k_dim, const c10::BFloat16* w, int64_t nb,
+                           const c10::BFloat16* w_end, c10::BFloat16* y, int64_t n_dim, int64_t row0,
+                           const float* bias) {
+  const int64_t kbs = k_dim / kTileK, x_stride = k_dim * 2;
+  const bool two = m > kTileRows;
+  const c10::BFloat16* b0 = w + nb * kbs * 512;
+  _tile_zero(0);
+  _tile_zero(2);
+  if (two) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  // The next block's tiles, requested into L2 a tile's share per k step: the weight is two streams 18-48 KB
+  // apart, and prefetching them this way took 0.83-0.88x the time of leaving it to the hardware.
+  const char* ahead = reinterpret_cast<const char*>(b0 + kBlocks * kbs * 512);
+  const bool fetch = ahead + kBlocks * kbs * 1024 <= reinterpret_cast<const char*>(w_end);
+  for (int64_t kb = 0; kb < kbs; ++kb) {
+    if (fetch)
+      for (int b = 0; b < kBlocks; ++b)
+        for (int l = 0; l < 1024; l += 64) __builtin_prefetch(ahead + (b * kbs + kb) * 1024 + l, 0, 1);
+    _tile_loadd(4, x0 + kb * kTileK, x_stride);
+    if (two) _tile_loadd(5, x0 + kTileRows * k_dim + kb * kTileK, x_stride);
+    _tile_loadd(6, b0 + kb * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) _tile_dpbf16ps(1, 5, 6);
+    if constexpr (kBlocks == 2) {
+      _tile_loadd(7, b0 + (kbs + kb) * 512, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      if (two) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float buf[4][256];
+  _tile_stored(0, buf[0], 64);
+  if (two) _tile_stored(1, buf[1], 64);
+  if constexpr (kBlocks == 2) {
+    _tile_stored(2, buf[2], 64);
+    if (two) _tile_stored(3, buf[3], 64);
+  }
+  const int64_t lo = std::min(m, kTileRows);
+  for (int b = 0; b < kBlocks; ++b) {
+    store_tile(buf[2 * b], lo, y, n_dim, row0, (nb + b) * kTileRows, bias);
+    if (two) store_tile(buf[2 * b + 1], m - lo, y, n_dim, row0 + kTileRows, (nb + b) * kTileRows, bias);
+  }
+}
+
+// Output columns [n0, n1) (multiples of 16) for every row of x: each pair of B tiles meets every pass.
+AMX_TARGET void run_columns(const c10::BFloat16* x, int64_t m_dim, int64_t k_dim, const c10::BFloat16* w,
+                            const c10::BFloat16* w_end, int64_t n0, int64_t n1, c10::BFloat16* y, int64_t n_dim,
+                            const float* bias) {
+  int64_t configured = -1;
+  for (int64_t n = n0; n < n1; n += kBlockOut) {
+    for (int64_t r0 = 0; r0 < m_dim; r0 += kPassRows) {
+      const int64_t m = std::min(kPassRows, m_dim - r0);
+      if (m != configured) {
+        const TileConfig cfg = tile_config(m);
+        _tile_loadconfig(&cfg);
+        configured = m;
+      }
+      const c10::BFloat16* x0 = x + r0 * k_dim;
+      if (n + kBlockOut <= n1)
+        pass_block<2>(x0, m, k_dim, w, n / kTileRows, w_end, y, n_dim, r0, bias);
+      else
+        pass_block<1>(x0, m, k_dim, w, n / kTileRows, w_end, y, n_dim, r0, bias);
+    }
+  }
+  _tile_release();
+}
+#endif
+
+bool amx_bf16_ready() {
+#ifdef TRTPROMPT_AMX
+  static const bool ready = cpu_has_amx_bf16() && request_tile_state();
+  return ready;
+#else
+  return false;
+#endif
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_bf16_ready(), "amx_linear: this CPU or kernel variant has no usable AMX-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "amx_linear: x must be a contiguous bfloat16 [M, K] tensor");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+                  packed.size(2) == kTileRows && packed.size(3) == kTileK,
+              "amx_linear: packed must be a contiguous bfloat16 [N / 16, K / 32, 16, 32] tensor");
+  const int64_t n_dim = packed.size(0) * kTileRows, k_dim = packed.size(1) * kTileK, m_dim = x.size(0);
+  TORCH_CHECK(x.size(1) == k_dim, "amx_linear: x has ", x.size(1), " columns, the packed weight ", k_dim);
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == n_dim),
+              "amx_linear: bias must be a contiguous float32 [N]");
+  at::Tensor y = at::empty({m_dim, n_dim}, x.options());
+  if (m_dim == 0) return y;
+#ifdef TRTPROMPT_AMX
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const c10::BFloat16 *xp = x.data_ptr<c10::BFloat16>(), *wp = packed.data_ptr<c10::BFloat16>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  // Tasks of whole 32-column blocks; a thread configures its tiles once per task.
+  const int64_t blocks = (n_dim + kBlockOut - 1) / kBlockOut;
+  at::parallel_for(0, blocks, 1, [&](int64_t t0, int64_t t1) {
+    run_columns(xp, m_dim, k_dim, wp, wp + packed.numel(), t0 * kBlockOut, std::min(n_dim, t1 * kBlockOut), yp, n_dim, b);
+  });
+#endif
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
+  m.def("amx_bf16_ready() -> bool", &amx_bf16_ready);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
+  m.impl("amx_linear", &amx_linear);
+}
