@@ -2,8 +2,8 @@
 
 The tile packing is checked element by element everywhere; the kernel where this CPU has AMX-BF16 and the
 avx512 kernel variant runs (tests/test_kernel_variants.py runs `amx_is_ready` in the other variants, where it
-must say no): every row count around its 16-row tiles and 32-row passes, an odd count of 16-column blocks,
-with and without a bias, and the linear on both sides of AMX_ROWS_MAX.
+must say no): bf16 and int8 weights at every row count around its 16-row tiles and 32-row passes, an odd
+count of 16-column blocks, with and without a bias, and each linear on both sides of its bounds.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from trtprompt.engine import isa, kernels
-from trtprompt.engine.amx_linear import AMX_ROWS_MAX, AmxLinear, amx_available, pack_tiles
-from trtprompt.engine.linear import DenseFewRowsLinear, OneDnnLinear, make_linear
+from trtprompt.engine.amx_linear import AMX_INT8_ROWS, AMX_ROWS_MAX, AmxLinear, amx_available, pack_tiles
+from trtprompt.engine.linear import DenseFewRowsLinear, OneDnnLinear, WeightOnlyLinear, dequantize, make_linear
+from trtprompt.engine.quant_w8a8 import quantize_int8
 
 CPU = torch.device("cpu")
 HAVE_AMX = kernels.compiled_kernel_status()[0] and amx_available(torch.bfloat16, CPU, 16, 32)
@@ -55,7 +56,7 @@ def test_amx_tiles_match_torch_at_every_row_count(n: int, with_bias: bool) -> No
     packed = pack_tiles(w)
     for m in (1, 2, 15, 16, 17, 31, 32, 33, 48, 70):
         x = _bf16(m, k, seed=m)
-        got = torch.ops.trtprompt.amx_linear(x, packed, bias)
+        got = torch.ops.trtprompt.amx_linear(x, packed, None, bias)
         want = x.float() @ w.float().t() + (0 if bias is None else bias)
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         # products are exact in float32 and summed in another order; the output is rounded to bf16 once
@@ -66,14 +67,19 @@ def test_amx_tiles_match_torch_at_every_row_count(n: int, with_bias: bool) -> No
 def test_kernel_refuses_what_it_cannot_read() -> None:
     packed = pack_tiles(_bf16(16, 64, seed=3))
     with pytest.raises(RuntimeError, match="x must be a contiguous bfloat16"):
-        torch.ops.trtprompt.amx_linear(torch.randn(2, 64), packed, None)
+        torch.ops.trtprompt.amx_linear(torch.randn(2, 64), packed, None, None)
     with pytest.raises(RuntimeError, match="x has 32 columns, the packed weight 64"):
-        torch.ops.trtprompt.amx_linear(_bf16(2, 32, seed=4), packed, None)
+        torch.ops.trtprompt.amx_linear(_bf16(2, 32, seed=4), packed, None, None)
     with pytest.raises(RuntimeError, match="packed must be a contiguous bfloat16"):
-        torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), packed.view(16, 64), None)
+        torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), packed.view(16, 64), None, None)
+    with pytest.raises(RuntimeError, match="an int8 packed weight needs its scale, a bf16 one none"):
+        torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), packed, torch.ones(16), None)
+    with pytest.raises(RuntimeError, match="an int8 packed weight needs its scale"):
+        torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), pack_tiles(torch.ones(16, 64, dtype=torch.int8)),
+                                       None, None)
     with pytest.raises(RuntimeError, match="bias must be a contiguous float32"):
-        torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), packed, torch.zeros(16, dtype=torch.bfloat16))
-    assert torch.ops.trtprompt.amx_linear(_bf16(0, 64, seed=4), packed, None).shape == (0, 16)
+        torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), packed, None, torch.zeros(16, dtype=torch.bfloat16))
+    assert torch.ops.trtprompt.amx_linear(_bf16(0, 64, seed=4), packed, None, None).shape == (0, 16)
 
 
 @needs_amx
@@ -84,10 +90,48 @@ def test_linear_runs_its_decode_rows_on_amx_and_the_rest_on_onednn() -> None:
     for m in (1, AMX_ROWS_MAX, AMX_ROWS_MAX + 1, 100):
         x = _bf16(m, 96, seed=10 + m)
         # Bit-identical to the path that should have run: AMX up to the bound, oneDNN past it.
-        path = (torch.ops.trtprompt.amx_linear(x, linear.packed, bias.float()) if m <= AMX_ROWS_MAX
+        path = (torch.ops.trtprompt.amx_linear(x, linear.packed, None, bias.float()) if m <= AMX_ROWS_MAX
                 else linear.dense(x))
         assert torch.equal(linear(x), path), m
         want = F.linear(x.float(), w.float(), bias.float())
         assert torch.allclose(linear(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item()), m
     # Where the shape is not whole tiles, the few-rows kernel takes the fewest rows as before.
     assert isinstance(make_linear(_bf16(48, 80, seed=7), None, "onednn", torch.bfloat16), DenseFewRowsLinear)
+
+
+@needs_amx
+@pytest.mark.parametrize("n", [48, 64])
+def test_int8_tiles_match_torch_at_every_row_count(n: int) -> None:
+    """int8 weight-only: tiles widened to bf16 as one pass reads them, or a block at a time for more passes."""
+    k = 96
+    q, scale = quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(8)) * 0.05)
+    w = dequantize(q, scale, torch.float32)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(9))
+    tiles = pack_tiles(q)
+    assert tiles.dtype == torch.int8
+    for m in (1, 2, 16, 17, 32, 33, 70):
+        x = _bf16(m, k, seed=20 + m)
+        got = torch.ops.trtprompt.amx_linear(x, tiles, scale.float(), bias)
+        want = x.float() @ w.t() + bias
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert torch.allclose(got.float(), want, rtol=8e-3, atol=8e-3 * want.abs().max().item()), m
+
+
+@needs_amx
+def test_weight_only_int8_runs_its_middle_rows_on_amx() -> None:
+    q, scale = quantize_int8(torch.randn(64, 96, generator=torch.Generator().manual_seed(10)) * 0.05)
+    bias = _bf16(64, seed=11)
+    linear = make_linear(q, bias, "onednn", torch.bfloat16, scale)
+    assert isinstance(linear, WeightOnlyLinear) and linear.tiles is not None
+    for m in (1, AMX_INT8_ROWS.start, AMX_INT8_ROWS.stop - 1, AMX_INT8_ROWS.stop):
+        x = _bf16(m, 96, seed=30 + m)
+        if m in AMX_INT8_ROWS:  # bit-identical to the path that should have run
+            path = torch.ops.trtprompt.amx_linear(x, linear.tiles, linear.scale, bias.float())
+        elif m == 1:
+            path = torch.ops.trtprompt.few_rows_linear(x, q, linear.scale, 0) + bias
+        else:
+            path = F.linear(x, dequantize(q, scale, torch.bfloat16), bias)
+        assert torch.equal(linear(x), path), m
+    # float32 activations keep the few-rows kernel: no tiles
+    linear32 = make_linear(q, None, "onednn", torch.float32, scale)
+    assert isinstance(linear32, WeightOnlyLinear) and linear32.tiles is None

@@ -3,16 +3,21 @@
 oneDNN runs its bf16 GEMM on AMX too, but at 1-32 rows its per-call work costs about as much as reading the
 weight: SmolLM2's 120 layer linears took 11.7-13.8 ms a step in oneDNN and 7.8-9.4 ms here, and its lm_head
 1.4-3.4 against 1.4-1.8 ms (docs/design.md, "AMX linear"). The kernel reads a copy of the weight packed once
-into AMX's tile layout; calls of more rows (prefill) stay on oneDNN's prepacked weight.
+into AMX's tile layout; calls of more rows (prefill) stay on oneDNN's prepacked weight. Weight-only int8
+weights (int8_wo with bf16 activations) are packed the same way and widened to bf16 in cache as they are read.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Rows a call runs on AMX; above, oneDNN. At 64 rows the kernel took 0.83-0.91x oneDNN's time and at 128
-# rows 0.93-0.98x, within the host's noise; a decode step of up to 32 sequences is where it pays.
-AMX_ROWS_MAX = 32
+# Rows a bf16 call runs on AMX; above, oneDNN. SmolLM2's layer linears took 0.66-0.69x oneDNN's time at 1-32
+# rows, 0.83-0.91x at 64, 0.93-0.98x at 128 and 1.0-1.12x at 256.
+AMX_ROWS_MAX = 64
+# Rows an int8 weight-only call runs on AMX: at one row the few-rows kernel streams the int8 weight a little
+# faster (4.9 against 5.6 ms for SmolLM2's layer linears); at 8 rows it took 10.3 ms and AMX 5.7, at 32 rows
+# 54 against 8.1; past 256 rows dequantizing the weight for a dense GEMM wins (2,048 rows: 255 against 326 ms).
+AMX_INT8_ROWS = range(2, 257)
 # The tile shape the packed weight is cut into: 16 output rows x 32 input columns.
 TILE_N = 16
 TILE_K = 32
@@ -55,5 +60,5 @@ class AmxLinear(torch.nn.Module):
         if x.dim() != 2 or x.shape[0] > AMX_ROWS_MAX or x.dtype != torch.bfloat16:
             out: torch.Tensor = self.dense(x)
             return out
-        out = torch.ops.trtprompt.amx_linear(x.contiguous(), self.packed, self.bias_f32)
+        out = torch.ops.trtprompt.amx_linear(x.contiguous(), self.packed, None, self.bias_f32)
         return out

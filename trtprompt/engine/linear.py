@@ -19,7 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from trtprompt.engine.amx_linear import AMX_ROWS_MAX, AmxLinear, amx_available
+from trtprompt.engine.amx_linear import AMX_INT8_ROWS, AMX_ROWS_MAX, AmxLinear, amx_available, pack_tiles
 from trtprompt.engine.quant_int4 import dequantize_int4, group_of
 from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, make_w8a8_linear
 
@@ -153,7 +153,8 @@ def few_rows_available(dtype: torch.dtype, device: torch.device, in_features: in
 
 class WeightOnlyLinear(torch.nn.Module):
     """int8 [out, in] + scale [out], or packed int4 [out, in / 2] + (scale, minimum) [out, groups, 2], kept
-    quantized."""
+    quantized. int8 with bf16 activations also keeps its weight in AMX's tile layout where AMX runs
+    (amx_linear.py): calls of AMX_INT8_ROWS rows run there."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
@@ -161,12 +162,18 @@ class WeightOnlyLinear(torch.nn.Module):
         self.qweight, self.scale = qweight.contiguous(), scale.float().contiguous()
         self.group = group_of(qweight, scale) if qweight.dtype == torch.uint8 else 0
         self.bias, self.dtype = bias, dtype
+        amx = qweight.dtype == torch.int8 and amx_available(dtype, qweight.device, *qweight.shape)
+        self.tiles = pack_tiles(self.qweight) if amx else None
+        self.bias_f32 = None if bias is None else bias.float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if self.tiles is not None and rows.shape[0] in AMX_INT8_ROWS and x.dtype == torch.bfloat16:
+            out: torch.Tensor = torch.ops.trtprompt.amx_linear(rows.contiguous(), self.tiles, self.scale,
+                                                               self.bias_f32)
+            return out.view(*x.shape[:-1], out.shape[-1])
         if rows.shape[0] <= FEW_ROWS_MAX:
-            out: torch.Tensor = torch.ops.trtprompt.few_rows_linear(rows.contiguous(), self.qweight, self.scale,
-                                                                   self.group)
+            out = torch.ops.trtprompt.few_rows_linear(rows.contiguous(), self.qweight, self.scale, self.group)
             out = out.view(*x.shape[:-1], out.shape[-1])
             return out if self.bias is None else out + self.bias
         return F.linear(x, dequantize(self.qweight, self.scale, self.dtype), self.bias)
@@ -207,6 +214,8 @@ _LINEAR_KINDS: dict[str, str] = {
     "DenseFewRowsLinear": "oneDNN prepacked (few-rows kernel <= {few} rows)",
     "AmxLinear": f"oneDNN prepacked (AMX bf16 kernel <= {AMX_ROWS_MAX} rows)",
     "WeightOnlyLinear": f"weight-only kept quantized (few-rows kernel <= {FEW_ROWS_MAX} rows, dense above)",
+    "AmxWeightOnly": (f"weight-only kept quantized (AMX {AMX_INT8_ROWS.start}-{AMX_INT8_ROWS.stop - 1} rows, "
+                      f"few-rows kernel for one, dense above)"),
     "FbgemmW8A8Linear": "W8A8 int8 GEMM (fbgemm)",
     "OneDnnW8A8Linear": "W8A8 int8 GEMM (oneDNN with AMX; fbgemm for few rows)",
     "ReferenceW8A8Linear": "W8A8 in plain torch (reference)",
@@ -218,7 +227,8 @@ def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
     counts: dict[str, int] = {}
     for m in linears:
         held = m.qweight.dtype if isinstance(m, WeightOnlyLinear) else None
-        name = _LINEAR_KINDS.get(type(m).__name__, type(m).__name__)
+        kind = "AmxWeightOnly" if isinstance(m, WeightOnlyLinear) and m.tiles is not None else type(m).__name__
+        name = _LINEAR_KINDS.get(kind, kind)
         if isinstance(m, DenseFewRowsLinear):
             name = name.format(few=m.few_rows_max)
         key = f"{name}, {'int4' if held == torch.uint8 else 'int8' if held == torch.int8 else ''}".rstrip(", ")
@@ -227,5 +237,6 @@ def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
     # The small-call kernels' copies are memory beside the prepacked weights: say how much.
     copies = sum(m.weight.nbytes for m in linears if isinstance(m, DenseFewRowsLinear))
     copies += sum(m.packed.nbytes for m in linears if isinstance(m, AmxLinear))
+    copies += sum(m.tiles.nbytes for m in linears if isinstance(m, WeightOnlyLinear) and m.tiles is not None)
     extra = f" (+{copies / 2**20:.0f} MiB of weight copies for the few-rows kernels)" if copies else ""
     return f"linears in {str(dtype).removeprefix('torch.')}: {parts}{extra}"

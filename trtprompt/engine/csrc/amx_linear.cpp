@@ -8,6 +8,8 @@
 //
 //   packed [N / 16, K / 32, 16, 32]: packed[nb, kb, r, 2 c + j] = W[16 nb + c, 32 kb + 2 r + j]
 //   x bf16 [M, K] (any M; passes of 32 rows), y bf16 [M, N], summed in float32 (AMX's TDPBF16PS).
+// The packed weight is bf16, or int8 with a float32 scale per output row (int8_wo): a task widens each block
+// of int8 tiles into bf16 in cache (exact: bf16 holds every int8) and scales the sums as it writes them.
 //
 // Built only into the avx512 variant, in functions compiled for AMX; amx_bf16_ready() says whether this
 // CPU has AMX-BF16 and Linux lets the process use its tile registers (they must be requested once).
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && __GNUC__ >= 11
 #define TRTPROMPT_AMX 1
@@ -62,6 +65,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC's tile intrinsics are asm statements that do not tell the compiler which memory they read or write
+// (its _tile_loadconfig names only the config's first 8 bytes): the config is passed whole, and a barrier
+// orders the stores a tile load reads and the loads of what a tile store wrote.
+inline void load_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" ::"m"(cfg)); }
+inline void memory_barrier() { __asm__ volatile("" ::: "memory"); }
+
 TileConfig tile_config(int64_t m) {
   TileConfig cfg;
   const uint8_t lo = static_cast<uint8_t>(std::min(m, kTileRows)), hi = static_cast<uint8_t>(m - lo);
@@ -74,46 +83,84 @@ TileConfig tile_config(int64_t m) {
   return cfg;
 }
 
-// C tile (16 x 16 float32 in buf) rows [0, rows) into y[row0 + i, n0 : n0 + 16] as bf16, plus the bias.
+// C tile (16 x 16 float32 in buf) rows [0, rows) into y[row0 + i, n0 : n0 + 16] as bf16, times the int8 scale
+// and plus the bias where there are.
+struct Epilogue {
+  const float* scale;  // [N] or nullptr
+  const float* bias;   // [N] or nullptr
+};
+
 AMX_TARGET void store_tile(const float* buf, int64_t rows, c10::BFloat16* y, int64_t n_dim, int64_t row0, int64_t n0,
-                           const float* bias) {
-  const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+                           Epilogue ep) {
+  const __m512 s = ep.scale ? _mm512_loadu_ps(ep.scale + n0) : _mm512_set1_ps(1.f);
+  const __m512 b = ep.bias ? _mm512_loadu_ps(ep.bias + n0) : _mm512_setzero_ps();
   for (int64_t i = 0; i < rows; ++i) {
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(buf + i * 16), b));
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_loadu_ps(buf + i * 16), s, b));
     std::memcpy(y + (row0 + i) * n_dim + n0, &v, 32);
   }
 }
 
-// One pass (m <= 32 rows of x from x0) times kBlocks (1 or 2) B tiles' columns from tile nb of the weight
-// [w, w_end).
-template <int kBlocks>
-AMX_TARGET void pass_block(const c10::BFloat16* x0, int64_t m, int64_t k_dim, const c10::BFloat16* w, int64_t nb,
-                           const c10::BFloat16* w_end, c10::BFloat16* y, int64_t n_dim, int64_t row0,
-                           const float* bias) {
+// int8 tiles [src, src + count) as bf16 into dst (count a multiple of 32), prefetching the same span from
+// `ahead` (the next block's int8 tiles, or nullptr) into L2.
+AMX_TARGET void widen_tiles(const int8_t* src, int64_t count, const int8_t* ahead, c10::BFloat16* dst) {
+  for (int64_t i = 0; i < count; i += 32) {
+    if (ahead != nullptr && i % 64 == 0) __builtin_prefetch(ahead + i, 0, 1);
+    const __m128i* p = reinterpret_cast<const __m128i*>(src + i);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+    _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// Where a pass finds B tile (b, kb) of its block: bf16 tiles in place, each step asking for the next block's
+// share into L2 (the weight is two streams 18-48 KB apart; prefetching them this way took 0.83-0.88x the
+// time of leaving it to the hardware) ...
+struct Bf16Tiles {
+  const c10::BFloat16* b0;
+  const char* ahead;  // the next block's tiles, or nullptr
+  int64_t kbs;
+  const c10::BFloat16* at(int b, int64_t kb) const {
+    if (ahead != nullptr)
+      for (int l = 0; l < 1024; l += 64) __builtin_prefetch(ahead + (b * kbs + kb) * 1024 + l, 0, 1);
+    return b0 + (b * kbs + kb) * 512;
+  }
+};
+
+// ... or int8 tiles widened one at a time into a 2 KB buffer that stays in L1 (one pass only: each pass would
+// widen them again).
+struct Int8Tiles {
+  const int8_t* b0;
+  const int8_t* ahead;
+  int64_t kbs;
+  c10::BFloat16* buf;  // [2][512]
+  const c10::BFloat16* at(int b, int64_t kb) const {
+    const int64_t at = (b * kbs + kb) * 512;
+    widen_tiles(b0 + at, 512, ahead ? ahead + at : nullptr, buf + b * 512);
+    memory_barrier();
+    return buf + b * 512;
+  }
+};
+
+// One pass (m <= 32 rows of x from x0) times kBlocks (1 or 2) B tiles' columns, output columns from n0.
+template <int kBlocks, typename Tiles>
+AMX_TARGET void pass_block(const c10::BFloat16* x0, int64_t m, int64_t k_dim, const Tiles& tiles, c10::BFloat16* y,
+                           int64_t n_dim, int64_t row0, int64_t n0, Epilogue ep) {
   const int64_t kbs = k_dim / kTileK, x_stride = k_dim * 2;
   const bool two = m > kTileRows;
-  const c10::BFloat16* b0 = w + nb * kbs * 512;
   _tile_zero(0);
   _tile_zero(2);
   if (two) {
     _tile_zero(1);
     _tile_zero(3);
   }
-  // The next block's tiles, requested into L2 a tile's share per k step: the weight is two streams 18-48 KB
-  // apart, and prefetching them this way took 0.83-0.88x the time of leaving it to the hardware.
-  const char* ahead = reinterpret_cast<const char*>(b0 + kBlocks * kbs * 512);
-  const bool fetch = ahead + kBlocks * kbs * 1024 <= reinterpret_cast<const char*>(w_end);
   for (int64_t kb = 0; kb < kbs; ++kb) {
-    if (fetch)
-      for (int b = 0; b < kBlocks; ++b)
-        for (int l = 0; l < 1024; l += 64) __builtin_prefetch(ahead + (b * kbs + kb) * 1024 + l, 0, 1);
     _tile_loadd(4, x0 + kb * kTileK, x_stride);
     if (two) _tile_loadd(5, x0 + kTileRows * k_dim + kb * kTileK, x_stride);
-    _tile_loadd(6, b0 + kb * 512, 64);
+    _tile_loadd(6, tiles.at(0, kb), 64);
     _tile_dpbf16ps(0, 4, 6);
     if (two) _tile_dpbf16ps(1, 5, 6);
     if constexpr (kBlocks == 2) {
-      _tile_loadd(7, b0 + (kbs + kb) * 512, 64);
+      _tile_loadd(7, tiles.at(1, kb), 64);
       _tile_dpbf16ps(2, 4, 7);
       if (two) _tile_dpbf16ps(3, 5, 7);
     }
@@ -125,31 +172,65 @@ AMX_TARGET void pass_block(const c10::BFloat16* x0, int64_t m, int64_t k_dim, co
     _tile_stored(2, buf[2], 64);
     if (two) _tile_stored(3, buf[3], 64);
   }
+  memory_barrier();
   const int64_t lo = std::min(m, kTileRows);
   for (int b = 0; b < kBlocks; ++b) {
-    store_tile(buf[2 * b], lo, y, n_dim, row0, (nb + b) * kTileRows, bias);
-    if (two) store_tile(buf[2 * b + 1], m - lo, y, n_dim, row0 + kTileRows, (nb + b) * kTileRows, bias);
+    store_tile(buf[2 * b], lo, y, n_dim, row0, n0 + b * kTileRows, ep);
+    if (two) store_tile(buf[2 * b + 1], m - lo, y, n_dim, row0 + kTileRows, n0 + b * kTileRows, ep);
   }
 }
 
-// Output columns [n0, n1) (multiples of 16) for every row of x: each pair of B tiles meets every pass.
-AMX_TARGET void run_columns(const c10::BFloat16* x, int64_t m_dim, int64_t k_dim, const c10::BFloat16* w,
-                            const c10::BFloat16* w_end, int64_t n0, int64_t n1, c10::BFloat16* y, int64_t n_dim,
-                            const float* bias) {
+// The packed weight as the kernel reads it: bf16 tiles in place, or int8 tiles widened block by block.
+struct PackedWeight {
+  const void* data;
+  bool int8;
+  int64_t n_dim, k_dim;
+};
+
+template <typename Tiles>
+AMX_TARGET void pass_blocks(const c10::BFloat16* x0, int64_t m, int64_t blocks, const PackedWeight& w,
+                            const Tiles& tiles, c10::BFloat16* y, int64_t row0, int64_t n0, Epilogue ep) {
+  if (blocks == 2)
+    pass_block<2>(x0, m, w.k_dim, tiles, y, w.n_dim, row0, n0, ep);
+  else
+    pass_block<1>(x0, m, w.k_dim, tiles, y, w.n_dim, row0, n0, ep);
+}
+
+// Output columns [n0, n1) (multiples of 16) for every row of x: each pair of B tiles meets every pass. int8
+// tiles are widened as they are read where one pass covers x, else a block at a time into a buffer (L2).
+AMX_TARGET void run_columns(const c10::BFloat16* x, int64_t m_dim, const PackedWeight& w, int64_t n0, int64_t n1,
+                            c10::BFloat16* y, Epilogue ep) {
+  const int64_t kbs = w.k_dim / kTileK, tiles_end = w.n_dim / kTileRows, block_size = kbs * 512;
+  const bool one_pass = m_dim <= kPassRows;
+  std::vector<c10::BFloat16> widened(w.int8 ? (one_pass ? 2 * 512 : 2 * block_size) : 0);
   int64_t configured = -1;
   for (int64_t n = n0; n < n1; n += kBlockOut) {
+    const int64_t nb = n / kTileRows, blocks = std::min<int64_t>(2, (n1 - n) / kTileRows);
+    const int64_t next = nb + blocks;
+    const bool fetch = std::min<int64_t>(2, tiles_end - next) == blocks;  // the next block is as large
+    const int8_t* i8 = static_cast<const int8_t*>(w.data) + nb * block_size;
+    const c10::BFloat16* b16 = static_cast<const c10::BFloat16*>(w.data) + nb * block_size;
+    if (w.int8 && !one_pass) {
+      widen_tiles(i8, blocks * block_size, fetch ? i8 + blocks * block_size : nullptr, widened.data());
+      memory_barrier();
+      b16 = widened.data();
+    }
     for (int64_t r0 = 0; r0 < m_dim; r0 += kPassRows) {
       const int64_t m = std::min(kPassRows, m_dim - r0);
       if (m != configured) {
-        const TileConfig cfg = tile_config(m);
-        _tile_loadconfig(&cfg);
+        load_config(tile_config(m));
         configured = m;
       }
-      const c10::BFloat16* x0 = x + r0 * k_dim;
-      if (n + kBlockOut <= n1)
-        pass_block<2>(x0, m, k_dim, w, n / kTileRows, w_end, y, n_dim, r0, bias);
-      else
-        pass_block<1>(x0, m, k_dim, w, n / kTileRows, w_end, y, n_dim, r0, bias);
+      const c10::BFloat16* x0 = x + r0 * w.k_dim;
+      if (w.int8 && one_pass) {
+        const Int8Tiles tiles{i8, fetch ? i8 + blocks * block_size : nullptr, kbs, widened.data()};
+        pass_blocks(x0, m, blocks, w, tiles, y, r0, n, ep);
+      } else {
+        // later passes find the tiles in cache; widened int8 tiles were prefetched as they were widened
+        const bool ask = r0 == 0 && fetch && !w.int8;
+        const Bf16Tiles tiles{b16, ask ? reinterpret_cast<const char*>(b16 + blocks * block_size) : nullptr, kbs};
+        pass_blocks(x0, m, blocks, w, tiles, y, r0, n, ep);
+      }
     }
   }
   _tile_release();
@@ -165,28 +246,34 @@ bool amx_bf16_ready() {
 #endif
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
+                      const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_bf16_ready(), "amx_linear: this CPU or kernel variant has no usable AMX-BF16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "amx_linear: x must be a contiguous bfloat16 [M, K] tensor");
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+  const bool int8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && (int8 || packed.scalar_type() == at::kBFloat16) &&
                   packed.size(2) == kTileRows && packed.size(3) == kTileK,
-              "amx_linear: packed must be a contiguous bfloat16 [N / 16, K / 32, 16, 32] tensor");
+              "amx_linear: packed must be a contiguous bfloat16 or int8 [N / 16, K / 32, 16, 32] tensor");
   const int64_t n_dim = packed.size(0) * kTileRows, k_dim = packed.size(1) * kTileK, m_dim = x.size(0);
   TORCH_CHECK(x.size(1) == k_dim, "amx_linear: x has ", x.size(1), " columns, the packed weight ", k_dim);
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                                    bias->numel() == n_dim),
-              "amx_linear: bias must be a contiguous float32 [N]");
+  for (const auto* v : {&scale, &bias})
+    TORCH_CHECK(!v->has_value() || ((*v)->scalar_type() == at::kFloat && (*v)->is_contiguous() &&
+                                    (*v)->numel() == n_dim),
+                "amx_linear: ", v == &scale ? "scale" : "bias", " must be a contiguous float32 [N]");
+  TORCH_CHECK(int8 == scale.has_value(), "amx_linear: an int8 packed weight needs its scale, a bf16 one none");
   at::Tensor y = at::empty({m_dim, n_dim}, x.options());
   if (m_dim == 0) return y;
 #ifdef TRTPROMPT_AMX
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const c10::BFloat16 *xp = x.data_ptr<c10::BFloat16>(), *wp = packed.data_ptr<c10::BFloat16>();
+  const Epilogue ep{scale.has_value() ? scale->data_ptr<float>() : nullptr,
+                    bias.has_value() ? bias->data_ptr<float>() : nullptr};
+  const PackedWeight w{packed.data_ptr(), int8, n_dim, k_dim};
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   // Tasks of whole 32-column blocks; a thread configures its tiles once per task.
   const int64_t blocks = (n_dim + kBlockOut - 1) / kBlockOut;
   at::parallel_for(0, blocks, 1, [&](int64_t t0, int64_t t1) {
-    run_columns(xp, m_dim, k_dim, wp, wp + packed.numel(), t0 * kBlockOut, std::min(n_dim, t1 * kBlockOut), yp, n_dim, b);
+    run_columns(xp, m_dim, w, t0 * kBlockOut, std::min(n_dim, t1 * kBlockOut), yp, ep);
   });
 #endif
   return y;
@@ -196,7 +283,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 
 TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
   m.def("amx_bf16_ready() -> bool", &amx_bf16_ready);
-  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? scale, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
