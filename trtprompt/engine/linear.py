@@ -238,5 +238,5 @@ def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
     copies = sum(m.weight.nbytes for m in linears if isinstance(m, DenseFewRowsLinear))
     copies += sum(m.packed.nbytes for m in linears if isinstance(m, AmxLinear))
     copies += sum(m.tiles.nbytes for m in linears if isinstance(m, WeightOnlyLinear) and m.tiles is not None)
-    extra = f" (+{copies / 2**20:.0f} MiB of weight copies for the few-rows kernels)" if copies else ""
+    extra = f" (+{copies / 2**20:.0f} MiB of weight copies for the few-rows and AMX kernels)" if copies else ""
     return f"linears in {str(dtype).removeprefix('torch.')}: {parts}{extra}"
