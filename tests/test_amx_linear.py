@@ -2,7 +2,7 @@
 
 The tile packing is checked element by element everywhere; the kernel where this CPU has AMX-BF16 and the
 avx512 kernel variant runs (tests/test_kernel_variants.py runs `amx_is_ready` in the other variants, where it
-must say no): bf16 and int8 weights at every row count around its 16-row tiles and 32-row passes, an odd
+must say no): bf16, int8 and int4 weights at every row count around its 16-row tiles and 32-row passes, an odd
 count of 16-column blocks, with and without a bias, and each linear on both sides of its bounds.
 """
 
@@ -13,8 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from trtprompt.engine import isa, kernels
-from trtprompt.engine.amx_linear import AMX_INT8_ROWS, AMX_ROWS_MAX, AmxLinear, amx_available, pack_tiles
+from trtprompt.engine.amx_linear import (
+    AMX_INT4_ROWS,
+    AMX_INT8_ROWS,
+    AMX_ROWS_MAX,
+    AmxLinear,
+    amx_available,
+    pack_int4_tiles,
+    pack_tiles,
+)
 from trtprompt.engine.linear import DenseFewRowsLinear, OneDnnLinear, WeightOnlyLinear, dequantize, make_linear
+from trtprompt.engine.quant_int4 import dequantize_int4, quantize_int4
 from trtprompt.engine.quant_w8a8 import quantize_int8
 
 CPU = torch.device("cpu")
@@ -32,6 +41,25 @@ def test_pack_tiles_puts_each_weight_where_the_kernel_reads_it() -> None:
     assert packed.shape == (3, 3, 16, 32) and packed.is_contiguous()
     for nb, kb, r, c, j in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (1, 2, 15, 3, 1), (2, 1, 7, 15, 0), (2, 2, 15, 15, 1)]:
         assert packed[nb, kb, r, 2 * c + j] == w[16 * nb + c, 32 * kb + 2 * r + j], (nb, kb, r, c, j)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_pack_int4_tiles_holds_each_code_and_its_group_where_the_kernel_reads_them(group: int) -> None:
+    n, k = 32, 256
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(12))
+    q, scale = quantize_int4(w, group)
+    tiles, scales = pack_int4_tiles(q, scale)
+    assert tiles.shape == (2, 8, 16, 16) and tiles.dtype == torch.uint8 and scales.shape == (2, 8, 2, 16)
+    # the codes by column, as dequantize_int4 reads them: (w - minimum) / scale
+    codes = ((dequantize_int4(q, scale, torch.float32) - scale[:, :, 1].repeat_interleave(group, 1))
+             / scale[:, :, 0].repeat_interleave(group, 1)).round().to(torch.uint8)
+    flat = tiles.reshape(2, 8, 256)
+    for nb, kb, r, c, j in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (1, 7, 15, 15, 1), (0, 3, 8, 5, 0), (1, 2, 7, 9, 1)]:
+        e = 32 * r + 2 * c + j  # the element of pack_tiles' tile
+        byte = flat[nb, kb, e % 256]
+        assert (byte >> 4 if e >= 256 else byte & 15) == codes[16 * nb + c, 32 * kb + 2 * r + j], (nb, kb, r, c, j)
+        g = 32 * kb // group
+        assert scales[nb, kb, 0, c] == scale[16 * nb + c, g, 0] and scales[nb, kb, 1, c] == scale[16 * nb + c, g, 1]
 
 
 def test_amx_is_ready_exactly_where_the_variant_and_cpu_have_it() -> None:
@@ -72,11 +100,16 @@ def test_kernel_refuses_what_it_cannot_read() -> None:
         torch.ops.trtprompt.amx_linear(_bf16(2, 32, seed=4), packed, None, None)
     with pytest.raises(RuntimeError, match="packed must be a contiguous bfloat16"):
         torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), packed.view(16, 64), None, None)
-    with pytest.raises(RuntimeError, match="an int8 packed weight needs its scale, a bf16 one none"):
+    with pytest.raises(RuntimeError, match="an int8 or int4 packed weight needs its scale, a bf16 one none"):
         torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), packed, torch.ones(16), None)
-    with pytest.raises(RuntimeError, match="an int8 packed weight needs its scale"):
-        torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), pack_tiles(torch.ones(16, 64, dtype=torch.int8)),
-                                       None, None)
+    int8_tiles = pack_tiles(torch.ones(16, 64, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="an int8 or int4 packed weight needs its scale"):
+        torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), int8_tiles, None, None)
+    with pytest.raises(RuntimeError, match=r"an int8 weight's scale must be a contiguous float32 \[N\]"):
+        torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), int8_tiles, torch.ones(8), None)
+    with pytest.raises(RuntimeError, match=r"an int4 weight's scale must be a contiguous float32 \[N / 16"):
+        torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), torch.zeros(1, 2, 16, 16, dtype=torch.uint8),
+                                       torch.ones(16), None)
     with pytest.raises(RuntimeError, match="bias must be a contiguous float32"):
         torch.ops.trtprompt.amx_linear(_bf16(2, 64, seed=4), packed, None, torch.zeros(16, dtype=torch.bfloat16))
     assert torch.ops.trtprompt.amx_linear(_bf16(0, 64, seed=4), packed, None, None).shape == (0, 16)
@@ -135,3 +168,36 @@ def test_weight_only_int8_runs_its_middle_rows_on_amx() -> None:
     # float32 activations keep the few-rows kernel: no tiles
     linear32 = make_linear(q, None, "onednn", torch.float32, scale)
     assert isinstance(linear32, WeightOnlyLinear) and linear32.tiles is None
+
+
+@needs_amx
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_tiles_match_the_dense_path_at_every_row_count(group: int) -> None:
+    """int4: each tile widened to q * scale + minimum in bf16, as the dense path dequantizes it."""
+    n, k = 48, 256
+    q, scale = quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(13)) * 0.05, group)
+    w = dequantize_int4(q, scale, torch.bfloat16).float()  # the weight the dense path multiplies by
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(14))
+    tiles, scales = pack_int4_tiles(q, scale)
+    for m in (1, 2, 16, 17, 32, 33, 70):
+        x = _bf16(m, k, seed=40 + m)
+        got = torch.ops.trtprompt.amx_linear(x, tiles, scales, bias)
+        want = x.float() @ w.t() + bias
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert torch.allclose(got.float(), want, rtol=8e-3, atol=8e-3 * want.abs().max().item()), m
+
+
+@needs_amx
+def test_weight_only_int4_runs_its_rows_on_amx() -> None:
+    q, scale = quantize_int4(torch.randn(64, 128, generator=torch.Generator().manual_seed(15)) * 0.05, 32)
+    linear = make_linear(q, None, "onednn", torch.bfloat16, scale)
+    assert isinstance(linear, WeightOnlyLinear) and linear.tiles is not None and linear.amx_rows == AMX_INT4_ROWS
+    for m in (1, AMX_INT4_ROWS.start, AMX_INT4_ROWS.stop - 1, AMX_INT4_ROWS.stop):
+        x = _bf16(m, 128, seed=50 + m)
+        if m in AMX_INT4_ROWS:  # bit-identical to the path that should have run
+            path = torch.ops.trtprompt.amx_linear(x, linear.tiles, linear.tile_scale, None)
+        elif m < AMX_INT4_ROWS.start:
+            path = torch.ops.trtprompt.few_rows_linear(x, q, linear.scale, 32)
+        else:
+            path = F.linear(x, dequantize(q, scale, torch.bfloat16))
+        assert torch.equal(linear(x), path), m

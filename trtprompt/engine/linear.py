@@ -19,7 +19,15 @@ import os
 import torch
 import torch.nn.functional as F
 
-from trtprompt.engine.amx_linear import AMX_INT8_ROWS, AMX_ROWS_MAX, AmxLinear, amx_available, pack_tiles
+from trtprompt.engine.amx_linear import (
+    AMX_INT4_ROWS,
+    AMX_INT8_ROWS,
+    AMX_ROWS_MAX,
+    AmxLinear,
+    amx_available,
+    pack_int4_tiles,
+    pack_tiles,
+)
 from trtprompt.engine.quant_int4 import dequantize_int4, group_of
 from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, make_w8a8_linear
 
@@ -153,23 +161,29 @@ def few_rows_available(dtype: torch.dtype, device: torch.device, in_features: in
 
 class WeightOnlyLinear(torch.nn.Module):
     """int8 [out, in] + scale [out], or packed int4 [out, in / 2] + (scale, minimum) [out, groups, 2], kept
-    quantized. int8 with bf16 activations also keeps its weight in AMX's tile layout where AMX runs
-    (amx_linear.py): calls of AMX_INT8_ROWS rows run there."""
+    quantized. With bf16 activations where AMX runs (amx_linear.py) the weight is also kept in AMX's tile
+    layout (its quantized bytes a second time): calls of `amx_rows` rows run there."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.qweight, self.scale = qweight.contiguous(), scale.float().contiguous()
-        self.group = group_of(qweight, scale) if qweight.dtype == torch.uint8 else 0
+        self.int4 = qweight.dtype == torch.uint8
+        self.group = group_of(qweight, scale) if self.int4 else 0
         self.bias, self.dtype = bias, dtype
-        amx = qweight.dtype == torch.int8 and amx_available(dtype, qweight.device, *qweight.shape)
-        self.tiles = pack_tiles(self.qweight) if amx else None
+        out_features, in_features = qweight.shape[0], qweight.shape[1] * (2 if self.int4 else 1)
+        self.tiles: torch.Tensor | None = None
+        self.tile_scale = self.scale  # int8: the row scale; int4: its (scale, minimum) per tile
+        self.amx_rows = AMX_INT4_ROWS if self.int4 else AMX_INT8_ROWS
+        if amx_available(dtype, qweight.device, out_features, in_features):
+            self.tiles, self.tile_scale = (pack_int4_tiles(self.qweight, self.scale) if self.int4
+                                           else (pack_tiles(self.qweight), self.scale))
         self.bias_f32 = None if bias is None else bias.float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if self.tiles is not None and rows.shape[0] in AMX_INT8_ROWS and x.dtype == torch.bfloat16:
-            out: torch.Tensor = torch.ops.trtprompt.amx_linear(rows.contiguous(), self.tiles, self.scale,
+        if self.tiles is not None and rows.shape[0] in self.amx_rows and x.dtype == torch.bfloat16:
+            out: torch.Tensor = torch.ops.trtprompt.amx_linear(rows.contiguous(), self.tiles, self.tile_scale,
                                                                self.bias_f32)
             return out.view(*x.shape[:-1], out.shape[-1])
         if rows.shape[0] <= FEW_ROWS_MAX:
@@ -214,8 +228,7 @@ _LINEAR_KINDS: dict[str, str] = {
     "DenseFewRowsLinear": "oneDNN prepacked (few-rows kernel <= {few} rows)",
     "AmxLinear": f"oneDNN prepacked (AMX bf16 kernel <= {AMX_ROWS_MAX} rows)",
     "WeightOnlyLinear": f"weight-only kept quantized (few-rows kernel <= {FEW_ROWS_MAX} rows, dense above)",
-    "AmxWeightOnly": (f"weight-only kept quantized (AMX {AMX_INT8_ROWS.start}-{AMX_INT8_ROWS.stop - 1} rows, "
-                      f"few-rows kernel for one, dense above)"),
+    "AmxWeightOnly": "weight-only kept quantized (AMX for {amx} rows, the few-rows kernel for fewer, dense above)",
     "FbgemmW8A8Linear": "W8A8 int8 GEMM (fbgemm)",
     "OneDnnW8A8Linear": "W8A8 int8 GEMM (oneDNN with AMX; fbgemm for few rows)",
     "ReferenceW8A8Linear": "W8A8 in plain torch (reference)",
@@ -231,6 +244,8 @@ def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
         name = _LINEAR_KINDS.get(kind, kind)
         if isinstance(m, DenseFewRowsLinear):
             name = name.format(few=m.few_rows_max)
+        if isinstance(m, WeightOnlyLinear) and m.tiles is not None:
+            name = name.format(amx=f"{m.amx_rows.start}-{m.amx_rows.stop - 1}")
         key = f"{name}, {'int4' if held == torch.uint8 else 'int8' if held == torch.int8 else ''}".rstrip(", ")
         counts[key] = counts.get(key, 0) + 1
     parts = ", ".join(f"{n} x {k}" for k, n in counts.items())

@@ -2,14 +2,17 @@
 //
 // oneDNN's bf16 GEMM runs on AMX too, but for a call of 8-64 rows its per-call work and blocking cost
 // as much as reading the weight: SmolLM2's 120 layer linears took about as long at 8 rows as at 32.
-// Here the weight is packed once (amx_pack_bf16 in linear.py) into the tile layout AMX multiplies by,
+// Here the weight is packed once (pack_tiles in amx_linear.py) into the tile layout AMX multiplies by,
 // 16 output rows x 32 columns per 1 KB tile, laid out in the order a task reads them, so a call streams
 // the weight once, in order, and every tile of it meets all rows of x while it is in cache.
 //
 //   packed [N / 16, K / 32, 16, 32]: packed[nb, kb, r, 2 c + j] = W[16 nb + c, 32 kb + 2 r + j]
 //   x bf16 [M, K] (any M; passes of 32 rows), y bf16 [M, N], summed in float32 (AMX's TDPBF16PS).
-// The packed weight is bf16, or int8 with a float32 scale per output row (int8_wo): a task widens each block
-// of int8 tiles into bf16 in cache (exact: bf16 holds every int8) and scales the sums as it writes them.
+// The packed weight is bf16; or int8 with a float32 scale per output row (int8_wo), widened into bf16 in cache
+// (exact: bf16 holds every int8), the sums scaled as they are written; or int4 (int4_wo) tiles of 256 bytes,
+// byte i holding element i of the tile in its low nibble and element i + 256 in its high one, with the
+// (scale, minimum) of each tile's 16 output rows [N / 16, K / 32, 2, 16]: widened as q * scale + minimum.
+//
 //
 // Built only into the avx512 variant, in functions compiled for AMX; amx_bf16_ready() says whether this
 // CPU has AMX-BF16 and Linux lets the process use its tile registers (they must be requested once).
@@ -100,18 +103,6 @@ AMX_TARGET void store_tile(const float* buf, int64_t rows, c10::BFloat16* y, int
   }
 }
 
-// int8 tiles [src, src + count) as bf16 into dst (count a multiple of 32), prefetching the same span from
-// `ahead` (the next block's int8 tiles, or nullptr) into L2.
-AMX_TARGET void widen_tiles(const int8_t* src, int64_t count, const int8_t* ahead, c10::BFloat16* dst) {
-  for (int64_t i = 0; i < count; i += 32) {
-    if (ahead != nullptr && i % 64 == 0) __builtin_prefetch(ahead + i, 0, 1);
-    const __m128i* p = reinterpret_cast<const __m128i*>(src + i);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
-    _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
-}
-
 // Where a pass finds B tile (b, kb) of its block: bf16 tiles in place, each step asking for the next block's
 // share into L2 (the weight is two streams 18-48 KB apart; prefetching them this way took 0.83-0.88x the
 // time of leaving it to the hardware) ...
@@ -126,16 +117,73 @@ struct Bf16Tiles {
   }
 };
 
-// ... or int8 tiles widened one at a time into a 2 KB buffer that stays in L1 (one pass only: each pass would
-// widen them again).
-struct Int8Tiles {
-  const int8_t* b0;
-  const int8_t* ahead;
+// The packed weight as the kernel reads it. Tile t = nb * (K / 32) + kb.
+enum class Format { kBf16, kInt8, kInt4 };
+
+struct PackedWeight {
+  const void* data;
+  const float* tile_scale;  // int4: [N / 16, K / 32, 2, 16]; else nullptr
+  Format format;
+  int64_t n_dim, k_dim;
+  int64_t tile_bytes() const { return format == Format::kBf16 ? 1024 : format == Format::kInt8 ? 512 : 256; }
+  const char* tile(int64_t t) const { return static_cast<const char*>(data) + t * tile_bytes(); }
+};
+
+// An int8 tile as bf16 into dst, prefetching `ahead` (a tile of the next block, or nullptr) into L2.
+AMX_TARGET void widen_int8(const int8_t* src, const char* ahead, c10::BFloat16* dst) {
+  if (ahead != nullptr)
+    for (int l = 0; l < 512; l += 64) __builtin_prefetch(ahead + l, 0, 1);
+  for (int i = 0; i < 512; i += 32) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(src + i);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+    _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// An int4 tile as bf16 into dst: q * scale + minimum of its output row (a tile row's lanes 2c and 2c + 1 are
+// output row c's), rounded to bf16 as the dense path's dequantized weight is.
+AMX_TARGET void widen_int4(const uint8_t* src, const float* sm, const char* ahead, c10::BFloat16* dst) {
+  if (ahead != nullptr)
+    for (int l = 0; l < 256; l += 64) __builtin_prefetch(ahead + l, 0, 1);
+  const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  const __m512 s = _mm512_loadu_ps(sm), m = _mm512_loadu_ps(sm + 16);
+  const __m512 s0 = _mm512_permutexvar_ps(first, s), s1 = _mm512_permutexvar_ps(second, s);
+  const __m512 m0 = _mm512_permutexvar_ps(first, m), m1 = _mm512_permutexvar_ps(second, m);
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int half = 0; half < 2; ++half) {
+    for (int i = 0; i < 256; i += 32) {  // one tile row: elements half * 256 + i .. + 31
+      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+      q = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, low);
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
+      const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(b, s1, m1), _mm512_fmadd_ps(a, s0, m0));
+      _mm512_storeu_si512(dst + half * 256 + i, (__m512i)v);
+    }
+  }
+}
+
+// Quantized tile t as bf16 into dst; `ahead` >= 0: the tile of the next block to prefetch.
+AMX_TARGET void widen_tile(const PackedWeight& w, int64_t t, int64_t ahead, c10::BFloat16* dst) {
+  const char* next = ahead >= 0 ? w.tile(ahead) : nullptr;
+  if (w.format == Format::kInt8)
+    widen_int8(reinterpret_cast<const int8_t*>(w.tile(t)), next, dst);
+  else
+    widen_int4(reinterpret_cast<const uint8_t*>(w.tile(t)), w.tile_scale + t * 32, next, dst);
+}
+
+// Where a pass finds int8 / int4 B tiles: widened one at a time into a 2 KB buffer that stays in L1 (one pass
+// only: each pass would widen them again).
+struct QuantTiles {
+  const PackedWeight* w;
+  int64_t first;  // the block's first tile
+  int64_t ahead;  // tiles on to prefetch (the next block), 0 for none
   int64_t kbs;
   c10::BFloat16* buf;  // [2][512]
   const c10::BFloat16* at(int b, int64_t kb) const {
-    const int64_t at = (b * kbs + kb) * 512;
-    widen_tiles(b0 + at, 512, ahead ? ahead + at : nullptr, buf + b * 512);
+    const int64_t t = first + b * kbs + kb;
+    widen_tile(*w, t, ahead ? t + ahead : -1, buf + b * 512);
     memory_barrier();
     return buf + b * 512;
   }
@@ -180,13 +228,6 @@ AMX_TARGET void pass_block(const c10::BFloat16* x0, int64_t m, int64_t k_dim, co
   }
 }
 
-// The packed weight as the kernel reads it: bf16 tiles in place, or int8 tiles widened block by block.
-struct PackedWeight {
-  const void* data;
-  bool int8;
-  int64_t n_dim, k_dim;
-};
-
 template <typename Tiles>
 AMX_TARGET void pass_blocks(const c10::BFloat16* x0, int64_t m, int64_t blocks, const PackedWeight& w,
                             const Tiles& tiles, c10::BFloat16* y, int64_t row0, int64_t n0, Epilogue ep) {
@@ -196,22 +237,22 @@ AMX_TARGET void pass_blocks(const c10::BFloat16* x0, int64_t m, int64_t blocks, 
     pass_block<1>(x0, m, w.k_dim, tiles, y, w.n_dim, row0, n0, ep);
 }
 
-// Output columns [n0, n1) (multiples of 16) for every row of x: each pair of B tiles meets every pass. int8
-// tiles are widened as they are read where one pass covers x, else a block at a time into a buffer (L2).
+// Output columns [n0, n1) (multiples of 16) for every row of x: each pair of B tiles meets every pass.
+// Quantized tiles are widened as they are read where one pass covers x, else a block at a time into a
+// buffer (L2) that every pass reads.
 AMX_TARGET void run_columns(const c10::BFloat16* x, int64_t m_dim, const PackedWeight& w, int64_t n0, int64_t n1,
                             c10::BFloat16* y, Epilogue ep) {
-  const int64_t kbs = w.k_dim / kTileK, tiles_end = w.n_dim / kTileRows, block_size = kbs * 512;
-  const bool one_pass = m_dim <= kPassRows;
-  std::vector<c10::BFloat16> widened(w.int8 ? (one_pass ? 2 * 512 : 2 * block_size) : 0);
+  const int64_t kbs = w.k_dim / kTileK, tiles_end = w.n_dim / kTileRows;
+  const bool one_pass = m_dim <= kPassRows, quant = w.format != Format::kBf16;
+  std::vector<c10::BFloat16> widened(quant ? (one_pass ? 2 : 2 * kbs) * 512 : 0);
   int64_t configured = -1;
   for (int64_t n = n0; n < n1; n += kBlockOut) {
     const int64_t nb = n / kTileRows, blocks = std::min<int64_t>(2, (n1 - n) / kTileRows);
-    const int64_t next = nb + blocks;
-    const bool fetch = std::min<int64_t>(2, tiles_end - next) == blocks;  // the next block is as large
-    const int8_t* i8 = static_cast<const int8_t*>(w.data) + nb * block_size;
-    const c10::BFloat16* b16 = static_cast<const c10::BFloat16*>(w.data) + nb * block_size;
-    if (w.int8 && !one_pass) {
-      widen_tiles(i8, blocks * block_size, fetch ? i8 + blocks * block_size : nullptr, widened.data());
+    const int64_t first = nb * kbs, span = blocks * kbs;  // the block's tiles
+    const bool fetch = std::min<int64_t>(2, tiles_end - nb - blocks) == blocks;  // the next block is as large
+    const c10::BFloat16* b16 = static_cast<const c10::BFloat16*>(w.data) + first * 512;
+    if (quant && !one_pass) {
+      for (int64_t t = 0; t < span; ++t) widen_tile(w, first + t, fetch ? first + t + span : -1, &widened[t * 512]);
       memory_barrier();
       b16 = widened.data();
     }
@@ -222,13 +263,13 @@ AMX_TARGET void run_columns(const c10::BFloat16* x, int64_t m_dim, const PackedW
         configured = m;
       }
       const c10::BFloat16* x0 = x + r0 * w.k_dim;
-      if (w.int8 && one_pass) {
-        const Int8Tiles tiles{i8, fetch ? i8 + blocks * block_size : nullptr, kbs, widened.data()};
+      if (quant && one_pass) {
+        const QuantTiles tiles{&w, first, fetch ? span : 0, kbs, widened.data()};
         pass_blocks(x0, m, blocks, w, tiles, y, r0, n, ep);
       } else {
-        // later passes find the tiles in cache; widened int8 tiles were prefetched as they were widened
-        const bool ask = r0 == 0 && fetch && !w.int8;
-        const Bf16Tiles tiles{b16, ask ? reinterpret_cast<const char*>(b16 + blocks * block_size) : nullptr, kbs};
+        // later passes find the tiles in cache; widened tiles were prefetched as they were widened
+        const bool ask = r0 == 0 && fetch && !quant;
+        const Bf16Tiles tiles{b16, ask ? reinterpret_cast<const char*>(b16 + span * 512) : nullptr, kbs};
         pass_blocks(x0, m, blocks, w, tiles, y, r0, n, ep);
       }
     }
@@ -251,23 +292,31 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   TORCH_CHECK(amx_bf16_ready(), "amx_linear: this CPU or kernel variant has no usable AMX-BF16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "amx_linear: x must be a contiguous bfloat16 [M, K] tensor");
-  const bool int8 = packed.scalar_type() == at::kChar;
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && (int8 || packed.scalar_type() == at::kBFloat16) &&
-                  packed.size(2) == kTileRows && packed.size(3) == kTileK,
-              "amx_linear: packed must be a contiguous bfloat16 or int8 [N / 16, K / 32, 16, 32] tensor");
+  const auto st = packed.scalar_type();
+  const bool int4 = st == at::kByte, int8 = st == at::kChar;
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && (int4 || int8 || st == at::kBFloat16) &&
+                  packed.size(2) == kTileRows && packed.size(3) == (int4 ? kTileK / 2 : kTileK),
+              "amx_linear: packed must be a contiguous bfloat16 or int8 [N / 16, K / 32, 16, 32] tensor, or uint8 "
+              "[N / 16, K / 32, 16, 16] (int4)");
   const int64_t n_dim = packed.size(0) * kTileRows, k_dim = packed.size(1) * kTileK, m_dim = x.size(0);
   TORCH_CHECK(x.size(1) == k_dim, "amx_linear: x has ", x.size(1), " columns, the packed weight ", k_dim);
-  for (const auto* v : {&scale, &bias})
-    TORCH_CHECK(!v->has_value() || ((*v)->scalar_type() == at::kFloat && (*v)->is_contiguous() &&
-                                    (*v)->numel() == n_dim),
-                "amx_linear: ", v == &scale ? "scale" : "bias", " must be a contiguous float32 [N]");
-  TORCH_CHECK(int8 == scale.has_value(), "amx_linear: an int8 packed weight needs its scale, a bf16 one none");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == n_dim),
+              "amx_linear: bias must be a contiguous float32 [N]");
+  TORCH_CHECK((int8 || int4) == scale.has_value(),
+              "amx_linear: an int8 or int4 packed weight needs its scale, a bf16 one none");
+  TORCH_CHECK(!int8 || (scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == n_dim),
+              "amx_linear: an int8 weight's scale must be a contiguous float32 [N]");
+  TORCH_CHECK(!int4 || (scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->dim() == 4 &&
+                        scale->size(0) == packed.size(0) && scale->size(1) == packed.size(1) &&
+                        scale->size(2) == 2 && scale->size(3) == kTileRows),
+              "amx_linear: an int4 weight's scale must be a contiguous float32 [N / 16, K / 32, 2, 16]");
   at::Tensor y = at::empty({m_dim, n_dim}, x.options());
   if (m_dim == 0) return y;
 #ifdef TRTPROMPT_AMX
-  const Epilogue ep{scale.has_value() ? scale->data_ptr<float>() : nullptr,
-                    bias.has_value() ? bias->data_ptr<float>() : nullptr};
-  const PackedWeight w{packed.data_ptr(), int8, n_dim, k_dim};
+  const Epilogue ep{int8 ? scale->data_ptr<float>() : nullptr, bias.has_value() ? bias->data_ptr<float>() : nullptr};
+  const Format format = int8 ? Format::kInt8 : int4 ? Format::kInt4 : Format::kBf16;
+  const PackedWeight w{packed.data_ptr(), int4 ? scale->data_ptr<float>() : nullptr, format, n_dim, k_dim};
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   // Tasks of whole 32-column blocks; a thread configures its tiles once per task.
