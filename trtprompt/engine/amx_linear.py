@@ -43,6 +43,11 @@ def amx_available(dtype: torch.dtype, device: torch.device, out_features: int, i
     return bool(torch.ops.trtprompt.amx_bf16_ready())
 
 
+def float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A bias as the kernel adds it: float32, contiguous (None stays None)."""
+    return None if bias is None else bias.float().contiguous()
+
+
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] as [N / 16, K / 32, 16, 32]: packed[nb, kb, r, 2c + j] = weight[16 nb + c, 32 kb + 2r + j].
 
@@ -79,7 +84,7 @@ class AmxLinear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: torch.nn.Module) -> None:
         super().__init__()
         self.packed = pack_tiles(weight.contiguous())
-        self.bias_f32 = None if bias is None else bias.float().contiguous()
+        self.bias_f32 = float_bias(bias)
         self.dense = dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from trtprompt.engine.amx_linear import (
     AMX_ROWS_MAX,
     AmxLinear,
     amx_available,
+    float_bias,
     pack_int4_tiles,
     pack_tiles,
 )
@@ -176,9 +177,11 @@ class WeightOnlyLinear(torch.nn.Module):
         self.tile_scale = self.scale  # int8: the row scale; int4: its (scale, minimum) per tile
         self.amx_rows = AMX_INT4_ROWS if self.int4 else AMX_INT8_ROWS
         if amx_available(dtype, qweight.device, out_features, in_features):
-            self.tiles, self.tile_scale = (pack_int4_tiles(self.qweight, self.scale) if self.int4
-                                           else (pack_tiles(self.qweight), self.scale))
-        self.bias_f32 = None if bias is None else bias.float().contiguous()
+            if self.int4:
+                self.tiles, self.tile_scale = pack_int4_tiles(self.qweight, self.scale)
+            else:
+                self.tiles = pack_tiles(self.qweight)
+        self.bias_f32 = float_bias(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -238,20 +241,19 @@ _LINEAR_KINDS: dict[str, str] = {
 def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
     """`<count> x <what runs>` per kind of linear, with the compute dtype and the weights' stored dtype."""
     counts: dict[str, int] = {}
+    copies = 0  # the small-call kernels' weight copies, memory beside the prepacked weights: say how much
     for m in linears:
         held = m.qweight.dtype if isinstance(m, WeightOnlyLinear) else None
-        kind = "AmxWeightOnly" if isinstance(m, WeightOnlyLinear) and m.tiles is not None else type(m).__name__
-        name = _LINEAR_KINDS.get(kind, kind)
+        name = _LINEAR_KINDS.get(type(m).__name__, type(m).__name__)
         if isinstance(m, DenseFewRowsLinear):
-            name = name.format(few=m.few_rows_max)
-        if isinstance(m, WeightOnlyLinear) and m.tiles is not None:
-            name = name.format(amx=f"{m.amx_rows.start}-{m.amx_rows.stop - 1}")
+            name, copies = name.format(few=m.few_rows_max), copies + m.weight.nbytes
+        elif isinstance(m, AmxLinear):
+            copies += m.packed.nbytes
+        elif isinstance(m, WeightOnlyLinear) and m.tiles is not None:
+            name = _LINEAR_KINDS["AmxWeightOnly"].format(amx=f"{m.amx_rows.start}-{m.amx_rows.stop - 1}")
+            copies += m.tiles.nbytes
         key = f"{name}, {'int4' if held == torch.uint8 else 'int8' if held == torch.int8 else ''}".rstrip(", ")
         counts[key] = counts.get(key, 0) + 1
     parts = ", ".join(f"{n} x {k}" for k, n in counts.items())
-    # The small-call kernels' copies are memory beside the prepacked weights: say how much.
-    copies = sum(m.weight.nbytes for m in linears if isinstance(m, DenseFewRowsLinear))
-    copies += sum(m.packed.nbytes for m in linears if isinstance(m, AmxLinear))
-    copies += sum(m.tiles.nbytes for m in linears if isinstance(m, WeightOnlyLinear) and m.tiles is not None)
     extra = f" (+{copies / 2**20:.0f} MiB of weight copies for the few-rows and AMX kernels)" if copies else ""
     return f"linears in {str(dtype).removeprefix('torch.')}: {parts}{extra}"

@@ -40,6 +40,7 @@ namespace {
 
 constexpr int64_t kTileRows = 16;   // rows of x (and output rows of W) per tile
 constexpr int64_t kTileK = 32;      // bf16 columns per tile row (64 bytes)
+constexpr int64_t kTileValues = kTileRows * kTileK;  // weights per B tile: 1 KB in bf16
 constexpr int64_t kPassRows = 32;   // rows of x per pass: two A tiles
 constexpr int64_t kBlockOut = 32;   // output columns a task takes at a time: two B tiles
 
@@ -86,13 +87,13 @@ TileConfig tile_config(int64_t m) {
   return cfg;
 }
 
-// C tile (16 x 16 float32 in buf) rows [0, rows) into y[row0 + i, n0 : n0 + 16] as bf16, times the int8 scale
-// and plus the bias where there are.
+// What the sums take on their way out: the int8 weight's row scale and the bias, where there are.
 struct Epilogue {
   const float* scale;  // [N] or nullptr
   const float* bias;   // [N] or nullptr
 };
 
+// C tile (16 x 16 float32 in buf) rows [0, rows) into y[row0 + i, n0 : n0 + 16] as bf16, through the epilogue.
 AMX_TARGET void store_tile(const float* buf, int64_t rows, c10::BFloat16* y, int64_t n_dim, int64_t row0, int64_t n0,
                            Epilogue ep) {
   const __m512 s = ep.scale ? _mm512_loadu_ps(ep.scale + n0) : _mm512_set1_ps(1.f);
@@ -103,17 +104,18 @@ AMX_TARGET void store_tile(const float* buf, int64_t rows, c10::BFloat16* y, int
   }
 }
 
-// Where a pass finds B tile (b, kb) of its block: bf16 tiles in place, each step asking for the next block's
-// share into L2 (the weight is two streams 18-48 KB apart; prefetching them this way took 0.83-0.88x the
-// time of leaving it to the hardware) ...
+// Where a pass finds B tile (b, kb) of its block when they are bf16: in place, each step asking for the next
+// block's share into L2 (the weight is two streams 18-48 KB apart; prefetching them this way took 0.83-0.88x
+// the time of leaving it to the hardware).
 struct Bf16Tiles {
   const c10::BFloat16* b0;
   const char* ahead;  // the next block's tiles, or nullptr
   int64_t kbs;
   const c10::BFloat16* at(int b, int64_t kb) const {
+    const int64_t bytes = 2 * kTileValues;
     if (ahead != nullptr)
-      for (int l = 0; l < 1024; l += 64) __builtin_prefetch(ahead + (b * kbs + kb) * 1024 + l, 0, 1);
-    return b0 + (b * kbs + kb) * 512;
+      for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(ahead + (b * kbs + kb) * bytes + l, 0, 1);
+    return b0 + (b * kbs + kb) * kTileValues;
   }
 };
 
@@ -125,15 +127,17 @@ struct PackedWeight {
   const float* tile_scale;  // int4: [N / 16, K / 32, 2, 16]; else nullptr
   Format format;
   int64_t n_dim, k_dim;
-  int64_t tile_bytes() const { return format == Format::kBf16 ? 1024 : format == Format::kInt8 ? 512 : 256; }
+  int64_t tile_bytes() const {
+    return format == Format::kBf16 ? 2 * kTileValues : format == Format::kInt8 ? kTileValues : kTileValues / 2;
+  }
   const char* tile(int64_t t) const { return static_cast<const char*>(data) + t * tile_bytes(); }
 };
 
 // An int8 tile as bf16 into dst, prefetching `ahead` (a tile of the next block, or nullptr) into L2.
 AMX_TARGET void widen_int8(const int8_t* src, const char* ahead, c10::BFloat16* dst) {
   if (ahead != nullptr)
-    for (int l = 0; l < 512; l += 64) __builtin_prefetch(ahead + l, 0, 1);
-  for (int i = 0; i < 512; i += 32) {
+    for (int64_t l = 0; l < kTileValues; l += 64) __builtin_prefetch(ahead + l, 0, 1);
+  for (int64_t i = 0; i < kTileValues; i += 32) {
     const __m128i* p = reinterpret_cast<const __m128i*>(src + i);
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
@@ -145,7 +149,7 @@ AMX_TARGET void widen_int8(const int8_t* src, const char* ahead, c10::BFloat16* 
 // output row c's), rounded to bf16 as the dense path's dequantized weight is.
 AMX_TARGET void widen_int4(const uint8_t* src, const float* sm, const char* ahead, c10::BFloat16* dst) {
   if (ahead != nullptr)
-    for (int l = 0; l < 256; l += 64) __builtin_prefetch(ahead + l, 0, 1);
+    for (int64_t l = 0; l < kTileValues / 2; l += 64) __builtin_prefetch(ahead + l, 0, 1);
   const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
   const __m512 s = _mm512_loadu_ps(sm), m = _mm512_loadu_ps(sm + 16);
@@ -153,13 +157,13 @@ AMX_TARGET void widen_int4(const uint8_t* src, const float* sm, const char* ahea
   const __m512 m0 = _mm512_permutexvar_ps(first, m), m1 = _mm512_permutexvar_ps(second, m);
   const __m256i low = _mm256_set1_epi8(15);
   for (int half = 0; half < 2; ++half) {
-    for (int i = 0; i < 256; i += 32) {  // one tile row: elements half * 256 + i .. + 31
+    for (int64_t i = 0; i < kTileValues / 2; i += 32) {  // one tile row: elements half * 256 + i .. + 31
       __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
       q = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, low);
       const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
       const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
       const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(b, s1, m1), _mm512_fmadd_ps(a, s0, m0));
-      _mm512_storeu_si512(dst + half * 256 + i, (__m512i)v);
+      _mm512_storeu_si512(dst + half * kTileValues / 2 + i, (__m512i)v);
     }
   }
 }
@@ -170,7 +174,7 @@ AMX_TARGET void widen_tile(const PackedWeight& w, int64_t t, int64_t ahead, c10:
   if (w.format == Format::kInt8)
     widen_int8(reinterpret_cast<const int8_t*>(w.tile(t)), next, dst);
   else
-    widen_int4(reinterpret_cast<const uint8_t*>(w.tile(t)), w.tile_scale + t * 32, next, dst);
+    widen_int4(reinterpret_cast<const uint8_t*>(w.tile(t)), w.tile_scale + t * 2 * kTileRows, next, dst);
 }
 
 // Where a pass finds int8 / int4 B tiles: widened one at a time into a 2 KB buffer that stays in L1 (one pass
@@ -180,12 +184,12 @@ struct QuantTiles {
   int64_t first;  // the block's first tile
   int64_t ahead;  // tiles on to prefetch (the next block), 0 for none
   int64_t kbs;
-  c10::BFloat16* buf;  // [2][512]
+  c10::BFloat16* buf;  // [2][kTileValues]
   const c10::BFloat16* at(int b, int64_t kb) const {
     const int64_t t = first + b * kbs + kb;
-    widen_tile(*w, t, ahead ? t + ahead : -1, buf + b * 512);
+    widen_tile(*w, t, ahead ? t + ahead : -1, buf + b * kTileValues);
     memory_barrier();
-    return buf + b * 512;
+    return buf + b * kTileValues;
   }
 };
 
@@ -244,15 +248,16 @@ AMX_TARGET void run_columns(const c10::BFloat16* x, int64_t m_dim, const PackedW
                             c10::BFloat16* y, Epilogue ep) {
   const int64_t kbs = w.k_dim / kTileK, tiles_end = w.n_dim / kTileRows;
   const bool one_pass = m_dim <= kPassRows, quant = w.format != Format::kBf16;
-  std::vector<c10::BFloat16> widened(quant ? (one_pass ? 2 : 2 * kbs) * 512 : 0);
+  std::vector<c10::BFloat16> widened(quant ? (one_pass ? 2 : 2 * kbs) * kTileValues : 0);
   int64_t configured = -1;
   for (int64_t n = n0; n < n1; n += kBlockOut) {
     const int64_t nb = n / kTileRows, blocks = std::min<int64_t>(2, (n1 - n) / kTileRows);
     const int64_t first = nb * kbs, span = blocks * kbs;  // the block's tiles
     const bool fetch = std::min<int64_t>(2, tiles_end - nb - blocks) == blocks;  // the next block is as large
-    const c10::BFloat16* b16 = static_cast<const c10::BFloat16*>(w.data) + first * 512;
+    const c10::BFloat16* b16 = static_cast<const c10::BFloat16*>(w.data) + first * kTileValues;
     if (quant && !one_pass) {
-      for (int64_t t = 0; t < span; ++t) widen_tile(w, first + t, fetch ? first + t + span : -1, &widened[t * 512]);
+      for (int64_t t = 0; t < span; ++t)
+        widen_tile(w, first + t, fetch ? first + t + span : -1, &widened[t * kTileValues]);
       memory_barrier();
       b16 = widened.data();
     }
@@ -269,7 +274,7 @@ AMX_TARGET void run_columns(const c10::BFloat16* x, int64_t m_dim, const PackedW
       } else {
         // later passes find the tiles in cache; widened tiles were prefetched as they were widened
         const bool ask = r0 == 0 && fetch && !quant;
-        const Bf16Tiles tiles{b16, ask ? reinterpret_cast<const char*>(b16 + span * 512) : nullptr, kbs};
+        const Bf16Tiles tiles{b16, ask ? reinterpret_cast<const char*>(b16 + span * kTileValues) : nullptr, kbs};
         pass_blocks(x0, m, blocks, w, tiles, y, r0, n, ep);
       }
     }
