@@ -100,8 +100,9 @@ def test_dense_linear_runs_its_fewest_rows_on_the_kernel(dtype: torch.dtype) -> 
     if not onednn_available(dtype, torch.device("cpu")):
         pytest.skip(f"no oneDNN {dtype} on this CPU")
     gen = torch.Generator().manual_seed(4)
-    # 80 columns: not whole AMX tiles, so a bf16 weight takes this path on an AMX CPU too (test_amx_linear.py)
-    w, bias = (torch.randn(48, 80, generator=gen) * 0.05).to(dtype), torch.randn(48, generator=gen).to(dtype)
+    # 40 x 80: neither whole AMX tiles nor whole panels, so this path runs where the AMX (test_amx_linear.py) and
+    # panel (test_panel_linear.py) kernels do too
+    w, bias = (torch.randn(40, 80, generator=gen) * 0.05).to(dtype), torch.randn(40, generator=gen).to(dtype)
     linear = make_linear(w, bias, "onednn", dtype)
     assert isinstance(linear, DenseFewRowsLinear) and linear.few_rows_max == DENSE_FEW_ROWS_MAX[dtype]
     packed_only = make_linear(w, bias, "onednn", dtype, few_rows=False)

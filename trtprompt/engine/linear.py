@@ -29,6 +29,15 @@ from trtprompt.engine.amx_linear import (
     pack_int4_tiles,
     pack_tiles,
 )
+from trtprompt.engine.panel_linear import (
+    PANEL_HEAD_ROWS_MAX,
+    PANEL_INT8_ROWS,
+    PANEL_ROWS_MAX,
+    PanelLinear,
+    pack_panels,
+    panel_width,
+    panels_fit,
+)
 from trtprompt.engine.quant_int4 import dequantize_int4, group_of
 from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, make_w8a8_linear
 
@@ -181,6 +190,10 @@ class WeightOnlyLinear(torch.nn.Module):
                 self.tiles, self.tile_scale = pack_int4_tiles(self.qweight, self.scale)
             else:
                 self.tiles = pack_tiles(self.qweight)
+        width = panel_width()
+        self.panels: torch.Tensor | None = None  # int8 where the panel kernel runs and AMX does not
+        if self.tiles is None and not self.int4 and width is not None and panels_fit(qweight, width):
+            self.panels = pack_panels(self.qweight, width)
         self.bias_f32 = float_bias(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,6 +201,9 @@ class WeightOnlyLinear(torch.nn.Module):
         if self.tiles is not None and rows.shape[0] in self.amx_rows and x.dtype == torch.bfloat16:
             out: torch.Tensor = torch.ops.trtprompt.amx_linear(rows.contiguous(), self.tiles, self.tile_scale,
                                                                self.bias_f32)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        if self.panels is not None and rows.shape[0] in PANEL_INT8_ROWS:
+            out = torch.ops.trtprompt.panel_linear(rows.contiguous(), self.panels, self.scale, self.bias_f32)
             return out.view(*x.shape[:-1], out.shape[-1])
         if rows.shape[0] <= FEW_ROWS_MAX:
             out = torch.ops.trtprompt.few_rows_linear(rows.contiguous(), self.qweight, self.scale, self.group)
@@ -203,7 +219,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, d
 
     int8 weights run the W8A8 kernel `w8a8_backend` when one is given; weight-only int8 / int4 stay
     quantized on the onednn backend where the few-rows kernel runs, else are dequantized at load. Dense bf16
-    weights on the onednn backend run calls of a few dozen rows on AMX where the CPU has it (amx_linear.py);
+    weights on the onednn backend run calls of a few dozen rows on AMX where the CPU has it (amx_linear.py),
+    float32 ones on the panel kernel where it runs (panel_linear.py; lm_head, `few_rows` False, to fewer rows);
     elsewhere dense weights run their fewest rows on the few-rows kernel unless `few_rows` is False (lm_head:
     oneDNN streams its one large weight as fast as that kernel).
     """
@@ -218,6 +235,10 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, d
         return DenseLinear(weight, bias)
     if weight.dtype == dtype and amx_available(dtype, weight.device, *weight.shape):
         return AmxLinear(weight, bias, OneDnnLinear(weight, bias))
+    width = panel_width() if dtype == torch.float32 and weight.dtype == dtype else None
+    if width is not None and panels_fit(weight, width):
+        return PanelLinear(weight, bias, width, PANEL_ROWS_MAX if few_rows else PANEL_HEAD_ROWS_MAX,
+                           OneDnnLinear(weight, bias))
     few_rows_max = DENSE_FEW_ROWS_MAX.get(dtype) if few_rows and weight.dtype == dtype else None
     if few_rows_max is not None and few_rows_available(dtype, weight.device, in_features):
         return DenseFewRowsLinear(weight, bias, few_rows_max)
@@ -229,8 +250,11 @@ _LINEAR_KINDS: dict[str, str] = {
     "DenseLinear": "F.linear (reference)",
     "OneDnnLinear": "oneDNN prepacked",
     "DenseFewRowsLinear": "oneDNN prepacked (few-rows kernel <= {few} rows)",
+    "PanelLinear": "oneDNN prepacked (panel kernel <= {few} rows)",
     "AmxLinear": f"oneDNN prepacked (AMX bf16 kernel <= {AMX_ROWS_MAX} rows)",
     "WeightOnlyLinear": f"weight-only kept quantized (few-rows kernel <= {FEW_ROWS_MAX} rows, dense above)",
+    "PanelWeightOnly": (f"weight-only kept quantized (panel kernel for {PANEL_INT8_ROWS.start}-"
+                        f"{PANEL_INT8_ROWS.stop - 1} rows, the few-rows kernel for fewer, dense above)"),
     "AmxWeightOnly": "weight-only kept quantized (AMX for {amx} rows, the few-rows kernel for fewer, dense above)",
     "FbgemmW8A8Linear": "W8A8 int8 GEMM (fbgemm)",
     "OneDnnW8A8Linear": "W8A8 int8 GEMM (oneDNN with AMX; fbgemm for few rows)",
@@ -247,13 +271,17 @@ def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
         name = _LINEAR_KINDS.get(type(m).__name__, type(m).__name__)
         if isinstance(m, DenseFewRowsLinear):
             name, copies = name.format(few=m.few_rows_max), copies + m.weight.nbytes
+        elif isinstance(m, PanelLinear):
+            name, copies = name.format(few=m.rows_max), copies + m.panels.nbytes
         elif isinstance(m, AmxLinear):
             copies += m.packed.nbytes
         elif isinstance(m, WeightOnlyLinear) and m.tiles is not None:
             name = _LINEAR_KINDS["AmxWeightOnly"].format(amx=f"{m.amx_rows.start}-{m.amx_rows.stop - 1}")
             copies += m.tiles.nbytes
+        elif isinstance(m, WeightOnlyLinear) and m.panels is not None:
+            name, copies = _LINEAR_KINDS["PanelWeightOnly"], copies + m.panels.nbytes
         key = f"{name}, {'int4' if held == torch.uint8 else 'int8' if held == torch.int8 else ''}".rstrip(", ")
         counts[key] = counts.get(key, 0) + 1
     parts = ", ".join(f"{n} x {k}" for k, n in counts.items())
-    extra = f" (+{copies / 2**20:.0f} MiB of weight copies for the few-rows and AMX kernels)" if copies else ""
+    extra = f" (+{copies / 2**20:.0f} MiB of weight copies for the few-rows, AMX and panel kernels)" if copies else ""
     return f"linears in {str(dtype).removeprefix('torch.')}: {parts}{extra}"

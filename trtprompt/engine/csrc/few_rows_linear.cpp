@@ -22,10 +22,7 @@
 #include "bf16_vec.h"
 #include "typed_vec.h"
 #include "vec.h"
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "widen.h"
 
 #include <algorithm>
 #include <cstring>
@@ -35,36 +32,8 @@ namespace {
 
 using namespace trtprompt_vec;
 
-typedef uint8_t vub __attribute__((vector_size(kLanes)));
-
 constexpr int64_t kRowsPerPass = kMaxUnrolledRows;  // rows of x that share one read of the weight
 constexpr int64_t kOutRowsPerTask = 16;  // rows of W a thread takes at a time (parallel_for grain)
-
-// kLanes narrow values widened to int32 lanes. One instruction each with the variant's ISA; compilers
-// widen vector-extension types lane by lane, which made the kernel compute-bound.
-inline vi widen_s8(const int8_t* p) {
-#if TRTPROMPT_LANES == 16 && defined(__AVX512F__)
-  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif TRTPROMPT_LANES == 8 && defined(__AVX2__)
-  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  vub b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b ^ 0x80, vi) - 128;
-#endif
-}
-
-inline vi widen_u8(const uint8_t* p) {
-#if TRTPROMPT_LANES == 16 && defined(__AVX512F__)
-  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif TRTPROMPT_LANES == 8 && defined(__AVX2__)
-  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  vub b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, vi);
-#endif
-}
 
 // The weight's kLanes values at column k of row n, as float32 (without the int formats' scales), and where its
 // rows lie in memory (rows is the weight's N, for prefetch bounds).

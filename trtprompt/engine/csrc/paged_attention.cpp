@@ -77,9 +77,6 @@ inline vf4 hsum4(vf a, vf b, vf c, vf d) {
 #endif
 }
 
-// x in every lane (x - 0 is x for every float, so this folds to a broadcast; 0 + x would not, for -0).
-inline vf splat(float x) { return x - vf{}; }
-
 inline float hmax(vf v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, static_cast<float>(v[i]));

@@ -28,6 +28,9 @@ inline vf load(const float* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
+// x in every lane (x - 0 is x for every float, so this folds to a broadcast; 0 + x would not, for -0).
+inline vf splat(float x) { return x - vf{}; }
+
 // Sum of the lanes as a tree of shuffles (3 or 4 dependent adds instead of 8 or 16);
 // compilers without __builtin_shufflevector (GCC before 12) add lane by lane.
 inline float hsum(vf v) {

@@ -1,0 +1,139 @@
+"""The panel linear kernel (csrc/panel_linear.cpp) and the linears on it, against plain torch.
+
+float32 and int8 + row scale panels at every row count of a register block and past it, with float32 and
+bfloat16 activations, K in several chunks; the packed layout; its input checks; then the float32 layer linear
+and lm_head, and the int8 weight-only linear, each bit-identical on both sides of its row bounds to the path
+that should run there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtprompt.engine import kernels
+from trtprompt.engine.linear import (
+    FEW_ROWS_MAX,
+    OneDnnLinear,
+    WeightOnlyLinear,
+    dequantize,
+    linear_summary,
+    make_linear,
+    onednn_available,
+)
+from trtprompt.engine.panel_linear import (
+    PANEL_HEAD_ROWS_MAX,
+    PANEL_INT8_ROWS,
+    PANEL_ROWS_MAX,
+    PanelLinear,
+    pack_panels,
+    panel_width,
+)
+from trtprompt.engine.quant_w8a8 import quantize_int8
+
+pytestmark = pytest.mark.skipif(not kernels.compiled_kernel_status()[0], reason="compiled kernels unavailable")
+
+# Every block size of both variants (AVX2 blocks of up to 6 rows, AVX-512 of up to 12), uneven splits, 64.
+ROWS = [*range(1, 14), 25, 64]
+
+
+def _width() -> int:
+    return int(torch.ops.trtprompt.panel_width())
+
+
+def _weight(fmt: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(stored weight, its int8 scale or None, the float weight it stands for)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if fmt == "float32":
+        return w, None, w
+    q, s = quantize_int8(w)
+    return q, s, dequantize(q, s, torch.float32)
+
+
+def test_pack_panels_layout() -> None:
+    w = torch.arange(6 * 5, dtype=torch.float32).view(6, 5)
+    panels = pack_panels(w, 3)
+    assert panels.shape == (2, 5, 3)
+    for p in range(2):
+        for k in range(5):
+            for c in range(3):
+                assert panels[p, k, c] == w[p * 3 + c, k]
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_panel_kernel_matches_torch_for_every_row_count(fmt: str, x_dtype: torch.dtype) -> None:
+    n, k = 3 * _width(), 600  # three panels; K in chunks of 256, 256 and 88
+    stored, scale, w = _weight(fmt, n, k, seed=1)
+    panels, bias = pack_panels(stored, _width()), torch.randn(n)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(x_dtype)
+        for b in (None, bias):
+            got = torch.ops.trtprompt.panel_linear(x, panels, scale, b)
+            want = x.float() @ w.t() + (0 if b is None else b)
+            assert got.dtype == x_dtype and got.shape == (m, n)
+            tol = 1e-5 if x_dtype == torch.float32 else 8e-3  # a bfloat16 output is rounded once
+            assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item()), (fmt, m)
+    assert torch.ops.trtprompt.panel_linear(torch.zeros(0, k), panels, scale, None).shape == (0, n)
+
+
+def test_panel_kernel_refuses_what_it_cannot_read() -> None:
+    width = _width()
+    w, q, s = torch.randn(width, 32), torch.zeros(width, 32, dtype=torch.int8), torch.ones(width)
+    x = torch.randn(2, 32)
+    cases = [(x, pack_panels(w, width)[:, :16], None, "columns"),
+             (x, w.view(1, 32, width)[:, :, : width // 2].contiguous(), None, "panels"),
+             (x, pack_panels(q, width), None, "needs its scale"),
+             (x, pack_panels(w, width), s, "needs its scale"),
+             (x, pack_panels(q, width), torch.ones(width + 1), "scale and bias"),
+             (x.half(), pack_panels(w, width), None, "float32 or bfloat16")]
+    for xs, panels, scale, words in cases:
+        with pytest.raises(RuntimeError, match=words):
+            torch.ops.trtprompt.panel_linear(xs, panels, scale, None)
+
+
+needs_panels = pytest.mark.skipif(panel_width() is None or not onednn_available(torch.float32, torch.device("cpu")),
+                                  reason="the panel kernel is not used in this kernel variant")
+
+
+@needs_panels
+@pytest.mark.parametrize("few_rows", [True, False], ids=["layer", "lm_head"])
+def test_float32_linear_runs_panels_up_to_its_bound(few_rows: bool) -> None:
+    width = panel_width()
+    assert width is not None
+    gen = torch.Generator().manual_seed(2)
+    w, bias = torch.randn(2 * width, 96, generator=gen) * 0.05, torch.randn(2 * width, generator=gen)
+    linear = make_linear(w, bias, "onednn", torch.float32, few_rows=few_rows)
+    bound = PANEL_ROWS_MAX if few_rows else PANEL_HEAD_ROWS_MAX
+    assert isinstance(linear, PanelLinear) and linear.rows_max == bound
+    dense = OneDnnLinear(w, bias)
+    for m in (1, bound, bound + 1):
+        x = torch.randn(m, 96, generator=gen)
+        path = torch.ops.trtprompt.panel_linear(x, pack_panels(w, width), None, bias) if m <= bound else dense(x)
+        assert torch.equal(linear(x), path), m
+    if onednn_available(torch.bfloat16, torch.device("cpu")):  # float32 weights only
+        assert not isinstance(make_linear(w.bfloat16(), None, "onednn", torch.bfloat16), PanelLinear)
+    assert not isinstance(make_linear(w[:-1], None, "onednn", torch.float32), PanelLinear)  # not whole panels
+
+
+@needs_panels
+def test_int8_weight_only_runs_panels_for_its_rows() -> None:
+    width = panel_width()
+    assert width is not None
+    q, s = quantize_int8(torch.randn(2 * width, 64, generator=torch.Generator().manual_seed(3)) * 0.05)
+    bias = torch.randn(2 * width)
+    linear = make_linear(q, bias, "onednn", torch.float32, s)
+    assert isinstance(linear, WeightOnlyLinear) and linear.panels is not None
+    w = dequantize(q, s, torch.float32)
+    for m in (1, PANEL_INT8_ROWS.start, FEW_ROWS_MAX, PANEL_INT8_ROWS.stop - 1, PANEL_INT8_ROWS.stop):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+        if m in PANEL_INT8_ROWS:
+            path = torch.ops.trtprompt.panel_linear(x, pack_panels(q, width), s, bias)
+        elif m <= FEW_ROWS_MAX:
+            path = torch.ops.trtprompt.few_rows_linear(x, q, s, 0) + bias
+        else:
+            path = torch.nn.functional.linear(x, w, bias)
+        assert torch.equal(linear(x), path), m
+    summary = linear_summary([linear, make_linear(w, None, "onednn", torch.float32)], torch.float32)
+    assert "panel kernel for 2-256 rows" in summary and f"panel kernel <= {PANEL_ROWS_MAX} rows" in summary
+    assert "MiB of weight copies" in summary

@@ -1,0 +1,202 @@
+// y = x @ W^T for a few dozen rows of x (decode steps of several sequences) on the vector FMA units, over a
+// copy of W packed once into panels of kPanel = 2 x kLanes output columns: [N / kPanel, K, kPanel].
+//
+// A call streams the panels in memory order (the hardware prefetchers follow one stream per thread); each
+// panel meets the rows of x in blocks of up to kBlockRows rows, the block's 2 x kBlockRows vector sums kept
+// in registers: per column k, two weight vectors and one broadcast value of x per row, no horizontal sums.
+// A panel is taken kChunk columns of K at a time, every block of rows reading that chunk from cache.
+// Weight formats:
+//   float32 [N / P, K, P]                    the float32 engine's weight
+//   int8 [N / P, K, P] + float32 scale [N]   per output channel (int8_wo), widened to float32 per vector
+// x is float32 or bfloat16 [M, K]; y [M, N] in x's dtype, plus an optional float32 bias [N]. Design and
+// figures: docs/design.md, "Panel linear".
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "typed_vec.h"
+#include "vec.h"
+#include "widen.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+using namespace trtprompt_vec;
+
+constexpr int64_t kPanel = 2 * kLanes;
+// Rows of x a register block holds: its 2 x kBlockRows sums, two weight vectors and a broadcast fit the
+// variant's 16 (AVX2) or 32 (AVX-512) vector registers.
+constexpr int kBlockRows = kLanes == 16 ? 12 : 6;
+
+struct F32Panels {
+  const float* w;
+  vf at(int64_t i) const { return load(w + i); }
+};
+
+struct Int8Panels {
+  const int8_t* w;
+  vf at(int64_t i) const { return __builtin_convertvector(widen_s8(w + i), vf); }
+};
+
+// Where a block's sums go: out [M, N] in T, times the int8 scale and plus the bias where there are.
+template <typename T>
+struct Output {
+  T* out;
+  int64_t n_dim;
+  const float* scale;
+  const float* bias;
+  void put(int64_t row, int64_t col, vf sum) const {
+    if (scale != nullptr) sum *= load(scale + col);
+    if (bias != nullptr) sum += load(bias + col);
+    store_as(out + row * n_dim + col, sum);
+  }
+};
+
+// Columns of K a pass over a panel takes: the chunk (16 KB of float32 weight on AVX2) stays in cache while every
+// block of rows reads it. On SmolLM2's layer linears 256 was at or ahead of whole panels, 128 and 64 behind.
+constexpr int64_t kChunk = 256;
+
+// Partial sums of rows [r0, r0 + MR) of x (float32 [M, K]) times columns [k0, k1) of panel p, kept in sums
+// ([M, kPanel] floats) between chunks; the last chunk writes them to out's columns of the panel.
+template <int MR, typename W, typename T>
+void block(const float* x, int64_t k_dim, const W& w, int64_t p, int64_t r0, int64_t k0, int64_t k1, float* sums,
+           const Output<T>& out) {
+  vf acc0[MR], acc1[MR];
+  for (int r = 0; r < MR; ++r) {
+    acc0[r] = k0 == 0 ? vf{} : load(sums + (r0 + r) * kPanel);
+    acc1[r] = k0 == 0 ? vf{} : load(sums + (r0 + r) * kPanel + kLanes);
+  }
+  const int64_t base = p * k_dim * kPanel;
+  const float* xr = x + r0 * k_dim;
+  for (int64_t k = k0; k < k1; ++k) {
+    const vf w0 = w.at(base + k * kPanel), w1 = w.at(base + k * kPanel + kLanes);
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+      const vf xb = splat(xr[r * k_dim + k]);
+      acc0[r] += xb * w0;
+      acc1[r] += xb * w1;
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    if (k1 < k_dim) {
+      store(sums + (r0 + r) * kPanel, acc0[r]);
+      store(sums + (r0 + r) * kPanel + kLanes, acc1[r]);
+    } else {
+      out.put(r0 + r, p * kPanel, acc0[r]);
+      out.put(r0 + r, p * kPanel + kLanes, acc1[r]);
+    }
+  }
+}
+
+template <typename W, typename T>
+void block_of(int rows, const float* x, int64_t k_dim, const W& w, int64_t p, int64_t r0, int64_t k0, int64_t k1,
+              float* sums, const Output<T>& out) {
+  switch (rows) {
+    case 1: return block<1>(x, k_dim, w, p, r0, k0, k1, sums, out);
+    case 2: return block<2>(x, k_dim, w, p, r0, k0, k1, sums, out);
+    case 3: return block<3>(x, k_dim, w, p, r0, k0, k1, sums, out);
+    case 4: return block<4>(x, k_dim, w, p, r0, k0, k1, sums, out);
+    case 5: return block<5>(x, k_dim, w, p, r0, k0, k1, sums, out);
+#if TRTPROMPT_LANES == 16
+    case 6: return block<6>(x, k_dim, w, p, r0, k0, k1, sums, out);
+    case 7: return block<7>(x, k_dim, w, p, r0, k0, k1, sums, out);
+    case 8: return block<8>(x, k_dim, w, p, r0, k0, k1, sums, out);
+    case 9: return block<9>(x, k_dim, w, p, r0, k0, k1, sums, out);
+    case 10: return block<10>(x, k_dim, w, p, r0, k0, k1, sums, out);
+    case 11: return block<11>(x, k_dim, w, p, r0, k0, k1, sums, out);
+#endif
+    default: return block<kBlockRows>(x, k_dim, w, p, r0, k0, k1, sums, out);
+  }
+}
+
+// Every panel against every block of rows, a K chunk at a time; the M rows split into blocks of near-equal size
+// (32 rows on AVX2: 6, 6, 5, 5, 5, 5), since a block of one or two rows holds too few sums to keep the FMA units
+// busy.
+template <typename W, typename T>
+void panels_times_rows(const float* x, int64_t m, int64_t k_dim, const W& w, int64_t panels, const Output<T>& out) {
+  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows, small = m / blocks, larger = m % blocks;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> sums(m * kPanel);
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
+        const int64_t k1 = std::min(k_dim, k0 + kChunk);
+        int64_t r0 = 0;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int rows = static_cast<int>(small + (b < larger ? 1 : 0));
+          block_of(rows, x, k_dim, w, p, r0, k0, k1, sums.data(), out);
+          r0 += rows;
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void run(const float* x, const at::Tensor& panels, const float* scale, const float* bias, at::Tensor& y) {
+  const int64_t m = y.size(0), n_dim = y.size(1), k_dim = panels.size(1), count = panels.size(0);
+  const Output<T> out{y.data_ptr<T>(), n_dim, scale, bias};
+  if (panels.scalar_type() == at::kChar)
+    panels_times_rows(x, m, k_dim, Int8Panels{panels.data_ptr<int8_t>()}, count, out);
+  else
+    panels_times_rows(x, m, k_dim, F32Panels{panels.data_ptr<float>()}, count, out);
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& scale,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "panel_linear: x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "panel_linear: x must be float32 or bfloat16");
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel,
+              "panel_linear: the weight must be contiguous panels [N / ", kPanel, ", K, ", kPanel, "]");
+  TORCH_CHECK(panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kChar,
+              "panel_linear: the weight must be float32 or int8");
+  TORCH_CHECK(x.size(1) == panels.size(1), "panel_linear: x has ", x.size(1), " columns, the weight ", panels.size(1));
+  const int64_t n_dim = panels.size(0) * kPanel;
+  const bool int8 = panels.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == scale.has_value(), "panel_linear: an int8 weight needs its scale, a float32 one has none");
+  for (const auto* t : {&scale, &bias})
+    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() &&
+                                    (*t)->numel() == n_dim),
+                "panel_linear: scale and bias must be contiguous float32 [N]");
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& scale,
+                        const c10::optional<at::Tensor>& bias) {
+  check_inputs(x, panels, scale, bias);
+  at::Tensor y = at::empty({x.size(0), panels.size(0) * kPanel}, x.options());
+  if (x.size(0) == 0) return y;
+  std::vector<float> converted;
+  const float* xf = nullptr;
+  if (x.scalar_type() == at::kFloat) {
+    xf = x.data_ptr<float>();
+  } else {
+    converted.resize(x.numel());
+    rows_as_float(x.data_ptr<c10::BFloat16>(), x.size(1), x.size(0), x.size(1), converted.data());
+    xf = converted.data();
+  }
+  const float* s = scale.has_value() ? scale->data_ptr<float>() : nullptr;
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (y.scalar_type() == at::kFloat)
+    run<float>(xf, panels, s, b, y);
+  else
+    run<c10::BFloat16>(xf, panels, s, b, y);
+  return y;
+}
+
+// Output columns per panel in this variant (pack_panels packs the weight for it).
+int64_t panel_width() { return kPanel; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
+  m.def("panel_linear(Tensor x, Tensor panels, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("panel_width() -> int", &panel_width);
+}
+
+TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
+  m.impl("panel_linear", &panel_linear);
+}
