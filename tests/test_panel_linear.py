@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from trtprompt.engine import kernels
 from trtprompt.engine.linear import (
@@ -24,7 +25,6 @@ from trtprompt.engine.linear import (
 from trtprompt.engine.panel_linear import (
     PANEL_HEAD_ROWS_MAX,
     PANEL_INT8_ROWS,
-    PANEL_ROWS_MAX,
     PanelLinear,
     pack_panels,
     panel_width,
@@ -97,23 +97,29 @@ needs_panels = pytest.mark.skipif(panel_width() is None or not onednn_available(
 
 
 @needs_panels
-@pytest.mark.parametrize("few_rows", [True, False], ids=["layer", "lm_head"])
-def test_float32_linear_runs_panels_up_to_its_bound(few_rows: bool) -> None:
+def test_float32_layer_linear_runs_every_call_on_panels_and_lm_head_its_fewest() -> None:
     width = panel_width()
     assert width is not None
     gen = torch.Generator().manual_seed(2)
     w, bias = torch.randn(2 * width, 96, generator=gen) * 0.05, torch.randn(2 * width, generator=gen)
-    linear = make_linear(w, bias, "onednn", torch.float32, few_rows=few_rows)
-    bound = PANEL_ROWS_MAX if few_rows else PANEL_HEAD_ROWS_MAX
-    assert isinstance(linear, PanelLinear) and linear.rows_max == bound
+    layer, head = make_linear(w, bias, "onednn", torch.float32), make_linear(w, bias, "onednn", torch.float32,
+                                                                              few_rows=False)
+    assert isinstance(layer, PanelLinear) and layer.dense is None
+    assert isinstance(head, PanelLinear) and head.rows_max == PANEL_HEAD_ROWS_MAX
     dense = OneDnnLinear(w, bias)
-    for m in (1, bound, bound + 1):
+    for m in (1, PANEL_HEAD_ROWS_MAX, PANEL_HEAD_ROWS_MAX + 1, 300):
         x = torch.randn(m, 96, generator=gen)
-        path = torch.ops.trtprompt.panel_linear(x, pack_panels(w, width), None, bias) if m <= bound else dense(x)
-        assert torch.equal(linear(x), path), m
+        kernel = torch.ops.trtprompt.panel_linear(x, pack_panels(w, width), None, bias)
+        assert torch.equal(layer(x), kernel), m
+        assert torch.equal(head(x), kernel if m <= PANEL_HEAD_ROWS_MAX else dense(x)), m
+        want = F.linear(x, w, bias)
+        assert torch.allclose(layer(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), m
+    assert layer(torch.randn(2, 3, 96)).shape == (2, 3, 2 * width)  # leading dimensions kept
     if onednn_available(torch.bfloat16, torch.device("cpu")):  # float32 weights only
         assert not isinstance(make_linear(w.bfloat16(), None, "onednn", torch.bfloat16), PanelLinear)
     assert not isinstance(make_linear(w[:-1], None, "onednn", torch.float32), PanelLinear)  # not whole panels
+    with pytest.raises(ValueError, match="rows_max"):
+        PanelLinear(w, None, width, dense)
 
 
 @needs_panels
@@ -135,5 +141,5 @@ def test_int8_weight_only_runs_panels_for_its_rows() -> None:
             path = torch.nn.functional.linear(x, w, bias)
         assert torch.equal(linear(x), path), m
     summary = linear_summary([linear, make_linear(w, None, "onednn", torch.float32)], torch.float32)
-    assert "panel kernel for 2-256 rows" in summary and f"panel kernel <= {PANEL_ROWS_MAX} rows" in summary
+    assert "panel kernel for 2-256 rows" in summary and "1 x panel kernel" in summary
     assert "MiB of weight copies" in summary

@@ -32,7 +32,6 @@ from trtprompt.engine.amx_linear import (
 from trtprompt.engine.panel_linear import (
     PANEL_HEAD_ROWS_MAX,
     PANEL_INT8_ROWS,
-    PANEL_ROWS_MAX,
     PanelLinear,
     pack_panels,
     panel_width,
@@ -220,7 +219,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, d
     int8 weights run the W8A8 kernel `w8a8_backend` when one is given; weight-only int8 / int4 stay
     quantized on the onednn backend where the few-rows kernel runs, else are dequantized at load. Dense bf16
     weights on the onednn backend run calls of a few dozen rows on AMX where the CPU has it (amx_linear.py),
-    float32 ones on the panel kernel where it runs (panel_linear.py; lm_head, `few_rows` False, to fewer rows);
+    float32 ones on the panel kernel where it runs (panel_linear.py; lm_head, `few_rows` False, to a few dozen
+    rows, oneDNN above);
     elsewhere dense weights run their fewest rows on the few-rows kernel unless `few_rows` is False (lm_head:
     oneDNN streams its one large weight as fast as that kernel).
     """
@@ -237,8 +237,9 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, d
         return AmxLinear(weight, bias, OneDnnLinear(weight, bias))
     width = panel_width() if dtype == torch.float32 and weight.dtype == dtype else None
     if width is not None and panels_fit(weight, width):
-        return PanelLinear(weight, bias, width, PANEL_ROWS_MAX if few_rows else PANEL_HEAD_ROWS_MAX,
-                           OneDnnLinear(weight, bias))
+        if few_rows:
+            return PanelLinear(weight, bias, width)
+        return PanelLinear(weight, bias, width, OneDnnLinear(weight, bias), PANEL_HEAD_ROWS_MAX)
     few_rows_max = DENSE_FEW_ROWS_MAX.get(dtype) if few_rows and weight.dtype == dtype else None
     if few_rows_max is not None and few_rows_available(dtype, weight.device, in_features):
         return DenseFewRowsLinear(weight, bias, few_rows_max)
@@ -250,7 +251,8 @@ _LINEAR_KINDS: dict[str, str] = {
     "DenseLinear": "F.linear (reference)",
     "OneDnnLinear": "oneDNN prepacked",
     "DenseFewRowsLinear": "oneDNN prepacked (few-rows kernel <= {few} rows)",
-    "PanelLinear": "oneDNN prepacked (panel kernel <= {few} rows)",
+    "PanelLinear": "panel kernel",
+    "PanelHeadLinear": "oneDNN prepacked (panel kernel <= {few} rows)",
     "AmxLinear": f"oneDNN prepacked (AMX bf16 kernel <= {AMX_ROWS_MAX} rows)",
     "WeightOnlyLinear": f"weight-only kept quantized (few-rows kernel <= {FEW_ROWS_MAX} rows, dense above)",
     "PanelWeightOnly": (f"weight-only kept quantized (panel kernel for {PANEL_INT8_ROWS.start}-"
@@ -271,8 +273,8 @@ def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
         name = _LINEAR_KINDS.get(type(m).__name__, type(m).__name__)
         if isinstance(m, DenseFewRowsLinear):
             name, copies = name.format(few=m.few_rows_max), copies + m.weight.nbytes
-        elif isinstance(m, PanelLinear):
-            name, copies = name.format(few=m.rows_max), copies + m.panels.nbytes
+        elif isinstance(m, PanelLinear) and m.rows_max is not None:
+            name, copies = _LINEAR_KINDS["PanelHeadLinear"].format(few=m.rows_max), copies + m.panels.nbytes
         elif isinstance(m, AmxLinear):
             copies += m.packed.nbytes
         elif isinstance(m, WeightOnlyLinear) and m.tiles is not None:

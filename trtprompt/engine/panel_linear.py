@@ -2,13 +2,14 @@
 
 oneDNN's float32 GEMM is tuned for many rows: on a 2-core AVX2 EPYC it ran SmolLM2's layer linears at ~105
 GFLOP/s with 32 rows against ~165 with 2,048, and its per-call work is a share of a one-row call. The kernel
-reads a copy of the weight packed once into panels of 2 x the variant's vector width of output columns
-([N / P, K, P], streamed in memory order) and multiplies each panel by blocks of up to 6 rows (AVX2) held in
-registers. Measured there (docs/design.md, "Panel linear"): the 120 layer linears at 1 / 8 / 32 / 64 rows
-in 13-15 / 20-23 / 50 / 85-96 ms against oneDNN's 19-20 / 30-31 / 63-65 / 107-113, and int8 weights at 8 /
-32 rows in 12-17 / 42-43 ms against the few-rows kernel's 15-19 / 74-81. Calls of other sizes stay on the
-paths they ran before. Only the avx2 variant uses it: the AVX-512 build of the kernel is tested, not yet
-measured against oneDNN.
+reads the weight packed once into panels of 2 x the variant's vector width of output columns ([N / P, K, P],
+streamed in memory order) and multiplies each panel by blocks of up to 6 rows (AVX2) held in registers.
+Measured there (docs/design.md, "Panel linear"): the 120 layer linears at 1 / 8 / 32 / 64 rows in 13-15 /
+20-23 / 50 / 85-96 ms against oneDNN's 19-20 / 30-31 / 63-65 / 107-113, at 512 and 2,048 rows at or ahead of
+oneDNN and MKL, and int8 weights at 8 / 32 rows in 12-17 / 42-43 ms against the few-rows kernel's 15-19 /
+74-81. A float32 layer linear therefore keeps only the packed panels (no oneDNN copy); lm_head keeps oneDNN's
+for calls above PANEL_HEAD_ROWS_MAX rows. Only the avx2 variant uses the kernel: its AVX-512 build is tested,
+not yet measured against oneDNN.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from trtprompt.engine.amx_linear import float_bias
 
 # Kernel variants (engine/isa.py) where the kernel was measured faster than oneDNN and the few-rows kernel.
 PANEL_VARIANTS = frozenset({"avx2"})
-# Rows a float32 layer linear runs on the kernel; above, oneDNN (at 64 rows: 85-96 against 107-113 ms).
-PANEL_ROWS_MAX = 64
-# The same for lm_head (49,152 x 576 on SmolLM2): 4.7 / 8.1 / 13.3 ms at 1 / 8 / 32 rows against oneDNN's 5.7 /
-# 15.3 / 15.8; at 64 rows 31.3 against 28.8.
+# Rows lm_head (49,152 x 576 on SmolLM2) runs on the kernel; above, oneDNN: 3.9 / 5.8 / 13.2 / 20.4 ms at 1 / 8 /
+# 32 / 48 rows against oneDNN's 4.8 / 6.6 / 14.6 / 21.1, at 64 / 128 / 512 rows 26.4 / 51.1 / 247 against 25.2 /
+# 48.4 / 236. Layer linears run every call on the kernel, which was at or ahead of oneDNN from 1 to 2,048 rows.
 PANEL_HEAD_ROWS_MAX = 32
 # Rows an int8 weight-only call runs on the kernel: one row streams faster on the few-rows kernel (4.7-5.2
 # against 5.5-5.8 ms); at 128 / 256 rows it took 212 / 375 ms against dequantizing for a dense GEMM's 257 / 414.
@@ -51,19 +51,22 @@ def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class PanelLinear(torch.nn.Module):
-    """A float32 linear: calls of at most `rows_max` rows on the kernel over the packed weight, the rest on
-    `dense`."""
+    """A float32 linear on the kernel over the packed weight; with a `dense` linear, calls of more than `rows_max`
+    rows run there instead (lm_head)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, width: int, rows_max: int,
-                 dense: torch.nn.Module) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, width: int,
+                 dense: torch.nn.Module | None = None, rows_max: int | None = None) -> None:
         super().__init__()
+        if (dense is None) != (rows_max is None):
+            raise ValueError("PanelLinear: dense and rows_max go together (calls above rows_max run on dense)")
         self.panels = pack_panels(weight.float(), width)
         self.bias_f32 = float_bias(bias)
-        self.rows_max, self.dense = rows_max, dense
+        self.dense, self.rows_max = dense, rows_max
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > self.rows_max or x.dtype != torch.float32:
-            out: torch.Tensor = self.dense(x)
-            return out
-        out = torch.ops.trtprompt.panel_linear(x.contiguous(), self.panels, None, self.bias_f32)
-        return out
+        rows = x.reshape(-1, x.shape[-1])
+        if self.dense is not None and self.rows_max is not None and rows.shape[0] > self.rows_max:
+            dense: torch.Tensor = self.dense(x)
+            return dense
+        out: torch.Tensor = torch.ops.trtprompt.panel_linear(rows.contiguous(), self.panels, None, self.bias_f32)
+        return out.view(*x.shape[:-1], out.shape[-1])

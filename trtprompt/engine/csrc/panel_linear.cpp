@@ -113,24 +113,35 @@ void block_of(int rows, const float* x, int64_t k_dim, const W& w, int64_t p, in
   }
 }
 
-// Every panel against every block of rows, a K chunk at a time; the M rows split into blocks of near-equal size
-// (32 rows on AVX2: 6, 6, 5, 5, 5, 5), since a block of one or two rows holds too few sums to keep the FMA units
-// busy.
+// Blocks of rows a thread runs over all its panels before the next ones: their rows of x (48 on AVX2: 110 KB of
+// a 576-wide x) stay in L2 while the panels stream past. On SmolLM2's layer linears at 512 and 2,048 rows, 8
+// blocks ran at 142-180 GFLOP/s against 150-170 for 4, 12 or all of them (a noisy host: within ~10 %).
+constexpr int64_t kGroupBlocks = 8;
+
+// Every panel against every block of rows, a K chunk at a time, a group of blocks at a time; the M rows split
+// into blocks of near-equal size (32 rows on AVX2: 6, 6, 5, 5, 5, 5), since a block of one or two rows holds too
+// few sums to keep the FMA units busy.
 template <typename W, typename T>
 void panels_times_rows(const float* x, int64_t m, int64_t k_dim, const W& w, int64_t panels, const Output<T>& out) {
   const int64_t blocks = (m + kBlockRows - 1) / kBlockRows, small = m / blocks, larger = m % blocks;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> sums(m * kPanel);
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
-        const int64_t k1 = std::min(k_dim, k0 + kChunk);
-        int64_t r0 = 0;
-        for (int64_t b = 0; b < blocks; ++b) {
-          const int rows = static_cast<int>(small + (b < larger ? 1 : 0));
-          block_of(rows, x, k_dim, w, p, r0, k0, k1, sums.data(), out);
-          r0 += rows;
+    for (int64_t g0 = 0, r_start = 0; g0 < blocks; g0 += kGroupBlocks) {
+      const int64_t g1 = std::min(blocks, g0 + kGroupBlocks);
+      int64_t r_next = r_start;
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
+          const int64_t k1 = std::min(k_dim, k0 + kChunk);
+          int64_t r0 = r_start;
+          for (int64_t b = g0; b < g1; ++b) {
+            const int rows = static_cast<int>(small + (b < larger ? 1 : 0));
+            block_of(rows, x, k_dim, w, p, r0, k0, k1, sums.data(), out);
+            r0 += rows;
+          }
+          r_next = r0;
         }
       }
+      r_start = r_next;
     }
   });
 }
