@@ -2,15 +2,18 @@
 """What a decode step's linears cost on this CPU, apart from the engine (issue 26 items 5 and 6).
 
     python -m trtprompt.bench.scenarios.decode_linears ENGINE_DIR [--tokens 32,2048] [--reps 8] [--threads 2]
+        [--paths engine,onednn]
 
 From the engine's config.json it makes random fp32 weights of every layer linear (qkv, o_proj,
-gate_up, down) and of lm_head, prepacked for oneDNN as the engine does (engine/linear.py), and
-times, for each token count M:
+gate_up, down) and of lm_head, as each path holds them: `engine`, what engine/linear.py's make_linear
+builds on this CPU (the panel kernel on AVX2, oneDNN elsewhere; its summary line is printed), and
+`onednn`, oneDNN's prepacked GEMM alone. The paths alternate rep by rep, and for each token count M
+each times:
 - hot: one layer's four linears, repeated, so their weights stay in cache (the GEMM alone);
 - streamed: every layer's own four linears in turn, as a step runs them (weights from DRAM once
   the model outgrows the last-level cache);
 - lm_head: the [M x hidden] x [hidden x vocab] output projection.
-Prints the minimum and median over reps in ms and the GFLOP/s of each, as JSON, with the machine
+Prints the minimum and median over reps in ms and the GFLOP/s of each path, as JSON, with the machine
 (trtprompt/bench/machine.py: CPU, its kernel flags, cores, load, commit).
 """
 
@@ -26,14 +29,19 @@ from typing import Any, Callable
 import torch
 
 from trtprompt.bench import machine
-from trtprompt.engine.linear import ONEDNN_BATCH_HINT
+from trtprompt.engine.linear import OneDnnLinear, linear_summary, make_linear, resolve_backend
+
+PATHS = ("engine", "onednn")
+Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def packed(out_features: int, in_features: int) -> torch.Tensor:
-    """A random weight prepacked for oneDNN as engine/linear.py packs it."""
+def linear(out_features: int, in_features: int, path: str, head: bool = False) -> Linear:
+    """A random float32 weight as `path` holds it (see the module's docstring)."""
     weight = torch.randn(out_features, in_features) / in_features ** 0.5
-    prepacked: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
-    return prepacked
+    if path == "onednn":
+        return OneDnnLinear(weight, None)
+    backend = resolve_backend("onednn", torch.float32, torch.device("cpu"))
+    return make_linear(weight, None, backend, torch.float32, few_rows=not head)
 
 
 def layer_shapes(cfg: dict[str, Any]) -> list[tuple[int, int]]:
@@ -44,15 +52,17 @@ def layer_shapes(cfg: dict[str, Any]) -> list[tuple[int, int]]:
     return [(h, qkv), (cfg["num_attention_heads"] * d, h), (h, 2 * inter), (inter, h)]
 
 
-def timed(fn: Callable[[], Any], reps: int) -> dict[str, float]:
-    """Minimum and median ms over reps, after one untimed call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def timed(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, dict[str, float]]:
+    """Minimum and median ms over reps of each fn, after one untimed call each, the fns alternating."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return {"min_ms": min(times), "median_ms": statistics.median(times)}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: {"min_ms": min(t), "median_ms": statistics.median(t)} for name, t in times.items()}
 
 
 def with_rate(res: dict[str, float], flops: float) -> dict[str, float]:
@@ -60,34 +70,44 @@ def with_rate(res: dict[str, float], flops: float) -> dict[str, float]:
     return {**res, "gflops_at_min": flops / res["min_ms"] / 1e6}
 
 
-def measure(cfg: dict[str, Any], m: int, reps: int) -> dict[str, Any]:
-    """hot, streamed and lm_head at M tokens (see the module's docstring)."""
-    shapes = layer_shapes(cfg)
-    layers = [[packed(n, k) for k, n in shapes] for _ in range(cfg["num_hidden_layers"])]
+def measure(cfg: dict[str, Any], m: int, reps: int, paths: list[str]) -> dict[str, Any]:
+    """hot, streamed and lm_head at M tokens for each path (see the module's docstring)."""
+    shapes, n_layers = layer_shapes(cfg), cfg["num_hidden_layers"]
+    layers = {p: [[linear(n, k, p) for k, n in shapes] for _ in range(n_layers)] for p in paths}
+    heads = {p: linear(cfg["vocab_size"], cfg["hidden_size"], p, head=True) for p in paths}
     inputs = {k: torch.randn(m, k) for k, _ in shapes}
-    lm_head = packed(cfg["vocab_size"], cfg["hidden_size"])
-
-    def run(weights: list[torch.Tensor]) -> None:
-        for (k, _), w in zip(shapes, weights):
-            torch.ops.mkldnn._linear_pointwise(inputs[k], w, None, "none", [], "")
-
-    n_layers = cfg["num_hidden_layers"]
-
-    def hot_layers() -> None:  # one layer's weights n_layers times: they stay in cache
-        for _ in range(n_layers):
-            run(layers[0])
-
-    def streamed_layers() -> None:  # every layer's own weights, as a step runs them
-        for w in layers:
-            run(w)
-
-    layer_flops = 2.0 * m * sum(k * n for k, n in shapes)
-    hot = timed(hot_layers, reps)
-    streamed = timed(streamed_layers, reps)
     x = torch.randn(m, cfg["hidden_size"])
-    head = timed(lambda: torch.ops.mkldnn._linear_pointwise(x, lm_head, None, "none", [], ""), reps)
-    return {"hot": with_rate(hot, layer_flops * n_layers), "streamed": with_rate(streamed, layer_flops * n_layers),
-            "lm_head": with_rate(head, 2.0 * m * cfg["hidden_size"] * cfg["vocab_size"])}
+
+    def run(linears: list[Linear]) -> None:
+        for (k, _), lin in zip(shapes, linears):
+            lin(inputs[k])
+
+    def hot(p: str) -> Callable[[], None]:
+        def go() -> None:  # one layer's weights n_layers times: they stay in cache
+            for _ in range(n_layers):
+                run(layers[p][0])
+        return go
+
+    def streamed(p: str) -> Callable[[], None]:
+        def go() -> None:  # every layer's own weights, as a step runs them
+            for w in layers[p]:
+                run(w)
+        return go
+
+    def head(p: str) -> Callable[[], None]:
+        def go() -> None:
+            heads[p](x)
+        return go
+
+    layer_flops = 2.0 * m * sum(k * n for k, n in shapes) * n_layers
+    head_flops = 2.0 * m * cfg["hidden_size"] * cfg["vocab_size"]
+    cases = {"hot": (hot, layer_flops), "streamed": (streamed, layer_flops),
+             "lm_head": (head, head_flops)}
+    out: dict[str, Any] = {p: {} for p in paths}
+    for case, (make, flops) in cases.items():
+        for p, res in timed({p: make(p) for p in paths}, reps).items():
+            out[p][case] = with_rate(res, flops)
+    return out
 
 
 def main() -> None:
@@ -96,12 +116,20 @@ def main() -> None:
     ap.add_argument("--tokens", default="32,2048", help="comma list of token counts M")
     ap.add_argument("--reps", type=int, default=8, help="timed repetitions of each case")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {', '.join(PATHS)}")
     args = ap.parse_args()
+    paths = args.paths.split(",")
+    if not paths or any(p not in PATHS for p in paths):
+        ap.error(f"--paths: {args.paths!r}: a comma list of {', '.join(PATHS)}")
     torch.set_num_threads(args.threads)
     cfg = json.loads((args.engine_dir / "config.json").read_text(encoding="utf-8"))["pretrained_config"]
     info = machine.describe()
+    shapes = layer_shapes(cfg)
+    summary = linear_summary([linear(n, k, "engine") for k, n in shapes]
+                             + [linear(cfg["vocab_size"], cfg["hidden_size"], "engine", head=True)], torch.float32)
     res = {"engine": str(args.engine_dir), "cpu_flags": info["flags"], "machine": info, "threads": args.threads,
-           "tokens": {m: measure(cfg, m, args.reps) for m in (int(t) for t in args.tokens.split(","))},
+           "engine_linears": summary,
+           "tokens": {m: measure(cfg, m, args.reps, paths) for m in (int(t) for t in args.tokens.split(","))},
            "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
     print(json.dumps(res, indent=1))
 
