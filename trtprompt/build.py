@@ -179,7 +179,8 @@ def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: Bu
             from trtprompt.targets.torch_build import write_weights
 
             smoothing = write_weights(tmp, ckpt, ckpt.pretrained_config, plan.dtype, plan.quantization,
-                                      req.progress, profile.smoothquant_alpha, plan.int4_group_size)
+                                      req.progress, profile.smoothquant_alpha, plan.int4_group_size,
+                                      plan.quantize_lm_head)
         _copy_tokenizer(ckpt, tmp)
         copy_adapters(plan.lora, tmp)
         meta = engine_meta(ckpt, profile, plan)
@@ -204,6 +205,8 @@ def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: Bu
                 from trtprompt.targets.torch_build import int4_config_entries
 
                 config["pretrained_config"]["quantization"].update(int4_config_entries(plan.int4_group_size))
+            if plan.quantize_lm_head:  # int8_wo, torch target only (the plan refuses it elsewhere)
+                config["pretrained_config"]["quantization"]["quantize_lm_head"] = True
             write_json(tmp / "config.json", config)
     return Path(req.output)
 

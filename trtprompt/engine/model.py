@@ -33,6 +33,7 @@ from trtprompt.engine.rope import RotaryEmbedding
 from trtprompt.engine.weights import (
     W4A16,
     W8A8,
+    W8A16,
     LinearWeights,
     check_quant_algo,
     fuse_linears,
@@ -187,11 +188,22 @@ class DecoderModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(self._layer(tensors, i, quantized)
                                           for i in range(c.num_hidden_layers))
         self.norm = self._norm(tensors, "model.norm.weight", c.hidden_size)
-        if c.tie_word_embeddings:
-            head = self.embed_tokens
-        else:
-            head = take_tensor(tensors, "lm_head.weight", embed_shape, self.dtype, self.device)
-        self.lm_head = make_linear(head, None, self.linear_backend, self.dtype, few_rows=False)
+        self.lm_head = self._head(tensors, quant_algo)
+
+    def _head(self, tensors: Mapping[str, torch.Tensor], quant_algo: str | None) -> torch.nn.Module:
+        """lm_head: the embedding where tied, else its own weight; int8 + a scale per vocabulary row where the
+        engine was built with quantize_lm_head (int8_wo only), whether or not the checkpoint ties them."""
+        c, shape = self.cfg, (self.cfg.vocab_size, self.cfg.hidden_size)
+        if "lm_head.weight_scale" in tensors:
+            if quant_algo != W8A16:
+                raise ValueError(f"an int8 lm_head (lm_head.weight_scale) goes with quant_algo {W8A16}, "
+                                 f"not {quant_algo!r}")
+            lw = take_linear(tensors, "lm_head", shape, self.dtype, self.device, True)
+            return make_linear(lw.weight, None, self.linear_backend, self.dtype, lw.scale, few_rows=False)
+        assert self.embed_tokens is not None  # for mypy: load_weights sets it first
+        head = self.embed_tokens if c.tie_word_embeddings else take_tensor(tensors, "lm_head.weight", shape,
+                                                                           self.dtype, self.device)
+        return make_linear(head, None, self.linear_backend, self.dtype, few_rows=False)
 
     def compute_summary(self) -> str:
         """What the linears run (engine.py logs it once with the attention path): kinds, counts, dtype."""

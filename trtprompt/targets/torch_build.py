@@ -84,10 +84,12 @@ def _tokenizer_json(ckpt: Checkpoint) -> Path:
 
 def convert_weights(ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str, quantization: str,
                     progress: bool = True, smoothquant_alpha: float | None = None,
-                    int4_group_size: int | None = None) -> tuple[dict[str, torch.Tensor], SmoothQuantRecord | None]:
+                    int4_group_size: int | None = None,
+                    quantize_lm_head: bool = False) -> tuple[dict[str, torch.Tensor], SmoothQuantRecord | None]:
     """Every expected tensor, shape-checked and cast (unknown tensors are an error, not dropped), and how
     int8_w8a8's weights were smoothed (smoothquant_alpha None: searched per linear; other quantizations: None).
-    int4_group_size: int4_wo's group (the plan's; None for the other quantizations)."""
+    int4_group_size: int4_wo's group (the plan's; None for the other quantizations). quantize_lm_head (int8_wo):
+    lm_head as int8 + `lm_head.weight_scale` too, from the embedding where the checkpoint ties them."""
     quantize = _quantizer(quantization, int4_group_size)
     if quantization in INT4_WEIGHT_QUANTIZATIONS and int4_group_size is not None:
         check_int4_groups(ckpt, pc, int4_group_size)
@@ -97,9 +99,22 @@ def convert_weights(ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str, quantiz
         tensors, record = smooth(tensors, pc, smoothquant_alpha, _tokenizer_json(ckpt), progress, BUILD_BITS)
     target = TORCH_DTYPES[dtype]
     out: dict[str, torch.Tensor] = {}
+    if quantize_lm_head:
+        out.update(_quantized_head(tensors, quantization))
     for name in list(tensors):  # popped as converted: the read copy of each tensor goes as its output comes
         out.update(_convert_one(name, tensors.pop(name), target, quantize))
     return out, record
+
+
+def _quantized_head(tensors: dict[str, torch.Tensor], quantization: str) -> dict[str, torch.Tensor]:
+    """lm_head.weight (taken out of tensors; a tied checkpoint's embedding stays) as int8 + its row scale, as
+    int8_wo quantizes a layer linear (the plan allows no other quantization)."""
+    quantize = _quantizer(quantization, None)
+    if quantization != "int8_wo" or quantize is None:
+        raise ValueError(f"quantize_lm_head needs quantization int8_wo, got {quantization}")
+    head = tensors.pop("lm_head.weight", None)
+    q, scale = quantize(tensors["model.embed_tokens.weight"] if head is None else head)
+    return {"lm_head.weight": q, "lm_head.weight_scale": scale}
 
 
 def _read_tensors(ckpt: Checkpoint, pc: Mapping[str, Any], progress: bool) -> dict[str, torch.Tensor]:
@@ -138,9 +153,10 @@ def int4_config_entries(group: int) -> dict[str, Any]:
 
 def write_weights(out_dir: Path, ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str,
                   quantization: str, progress: bool = True, smoothquant_alpha: float | None = None,
-                  int4_group_size: int | None = None) -> SmoothQuantRecord | None:
+                  int4_group_size: int | None = None, quantize_lm_head: bool = False) -> SmoothQuantRecord | None:
     """Write rank0.safetensors; returns how its int8_w8a8 weights were smoothed (None: not smoothed)."""
-    tensors, record = convert_weights(ckpt, pc, dtype, quantization, progress, smoothquant_alpha, int4_group_size)
+    tensors, record = convert_weights(ckpt, pc, dtype, quantization, progress, smoothquant_alpha, int4_group_size,
+                                      quantize_lm_head)
     save_file(tensors, str(out_dir / WEIGHTS_FILE),
               metadata={"format": "pt", "dtype": dtype, "quantization": quantization})
     return record

@@ -80,6 +80,9 @@ def _side_options(ap: argparse.ArgumentParser) -> None:
                     "the prefix workload unshared, at most half the memory)")
     ap.add_argument("--int8-quantization", choices=trtprompt_side.INT8_QUANTIZATIONS, default="int8_w8a8",
                     help="trtprompt's engine for --dtype int8 (bfloat16 around it where the CPU has bf16 instructions)")
+    ap.add_argument("--quantize-lm-head", action="store_true",
+                    help="--dtype int8 with int8_wo: lm_head in int8 too (build knob quantize_lm_head), as OpenVINO's "
+                         "int8 export does; the engine is build/<model>-engine-int8_wo-head")
     ap.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
                     help="trtprompt's compute_dtype (serve knob; unset: a bf16 engine computes in float32 on a CPU "
                          "without bf16 instructions, engine/compute_dtype.py)")
@@ -146,6 +149,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def fill_paths(args: argparse.Namespace) -> None:
     """Defaults that follow --model, --dtype and --peers-dir."""
+    if args.quantize_lm_head and (args.dtype != "int8" or args.int8_quantization != "int8_wo"):
+        sys.exit("--quantize-lm-head goes with --dtype int8 --int8-quantization int8_wo (the build knob needs int8_wo)")
     args.vllm_venv = args.vllm_venv or args.peers_dir / "vllm-venv"
     args.ov_venv = args.ov_venv or args.peers_dir / "ov-venv"
     args.ov_model_dir = args.ov_model_dir or args.peers_dir / "openvino"
@@ -155,6 +160,7 @@ def fill_paths(args: argparse.Namespace) -> None:
         # The fp32 peer engine keeps its old name, so an existing build is reused.
         plain = args.model == "peer" and args.dtype == "fp32"
         kind = args.int8_quantization if args.dtype == "int8" else args.dtype
+        kind += "-head" if args.quantize_lm_head else ""
         args.engine = ROOT / ("build/peer-engine" if plain else f"build/{args.model}-engine-{kind}")
 
 

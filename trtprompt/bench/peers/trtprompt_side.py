@@ -28,7 +28,8 @@ def int8_dtype() -> str:
 def precision_flags(args: argparse.Namespace) -> list[str]:
     if args.dtype != "int8":
         return PRECISION[args.dtype].split()
-    return ["--dtype", int8_dtype(), "--quantization", getattr(args, "int8_quantization", "int8_w8a8")]
+    head = ["--quantize-lm-head"] if getattr(args, "quantize_lm_head", False) else []
+    return ["--dtype", int8_dtype(), "--quantization", getattr(args, "int8_quantization", "int8_w8a8"), *head]
 
 
 def trtprompt_bin() -> Path:
