@@ -182,8 +182,10 @@ def test_a_bf16_engine_runs_every_adapter_through_the_kernel_in_one_batch(llama:
                                   progress=False))
     assert bf16 is not None
     jobs = mixed_jobs(list(TINY_ADAPTERS), PROMPTS)
+    # compute_dtype bfloat16: kept where the CPU lacks bf16 instructions too (it would compute in float32 there)
     engine = LLMEngine.from_engine_dir(bf16, lora_modules={n: str(p) for n, p in llama.adapters.items()},
-                                       speculative_decoding="none", max_tokens_in_paged_kv_cache=4096)
+                                       speculative_decoding="none", max_tokens_in_paged_kv_cache=4096,
+                                       compute_dtype="bfloat16")
     assert engine.config.dtype == "bfloat16" and engine.lora.kernel_lanes == kernels.lora_kernel_lanes()
     got = run_jobs(engine, jobs)
     assert_adapters_matter(jobs, got)

@@ -1,4 +1,5 @@
-"""float32 and int8 weight-only linears of a few dozen rows on the vector FMA units (csrc/panel_linear.cpp).
+"""float32 and int8 weight-only linears on the vector FMA units, over weights packed into panels
+(csrc/panel_linear.cpp).
 
 oneDNN's float32 GEMM is tuned for many rows: on a 2-core AVX2 EPYC it ran SmolLM2's layer linears at ~105
 GFLOP/s with 32 rows against ~165 with 2,048, and its per-call work is a share of a one-row call. The kernel

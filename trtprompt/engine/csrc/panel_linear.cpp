@@ -1,10 +1,12 @@
-// y = x @ W^T for a few dozen rows of x (decode steps of several sequences) on the vector FMA units, over a
-// copy of W packed once into panels of kPanel = 2 x kLanes output columns: [N / kPanel, K, kPanel].
+// y = x @ W^T on the vector FMA units over W packed once into panels of kPanel = 2 x kLanes output columns,
+// [N / kPanel, K, kPanel]: on AVX2 every call of a float32 layer linear (one row to a prefill chunk), lm_head's
+// calls of a few dozen rows, and int8_wo's of 2-256 rows (engine/panel_linear.py has the bounds and why).
 //
 // A call streams the panels in memory order (the hardware prefetchers follow one stream per thread); each
 // panel meets the rows of x in blocks of up to kBlockRows rows, the block's 2 x kBlockRows vector sums kept
 // in registers: per column k, two weight vectors and one broadcast value of x per row, no horizontal sums.
-// A panel is taken kChunk columns of K at a time, every block of rows reading that chunk from cache.
+// A panel is taken kChunk columns of K at a time, every block of rows reading that chunk from cache, and a
+// thread runs kGroupBlocks blocks over all its panels before the next ones.
 // Weight formats:
 //   float32 [N / P, K, P]                    the float32 engine's weight
 //   int8 [N / P, K, P] + float32 scale [N]   per output channel (int8_wo), widened to float32 per vector
