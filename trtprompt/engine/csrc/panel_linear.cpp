@@ -130,24 +130,21 @@ constexpr int64_t kGroupBlocks = 8;
 template <typename W, typename T>
 void panels_times_rows(const float* x, int64_t m, int64_t k_dim, const W& w, int64_t panels, const Output<T>& out) {
   const int64_t blocks = (m + W::kRows - 1) / W::kRows, small = m / blocks, larger = m % blocks;
+  // Block b: the first `larger` blocks hold small + 1 rows, the rest small.
+  auto first_row = [&](int64_t b) { return b * small + std::min(b, larger); };
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> sums(m * kPanel);
-    for (int64_t g0 = 0, r_start = 0; g0 < blocks; g0 += kGroupBlocks) {
+    for (int64_t g0 = 0; g0 < blocks; g0 += kGroupBlocks) {
       const int64_t g1 = std::min(blocks, g0 + kGroupBlocks);
-      int64_t r_next = r_start;
       for (int64_t p = p0; p < p1; ++p) {
         for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
           const int64_t k1 = std::min(k_dim, k0 + kChunk);
-          int64_t r0 = r_start;
           for (int64_t b = g0; b < g1; ++b) {
-            const int rows = static_cast<int>(small + (b < larger ? 1 : 0));
-            block_of(rows, x, k_dim, w, p, r0, k0, k1, sums.data(), out);
-            r0 += rows;
+            const int rows = static_cast<int>(first_row(b + 1) - first_row(b));
+            block_of(rows, x, k_dim, w, p, first_row(b), k0, k1, sums.data(), out);
           }
-          r_next = r0;
         }
       }
-      r_start = r_next;
     }
   });
 }
