@@ -7,7 +7,7 @@ reads the weight packed once into panels of 2 x the variant's vector width of ou
 streamed in memory order) and multiplies each panel by blocks of up to 6 rows (AVX2) held in registers.
 Measured there (docs/design.md, "Panel linear"): the 120 layer linears at 1 / 8 / 32 / 64 rows in 13-15 /
 20-23 / 50 / 85-96 ms against oneDNN's 19-20 / 30-31 / 63-65 / 107-113, at 512 and 2,048 rows at or ahead of
-oneDNN and MKL, and int8 weights at 8 / 32 rows in 12-17 / 42-43 ms against the few-rows kernel's 15-19 /
+oneDNN and MKL, and int8 weights at 8 / 32 rows in 12-17 / 44-49 ms against the few-rows kernel's 15-19 /
 74-81. A float32 layer linear therefore keeps only the packed panels (no oneDNN copy); lm_head keeps oneDNN's
 for calls above PANEL_HEAD_ROWS_MAX rows. Only the avx2 variant uses the kernel: its AVX-512 build is tested,
 not yet measured against oneDNN.
