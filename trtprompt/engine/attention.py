@@ -44,7 +44,8 @@ from trtprompt.engine.config import ATTENTION_BACKENDS, ModelConfig
 # The attention interface the model and the runner use: the shared types live in
 # attention_common.py (so the backends need not import this module), named here too.
 __all__ = ["AttentionMetadata", "KvCache", "SeqSlice", "allocate_kv_cache", "build_attention_metadata",
-           "check_slice", "log_attention_backend", "paged_attention", "resolve_attention_backend", "write_kv"]
+           "check_slice", "decode_attention", "log_attention_backend", "paged_attention", "resolve_attention_backend",
+           "write_kv"]
 
 log = logging.getLogger(__name__)
 
@@ -155,3 +156,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     else:
         write_kv(kv_cache, k, v, meta)
     return meta.attend(q, k, v, kv_cache, scale)
+
+
+def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KvCache,
+                     meta: AttentionMetadata, heads: int, scale: float) -> torch.Tensor | None:
+    """A pure decode step on the compiled kernel, one call a layer: rotary on q and k (cos/sin as
+    CompiledOps.rotary_tables makes them), the K/V write, paged decode; qkv [S, (heads + 2 kv_heads) d] ->
+    [S, heads d], the op-by-op path's result bit for bit (csrc/decode_attention.cpp). None where the step
+    is not one, or the cache is int8: the caller takes the op-by-op path."""
+    tables = meta.decode_tables
+    if tables is None or isinstance(kv_cache, Int8KvCache):
+        return None
+    out: torch.Tensor = torch.ops.trtprompt.decode_attention(qkv, cos, sin, kv_cache[0], kv_cache[1],
+                                                             meta.slot_blocks, meta.slot_offsets, *tables,
+                                                             heads, scale)
+    return out

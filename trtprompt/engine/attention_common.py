@@ -41,6 +41,9 @@ class AttentionMetadata(Protocol):
     @property
     def kv_blocks(self) -> torch.Tensor: ...  # every block the step reads, once (an int8 cache dequantizes them)
 
+    @property
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...  # a pure decode step's fused path
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                scale: float) -> torch.Tensor: ...
 

@@ -181,6 +181,9 @@ class PagedMetadata:
     groups: tuple[PrefixGroup, ...]
     compiled: bool
     chunks: KernelChunks | None = None  # compiled: all prefill chunks in one kernel call (prefills, small empty)
+    # (block tables, lens) of a pure decode step on the compiled kernel: attention.decode_attention runs
+    # each layer's rotary, KV write and attention in one call.
+    decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def kv_blocks(self) -> torch.Tensor:
@@ -380,8 +383,10 @@ def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device, dtype: torch
     blocks, offsets = slot_tensors(seqs, tpb, device)
     read = StepReads(tuple(seqs), tpb, device)
     if compiled:
+        chunks = _kernel_chunks(starts, seqs, skips, tpb, device)
+        pure = chunks is None and not groups and len(decodes) == 1 and decodes[0].rows_start == 0
         return PagedMetadata(starts[-1], blocks, offsets, read, decodes, (), None, tuple(groups), compiled,
-                             _kernel_chunks(starts, seqs, skips, tpb, device))
+                             chunks, (decodes[0].tables, decodes[0].lens) if pure else None)
     prefills = tuple(_prefill_chunk(starts[i], s, skips[i], tpb, device)
                      for i, s in enumerate(seqs) if s.num_new_tokens > 1)
     short = [c for c in prefills if c.num_new_tokens <= SMALL_CHUNK_TOKENS]

@@ -64,6 +64,7 @@ class ReferenceMetadata:
     reads: StepReads  # kv_blocks, listed when an int8 cache asks
     prefills: tuple[PrefillPlan, ...]
     decodes: tuple[DecodePlan, ...]
+    decode_tables: None = None  # the fused decode path is the compiled kernel's, never the reference's
 
     @property
     def kv_blocks(self) -> torch.Tensor:

@@ -17,6 +17,10 @@ import torch.nn.functional as F
 
 
 class LayerOps(Protocol):
+    # True where cos/sin are rotary_tables' [T, head_size/2] and a pure decode step's attention may run
+    # as one compiled call a layer (attention.decode_attention).
+    fuses_decode: bool
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -31,6 +35,8 @@ class LayerOps(Protocol):
 
 class TorchOps:
     """transformers' expressions; cos/sin are [T, 1, head_size/2]."""
+
+    fuses_decode = False
 
     def rotary_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, 1, head_size/2] as rotary takes them; once per step, shared by every layer."""
@@ -61,6 +67,8 @@ class TorchOps:
 
 class CompiledOps:
     """One compiled op each (shapes as the model passes them; the kernels name any other)."""
+
+    fuses_decode = True
 
     def __init__(self) -> None:
         from trtprompt.engine import kernels

@@ -196,17 +196,19 @@ class WeightOnlyLinear(torch.nn.Module):
         self.bias_f32 = float_bias(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if self.tiles is not None and rows.shape[0] in self.amx_rows and x.dtype == torch.bfloat16:
-            out: torch.Tensor = torch.ops.trtprompt.amx_linear(rows.contiguous(), self.tiles, self.tile_scale,
+        if x.dim() != 2:  # the model passes [T, in]; a reshape and a view cost ~3 us a call at batch 1
+            folded: torch.Tensor = self.forward(x.reshape(-1, x.shape[-1]))
+            return folded.view(*x.shape[:-1], folded.shape[-1])
+        m = x.shape[0]
+        if self.tiles is not None and m in self.amx_rows and x.dtype == torch.bfloat16:
+            out: torch.Tensor = torch.ops.trtprompt.amx_linear(x.contiguous(), self.tiles, self.tile_scale,
                                                                self.bias_f32)
-            return out.view(*x.shape[:-1], out.shape[-1])
-        if self.panels is not None and rows.shape[0] in PANEL_INT8_ROWS:
-            out = torch.ops.trtprompt.panel_linear(rows.contiguous(), self.panels, self.scale, self.bias_f32)
-            return out.view(*x.shape[:-1], out.shape[-1])
-        if rows.shape[0] <= FEW_ROWS_MAX:
-            out = torch.ops.trtprompt.few_rows_linear(rows.contiguous(), self.qweight, self.scale, self.group)
-            out = out.view(*x.shape[:-1], out.shape[-1])
+            return out
+        if self.panels is not None and m in PANEL_INT8_ROWS:
+            out = torch.ops.trtprompt.panel_linear(x.contiguous(), self.panels, self.scale, self.bias_f32)
+            return out
+        if m <= FEW_ROWS_MAX:
+            out = torch.ops.trtprompt.few_rows_linear(x.contiguous(), self.qweight, self.scale, self.group)
             return out if self.bias is None else out + self.bias
         return F.linear(x, dequantize(self.qweight, self.scale, self.dtype), self.bias)
 

@@ -22,6 +22,7 @@ from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model'
     SeqSlice,
     allocate_kv_cache,
     build_attention_metadata,
+    decode_attention,
     paged_attention,
 )
 from trtprompt.engine.config import ModelConfig
@@ -72,20 +73,27 @@ class Attention(torch.nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KvCache, ops: LayerOps,
                 lora: LoraStep | None = None) -> torch.Tensor:
-        t, d = x.shape[0], self.head_size
         qkv = self.qkv(x)
         if lora is not None:
             qkv = lora.apply(qkv, x, self.index, "qkv")
-        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        fused = decode_attention(qkv, cos, sin, kv_cache, meta, self.num_heads, self.scale) \
+            if ops.fuses_decode and self.q_norm is None else None
+        out = self._attend(qkv, cos, sin, meta, kv_cache, ops) if fused is None else fused
+        projected: torch.Tensor = self.o_proj(out)
+        return projected if lora is None else lora.apply(projected, out, self.index, "o_proj")
+
+    def _attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KvCache, ops: LayerOps) -> torch.Tensor:
+        """Op by op: split, (q/k norms,) rotary, KV write and attention -> [T, heads * head_size]."""
+        t, d = qkv.shape[0], self.head_size
+        q, k, v = torch.split(qkv, [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.view(t, self.num_heads, d)
         k = k.view(t, self.num_kv_heads, d)
         v = v.view(t, self.num_kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
         q, k = ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale).reshape(t, self.num_heads * d)
-        projected: torch.Tensor = self.o_proj(out)
-        return projected if lora is None else lora.apply(projected, out, self.index, "o_proj")
+        return paged_attention(q, k, v, kv_cache, meta, self.scale).reshape(t, self.num_heads * d)
 
 
 class MLP(torch.nn.Module):

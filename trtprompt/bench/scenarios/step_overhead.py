@@ -72,6 +72,7 @@ class PartTimer:
                 lin.forward = self.wrap("linears", lin.forward)
         model.lm_head.forward = self.wrap("lm_head", model.lm_head.forward)
         model_module.paged_attention = self.wrap("attention", model_module.paged_attention)
+        model_module.decode_attention = self.wrap("attention", model_module.decode_attention)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
