@@ -129,3 +129,19 @@ def test_model_decode_steps_equal_with_and_without_the_fused_call(
         lens = [c + n for c, n in zip(lens, new)]
     for (kf, vf), (kp, vp) in zip(runs[fused], runs[plain]):
         assert torch.equal(kf, kp) and torch.equal(vf, vp)
+
+
+def test_step_overhead_compares_the_two_paths_and_restores_the_fused_one(tiny_engine_dir: Path) -> None:
+    """`step_overhead --compare-fused`: decode steps on both paths, in one process; the engine's ops as before."""
+    from trtprompt.bench.scenarios.step_overhead import fused_ab, start_batch
+    from trtprompt.engine.engine import LLMEngine
+
+    engine = LLMEngine.from_engine_dir(tiny_engine_dir, enable_kv_cache_reuse=False, speculative_decoding="none")
+    try:
+        start_batch(engine, 2, 16, "t")
+        got = fused_ab(engine, rounds=2, block=2)
+        assert engine.runner.ops.fuses_decode is (engine.attention_backend == "compiled")
+        assert got["ratio_median"] == got["fused_ms_median"] / got["op_by_op_ms_median"] > 0
+        assert all(r.num_output == 9 for r in engine.requests.values())  # the first token, then 2 rounds x 2 x 2
+    finally:
+        engine.close()

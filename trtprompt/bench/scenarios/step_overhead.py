@@ -1,6 +1,7 @@
 """Where an engine step's time goes: kernels vs everything between them (issue 26 item 5).
 
     python -m trtprompt.bench.scenarios.step_overhead ENGINE_DIR [--batches 1,8,32] [--steps 20] [--profile]
+        [--compare-fused]
 
 For each batch size, B requests of --prompt random tokens are prefilled, then --steps decode
 steps are timed, each split by wall clock into schedule / prepare (input tensors and attention
@@ -9,7 +10,8 @@ metadata) / forward / sample / update (stop checks, outputs). A mixed step (one 
 clock, into the layers' linears, lm_head and attention (KV writes included), and forward_rest (norms,
 rotary, residual adds, views and the Python between them). With --profile, torch.profiler
 sums the ops' self CPU time per class over the decode steps (linears, attention, row-wise ops,
-other small ops); the rest of the step is Python between ops. Prints JSON.
+other small ops); the rest of the step is Python between ops. With --compare-fused, blocks of decode steps
+alternate with and without the fused decode attention, in this process. Prints JSON.
 """
 
 from __future__ import annotations
@@ -158,6 +160,28 @@ def mixed_step(engine: LLMEngine, timer: PartTimer, chunk: int, steps: int) -> d
     return {key: statistics.median(r[key] for r in results) for key in results[0]}
 
 
+def fused_ab(engine: LLMEngine, rounds: int, block: int = 6) -> dict[str, float]:
+    """Decode steps with the fused decode attention (attention.decode_attention) against the op-by-op path, in
+    blocks of `block` steps alternating `rounds` times in this process (the layer ops' fuses_decode switched):
+    median and minimum step of each, and their ratios."""
+    ops = engine.runner.ops
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for _ in range(rounds):
+            for fused in (True, False):
+                ops.fuses_decode = fused
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    engine.step()
+                    times[fused].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        ops.fuses_decode = type(ops).fuses_decode
+    med = {k: statistics.median(v) for k, v in times.items()}
+    low = {k: min(v) for k, v in times.items()}
+    return {"fused_ms_median": med[True], "op_by_op_ms_median": med[False], "ratio_median": med[True] / med[False],
+            "fused_ms_min": low[True], "op_by_op_ms_min": low[False], "ratio_min": low[True] / low[False]}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = LLMEngine.from_engine_dir(args.engine_dir, enable_kv_cache_reuse=False, speculative_decoding="none")
     timer = PartTimer()
@@ -170,6 +194,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res: dict[str, Any] = {"decode": timed_steps(engine, timer, args.steps)}
         if args.profile:
             res["profile"] = profile_steps(engine, max(3, args.steps // 4))
+        if args.compare_fused:
+            res["fused_decode"] = fused_ab(engine, max(4, args.steps // 2))
         if batch > 1 and args.chunk:
             res["mixed"] = mixed_step(engine, timer, args.chunk, max(3, args.steps // 4))
         out["batches"][batch] = res
@@ -189,6 +215,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--chunk", type=int, default=128, help="prefill tokens of the mixed step (0: none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--compare-fused", action="store_true", help="also alternate decode steps with and without "
+                    "the fused decode attention (docs/design.md, \"Fused layer ops\") and report both")
     ap.add_argument("--out", type=Path)
     return ap.parse_args()
 
