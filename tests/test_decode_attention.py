@@ -65,6 +65,26 @@ def test_fused_call_equals_the_op_by_op_path(dtype: torch.dtype, lens: list[int]
     assert torch.equal(fused_caches[0], caches[0]) and torch.equal(fused_caches[1], caches[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_call_norms_q_and_k_first_as_the_op_by_op_path(dtype: torch.dtype) -> None:
+    """Qwen3's q/k norms (a weight of head_size each) inside the call: normed per head, then rotary."""
+    heads, kv_heads, d, lens = 8, 2, 32, [4, 40]
+    qkv, cos, sin, caches, meta = decode_case(lens, heads, kv_heads, d, dtype)
+    wq, wk = (torch.randn(d) * 0.5 + 1).to(dtype), (torch.randn(d) * 0.5 + 1).to(dtype)
+    fused_caches = (caches[0].clone(), caches[1].clone())
+    got = decode_attention(qkv, cos, sin, fused_caches, meta, heads, d ** -0.5, (wq, wk, 1e-6))
+    ops, s = CompiledOps(), len(lens)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = ops.rotary(ops.rms_norm(q.reshape(s, heads, d), wq, 1e-6), cos, sin)
+    k = ops.rotary(ops.rms_norm(k.reshape(s, kv_heads, d), wk, 1e-6), cos, sin)
+    torch.ops.trtprompt.write_kv(caches[0], caches[1], k, v.view(s, kv_heads, d), meta.slot_blocks,
+                                 meta.slot_offsets)
+    assert meta.decode_tables is not None
+    want, _ = kernels.paged_decode(q, caches[0], caches[1], *meta.decode_tables, d ** -0.5)
+    assert got is not None and torch.equal(got, want.reshape(s, heads * d))
+    assert torch.equal(fused_caches[0], caches[0]) and torch.equal(fused_caches[1], caches[1])
+
+
 def test_fused_call_names_a_misshapen_qkv() -> None:
     qkv, cos, sin, caches, meta = decode_case([3], 4, 2, 32, torch.float32)
     with pytest.raises(RuntimeError, match="decode_attention: qkv must be"):
@@ -99,10 +119,11 @@ def _cfg(heads: int, kv_heads: int, d: int) -> ModelConfig:
                        tie_word_embeddings=False, attn_bias=False, qk_layernorm=False)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norms inside the fused call
 def test_model_decode_steps_equal_with_and_without_the_fused_call(
-        tiny_checkpoint_factory: Callable[..., Path]) -> None:
+        tiny_checkpoint_factory: Callable[..., Path], arch: str) -> None:
     """The model's logits and KV caches over a prefill and decode steps, fused against op by op."""
-    path = tiny_checkpoint_factory("llama")
+    path = tiny_checkpoint_factory(arch)
     cfg = model_config(path)
     model = load_model_from_safetensors(path / "model.safetensors", cfg, torch.float32, torch.device("cpu"), "onednn")
     fused, plain = CompiledOps(), CompiledOps()

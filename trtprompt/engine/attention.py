@@ -159,15 +159,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KvCache,
-                     meta: AttentionMetadata, heads: int, scale: float) -> torch.Tensor | None:
-    """A pure decode step on the compiled kernel, one call a layer: rotary on q and k (cos/sin as
-    CompiledOps.rotary_tables makes them), the K/V write, paged decode; qkv [S, (heads + 2 kv_heads) d] ->
-    [S, heads d], the op-by-op path's result bit for bit (csrc/decode_attention.cpp). None where the step
-    is not one, or the cache is int8: the caller takes the op-by-op path."""
+                     meta: AttentionMetadata, heads: int, scale: float,
+                     qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | None:
+    """A pure decode step on the compiled kernel, one call a layer: q/k norms where given ((q weight, k weight,
+    eps): Qwen3), rotary on q and k (cos/sin as CompiledOps.rotary_tables makes them), the K/V write, paged
+    decode; qkv [S, (heads + 2 kv_heads) d] -> [S, heads d], the op-by-op path's result bit for bit
+    (csrc/decode_attention.cpp). None where the step is not one, or the cache is int8: the caller takes the
+    op-by-op path."""
     tables = meta.decode_tables
     if tables is None or isinstance(kv_cache, Int8KvCache):
         return None
+    q_norm, k_norm, eps = qk_norms if qk_norms is not None else (None, None, 0.0)
     out: torch.Tensor = torch.ops.trtprompt.decode_attention(qkv, cos, sin, kv_cache[0], kv_cache[1],
                                                              meta.slot_blocks, meta.slot_offsets, *tables,
-                                                             heads, scale)
+                                                             heads, scale, q_norm, k_norm, eps)
     return out

@@ -69,6 +69,9 @@ class Attention(torch.nn.Module):
         self.scale = cfg.head_size ** -0.5
         self.qkv, self.o_proj = qkv, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
+        # (q weight, k weight, eps) as the fused decode attention takes them; None: no q/k norms
+        self.qk_norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None \
+            else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KvCache, ops: LayerOps,
@@ -76,8 +79,8 @@ class Attention(torch.nn.Module):
         qkv = self.qkv(x)
         if lora is not None:
             qkv = lora.apply(qkv, x, self.index, "qkv")
-        fused = decode_attention(qkv, cos, sin, kv_cache, meta, self.num_heads, self.scale) \
-            if ops.fuses_decode and self.q_norm is None else None
+        fused = decode_attention(qkv, cos, sin, kv_cache, meta, self.num_heads, self.scale,
+                                 self.qk_norms) if ops.fuses_decode else None
         out = self._attend(qkv, cos, sin, meta, kv_cache, ops) if fused is None else fused
         projected: torch.Tensor = self.o_proj(out)
         return projected if lora is None else lora.apply(projected, out, self.index, "o_proj")

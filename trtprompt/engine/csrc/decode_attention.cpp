@@ -1,7 +1,7 @@
-// A pure decode step's attention for one layer in one call: rotary on q and k, the new K/V rows
-// written at their cache slots, paged decode over the blocks in place.
+// A pure decode step's attention for one layer in one call: (q/k norms,) rotary on q and k, the new K/V
+// rows written at their cache slots, paged decode over the blocks in place.
 //
-// Each part is the op it would be from Python (trtprompt::rotary, write_kv, paged_decode), called
+// Each part is the op it would be from Python (trtprompt::rms_norm, rotary, write_kv, paged_decode), called
 // through the dispatcher from here: the results are those of the op-by-op path bit for bit, and a
 // step saves the ~12 Python-level calls per layer between them (split, views, two rotaries, the
 // write, the metadata's dispatch, the decode wrapper, the reshape), about a millisecond a step on
@@ -10,11 +10,13 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 
 namespace {
 
 using Rotary = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using WriteKv = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&);
 using Decode = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -25,12 +27,22 @@ c10::TypedOperatorHandle<Fn> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
+// q or k [S, h, d] normed per head first where the model has q/k norms (Qwen3), as CompiledOps.rms_norm
+// norms them (a contiguous copy of the view).
+at::Tensor maybe_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
+  static const auto rms_norm = op<RmsNorm>("trtprompt::rms_norm");
+  return weight.has_value() ? rms_norm.call(x.contiguous(), *weight, eps) : x;
+}
+
 // qkv [S, (heads + 2 kv_heads) d], one new token per sequence in packed order; cos/sin [S, d/2]
-// (CompiledOps.rotary_tables); caches [blocks, kv_heads, tokens_per_block, d]. Returns [S, heads d].
+// (CompiledOps.rotary_tables); caches [blocks, kv_heads, tokens_per_block, d]; q_norm / k_norm [d] or
+// none. Returns [S, heads d].
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                             at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_blocks,
                             const at::Tensor& slot_offsets, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, int64_t heads, double scale) {
+                            const at::Tensor& seq_lens, int64_t heads, double scale,
+                            const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                            double eps) {
   TORCH_CHECK(k_cache.dim() == 4, "decode_attention: the caches must be [blocks, kv_heads, tokens_per_block, d]");
   const int64_t rows = qkv.size(0), kv_heads = k_cache.size(1), d = k_cache.size(3);
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (heads + 2 * kv_heads) * d,
@@ -41,8 +53,10 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   const at::Tensor q = qkv.narrow(1, 0, heads * d).view({rows, heads, d});
   const at::Tensor k = qkv.narrow(1, heads * d, kv_heads * d).view({rows, kv_heads, d});
   const at::Tensor v = qkv.narrow(1, (heads + kv_heads) * d, kv_heads * d).view({rows, kv_heads, d});
-  const at::Tensor q_rot = rotary.call(q, cos, sin);
-  write_kv.call(k_cache, v_cache, rotary.call(k, cos, sin), v, slot_blocks, slot_offsets);
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "decode_attention: q_norm and k_norm go together");
+  const at::Tensor q_rot = rotary.call(maybe_norm(q, q_norm, eps), cos, sin);
+  write_kv.call(k_cache, v_cache, rotary.call(maybe_norm(k, k_norm, eps), cos, sin), v, slot_blocks,
+                slot_offsets);
   return std::get<0>(decode.call(q_rot, k_cache, v_cache, block_tables, seq_lens, scale)).view({rows, heads * d});
 }
 
@@ -51,7 +65,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
 TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
   m.def("decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_blocks, Tensor slot_offsets, Tensor block_tables, Tensor seq_lens, int heads, "
-        "float scale) -> Tensor");
+        "float scale, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
