@@ -143,3 +143,15 @@ def test_int8_weight_only_runs_panels_for_its_rows() -> None:
     summary = linear_summary([linear, make_linear(w, None, "onednn", torch.float32)], torch.float32)
     assert "panel kernel for 2-256 rows" in summary and "1 x panel kernel" in summary
     assert "MiB of weight copies" in summary
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (2, 3), (3, 100)])  # int8: the few-rows kernel, panels, dense above 256
+def test_linears_fold_leading_dims_into_rows(b: int, t: int) -> None:
+    """[B, T, in] gives what [B * T, in] gives, in [B, T, out] (on_rows); the model itself passes 2-D rows."""
+    w, _, _ = _weight("float32", 2 * _width(), 64, 11)
+    q, s, _ = _weight("int8", 2 * _width(), 64, 12)
+    x = torch.randn(b, t, 64, generator=torch.Generator().manual_seed(t))
+    for lin in (PanelLinear(w, None, _width()), WeightOnlyLinear(q, s, None, torch.float32)):
+        got = lin(x)
+        assert got.shape == (b, t, 2 * _width())
+        assert torch.equal(got, lin(x.reshape(b * t, 64)).view(b, t, -1))

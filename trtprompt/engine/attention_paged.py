@@ -24,6 +24,7 @@ Design and measurements: docs/design.md, "Attention".
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -181,9 +182,6 @@ class PagedMetadata:
     groups: tuple[PrefixGroup, ...]
     compiled: bool
     chunks: KernelChunks | None = None  # compiled: all prefill chunks in one kernel call (prefills, small empty)
-    # (block tables, lens) of a pure decode step on the compiled kernel: attention.decode_attention runs
-    # each layer's rotary, KV write and attention in one call.
-    decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def kv_blocks(self) -> torch.Tensor:
@@ -195,6 +193,13 @@ class PagedMetadata:
         """Every row is a decode, in one batch in packed order, with no shared prefix."""
         return not self.prefills and not self.groups and self.small is None and self.chunks is None \
             and len(self.decodes) == 1 and self.decodes[0].rows_start == 0
+
+    @functools.cached_property
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(block tables, lens) of a pure decode step on the compiled kernel, where attention.decode_attention
+        runs each layer's rotary, KV write and attention in one call; None otherwise. Asked once a layer,
+        worked out once a step."""
+        return (self.decodes[0].tables, self.decodes[0].lens) if self.compiled and self.pure_decode else None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                scale: float) -> torch.Tensor:
@@ -383,10 +388,8 @@ def build(seqs: Sequence[SeqSlice], tpb: int, device: torch.device, dtype: torch
     blocks, offsets = slot_tensors(seqs, tpb, device)
     read = StepReads(tuple(seqs), tpb, device)
     if compiled:
-        chunks = _kernel_chunks(starts, seqs, skips, tpb, device)
-        pure = chunks is None and not groups and len(decodes) == 1 and decodes[0].rows_start == 0
         return PagedMetadata(starts[-1], blocks, offsets, read, decodes, (), None, tuple(groups), compiled,
-                             chunks, (decodes[0].tables, decodes[0].lens) if pure else None)
+                             _kernel_chunks(starts, seqs, skips, tpb, device))
     prefills = tuple(_prefill_chunk(starts[i], s, skips[i], tpb, device)
                      for i, s in enumerate(seqs) if s.num_new_tokens > 1)
     short = [c for c in prefills if c.num_new_tokens <= SMALL_CHUNK_TOKENS]

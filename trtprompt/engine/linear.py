@@ -33,6 +33,7 @@ from trtprompt.engine.panel_linear import (
     PANEL_HEAD_ROWS_MAX,
     PANEL_INT8_ROWS,
     PanelLinear,
+    on_rows,
     pack_panels,
     panel_width,
     panels_fit,
@@ -196,9 +197,8 @@ class WeightOnlyLinear(torch.nn.Module):
         self.bias_f32 = float_bias(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:  # the model passes [T, in]; a reshape and a view cost ~3 us a call at batch 1
-            folded: torch.Tensor = self.forward(x.reshape(-1, x.shape[-1]))
-            return folded.view(*x.shape[:-1], folded.shape[-1])
+        if x.dim() != 2:
+            return on_rows(self.forward, x)
         m = x.shape[0]
         if self.tiles is not None and m in self.amx_rows and x.dtype == torch.bfloat16:
             out: torch.Tensor = torch.ops.trtprompt.amx_linear(x.contiguous(), self.tiles, self.tile_scale,

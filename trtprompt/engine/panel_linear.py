@@ -15,6 +15,8 @@ not yet measured against oneDNN.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from trtprompt.engine.amx_linear import float_bias
@@ -51,6 +53,14 @@ def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
     return weight.reshape(n // width, width, k).transpose(1, 2).contiguous()
 
 
+def on_rows(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """forward of x [..., in] folded to rows [-1, in], its output unfolded to x's leading dims. The model passes
+    [T, in] itself, and a linear calls this only for other shapes: a reshape and a view cost ~3 us a call at
+    batch 1."""
+    out = forward(x.reshape(-1, x.shape[-1]))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class PanelLinear(torch.nn.Module):
     """A float32 linear on the kernel over the packed weight; with a `dense` linear, calls of more than `rows_max`
     rows run there instead (lm_head)."""
@@ -68,8 +78,7 @@ class PanelLinear(torch.nn.Module):
         if self.dense is not None and self.rows_max is not None and x.numel() > self.rows_max * x.shape[-1]:
             dense: torch.Tensor = self.dense(x)
             return dense
-        if x.dim() != 2:  # the model passes [T, in]; a reshape and a view cost ~3 us a call at batch 1
-            out: torch.Tensor = self.forward(x.reshape(-1, x.shape[-1]))
-            return out.view(*x.shape[:-1], out.shape[-1])
-        out = torch.ops.trtprompt.panel_linear(x.contiguous(), self.panels, None, self.bias_f32)
+        if x.dim() != 2:
+            return on_rows(self.forward, x)
+        out: torch.Tensor = torch.ops.trtprompt.panel_linear(x.contiguous(), self.panels, None, self.bias_f32)
         return out
