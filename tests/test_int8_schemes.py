@@ -1,0 +1,54 @@
+"""The int8 weight schemes the quality comparison rounds with (bench/scenarios/int8_schemes.py): sym is the
+engine's own int8_wo build, asym OpenVINO's per-channel int8 with a zero point; both within half a step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from engine_helpers import make_hf_model
+
+from trtprompt.bench.scenarios import int8_schemes
+from trtprompt.engine.quant_w8a8 import quantize_int8
+
+
+def _weight() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(16, 40, generator=gen) * 0.05 + torch.linspace(-0.02, 0.03, 16)[:, None]
+
+
+def test_sym_is_the_int8_wo_build_dequantized() -> None:
+    w = _weight()
+    q, scale = quantize_int8(w)
+    assert torch.equal(int8_schemes.symmetric(w), q.float() * scale[:, None])
+    assert bool(((int8_schemes.symmetric(w) - w).abs() <= scale[:, None] / 2 + 1e-7).all())
+
+
+def test_asym_is_within_half_a_step_and_exact_on_its_own_grid() -> None:
+    w = _weight()
+    step = (w.amax(1) - w.amin(1)) / 255
+    assert bool(((int8_schemes.asymmetric(w) - w).abs() <= step[:, None] / 2 + 1e-7).all())
+    # a row already on 256 levels from its minimum comes back exactly (up to float rounding)
+    grid = -0.5 + torch.arange(256, dtype=torch.float32)[None, :] * (1 / 256)
+    assert torch.allclose(int8_schemes.asymmetric(grid), grid, atol=1e-6)
+    # a skewed row: asym's step is the range / 255, sym's the largest magnitude / 127
+    skewed = torch.linspace(0.1, 0.2, 64)[None, :]
+    sym_err = (int8_schemes.symmetric(skewed) - skewed).abs().max()
+    asym_err = (int8_schemes.asymmetric(skewed) - skewed).abs().max()
+    assert asym_err < sym_err / 4
+
+
+def test_rounded_model_rounds_the_layers_and_an_untied_head_only(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(make_hf_model(tmp_path, "llama", tie_word_embeddings=True)),
+                                                dtype=torch.float32).eval()
+    for scheme, head in (("sym", False), ("asym+head", True)):
+        model = int8_schemes.rounded_model(base, scheme)
+        rounding = int8_schemes.ROUNDINGS[scheme.partition("+")[0]]
+        q_proj = model.model.layers[0].self_attn.q_proj.weight
+        assert torch.equal(q_proj, rounding(base.model.layers[0].self_attn.q_proj.weight))
+        assert torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)
+        want = rounding(base.lm_head.weight) if head else base.lm_head.weight
+        assert torch.equal(model.lm_head.weight, want)
+        assert (model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()) == head
