@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from engine_helpers import make_hf_model
 
@@ -45,10 +46,13 @@ def test_rounded_model_rounds_the_layers_and_an_untied_head_only(tmp_path: Path)
                                                 dtype=torch.float32).eval()
     for scheme, head in (("sym", False), ("asym+head", True)):
         model = int8_schemes.rounded_model(base, scheme)
-        rounding = int8_schemes.ROUNDINGS[scheme.partition("+")[0]]
+        rounding, rounds_head = int8_schemes.parse_scheme(scheme)
+        assert rounds_head == head
         q_proj = model.model.layers[0].self_attn.q_proj.weight
         assert torch.equal(q_proj, rounding(base.model.layers[0].self_attn.q_proj.weight))
         assert torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)
         want = rounding(base.lm_head.weight) if head else base.lm_head.weight
         assert torch.equal(model.lm_head.weight, want)
         assert (model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()) == head
+    with pytest.raises(ValueError, match=r"'int4\+head' is not sym or asym"):
+        int8_schemes.parse_scheme("int4+head")

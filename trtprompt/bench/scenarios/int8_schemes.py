@@ -50,10 +50,17 @@ def asymmetric(w: torch.Tensor) -> torch.Tensor:
 ROUNDINGS: dict[str, Rounding] = {"sym": symmetric, "asym": asymmetric}
 
 
+def parse_scheme(scheme: str) -> tuple[Rounding, bool]:
+    """'sym' or 'asym', '+head' to round lm_head too: (the rounding, whether lm_head is rounded)."""
+    name, _, head = scheme.partition("+")
+    if name not in ROUNDINGS or head not in ("", "head"):
+        raise ValueError(f"--schemes: {scheme!r} is not sym or asym, with or without +head")
+    return ROUNDINGS[name], bool(head)
+
+
 def rounded_model(base: Any, scheme: str) -> Any:
     """A copy of base with every layer linear (and lm_head for '+head') rounded by scheme."""
-    name, _, head = scheme.partition("+")
-    rounding = ROUNDINGS[name]
+    rounding, head = parse_scheme(scheme)
     model = copy.deepcopy(base)
     with torch.no_grad():
         for module in model.model.layers.modules():
@@ -123,9 +130,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    for scheme in args.schemes.split(","):
-        if scheme.partition("+")[0] not in ROUNDINGS or scheme.partition("+")[2] not in ("", "head"):
-            raise SystemExit(f"--schemes: {scheme!r} is not sym or asym, with or without +head")
+    try:
+        for scheme in args.schemes.split(","):
+            parse_scheme(scheme)  # every scheme checked before the model loads
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     torch.set_num_threads(args.threads)
     res = run(args)
     OUT.mkdir(parents=True, exist_ok=True)
