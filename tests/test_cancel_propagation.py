@@ -379,5 +379,11 @@ def _cancel_while_held(client: EngineClient, watcher: Any, service: EngineServic
     while sum((stats := _engine_stats(service))["finished"][k] for k in ("aborted", "length")) < 1:
         assert time.monotonic() < deadline, f"the victim did not end within {IDLE_DEADLINE_S}s: {stats}"
         time.sleep(0.0005)
+    steps = int(stats["iteration_counter"]) - start
     client.abort([blocker_rid])
-    return int(stats["iteration_counter"]) - start
+    # The abort is a message the engine takes on its own thread: stopping the loop before it lands left the
+    # blocker unfinished in one run (finished aborted 1, not 2).
+    while _engine_stats(service)["finished"]["aborted"] < 2:
+        assert time.monotonic() < deadline, "the blocker's abort did not land"
+        time.sleep(0.005)
+    return steps

@@ -50,12 +50,24 @@ def asymmetric(w: torch.Tensor) -> torch.Tensor:
 ROUNDINGS: dict[str, Rounding] = {"sym": symmetric, "asym": asymmetric}
 
 
+def in_groups(rounding: Rounding, group: int) -> Rounding:
+    """rounding applied to each run of `group` input columns of a row (a scale per group, as GGUF's Q8_0 with 32)."""
+    def grouped(w: torch.Tensor) -> torch.Tensor:
+        if w.shape[1] % group:  # else a group would straddle two rows
+            raise ValueError(f"--schemes: groups of {group} do not divide a weight's {w.shape[1]} input columns")
+        return rounding(w.reshape(-1, group)).reshape(w.shape)
+    return grouped
+
+
 def parse_scheme(scheme: str) -> tuple[Rounding, bool]:
-    """'sym' or 'asym', '+head' to round lm_head too: (the rounding, whether lm_head is rounded)."""
-    name, _, head = scheme.partition("+")
-    if name not in ROUNDINGS or head not in ("", "head"):
-        raise ValueError(f"--schemes: {scheme!r} is not sym or asym, with or without +head")
-    return ROUNDINGS[name], bool(head)
+    """'sym' or 'asym', '-gN' for a scale per N input columns (else per row), '+head' to round lm_head too:
+    (the rounding, whether lm_head is rounded)."""
+    body, _, head = scheme.partition("+")
+    name, _, group = body.partition("-g")
+    if name not in ROUNDINGS or head not in ("", "head") or (group and not (group.isdigit() and int(group) > 0)):
+        raise ValueError(f"--schemes: {scheme!r} is not sym or asym, optionally -gN (N > 0), with or without +head")
+    rounding = ROUNDINGS[name]
+    return (in_groups(rounding, int(group)) if group else rounding), bool(head)
 
 
 def rounded_model(base: Any, scheme: str) -> Any:
@@ -120,8 +132,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=ROOT / "build/smollm2", help="the float32 checkpoint")
     ap.add_argument("--prompt-set", choices=("chat", "peers"), default="chat", help="which prompts (above)")
-    ap.add_argument("--schemes", default="sym,sym+head,asym,asym+head", help="comma list: sym or asym, +head to "
-                    "round lm_head too")
+    ap.add_argument("--schemes", default="sym,sym+head,asym,asym+head", help="comma list: sym or asym, -gN for "
+                    "a scale per N input columns, +head to round lm_head too")
     ap.add_argument("--prompts", type=int, default=32, help="how many prompts")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
