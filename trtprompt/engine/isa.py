@@ -19,8 +19,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 ISA_ENV = "TRTPROMPT_KERNEL_ISA"
 
 
@@ -66,6 +64,10 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
                 return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
+    # Imported here only: `trtprompt serve` checks its options through this module, and importing torch took ~4 s
+    # of its start on a loaded 2-core host (the engine process imports torch meanwhile).
+    import torch
+
     return _TORCH_CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), frozenset())
 
 
