@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import pytest
 
 from real_model_fixtures import REAL_CKPT, ROOT, build_engine
@@ -310,3 +311,28 @@ def test_gguf_paths(tmp_path: Path) -> None:
     write_gguf_header(tmp_path / "n.gguf", "llama", {})
     with pytest.raises(CheckpointError, match="exactly one .gguf file"):
         gguf_file(tmp_path)
+
+
+def test_a_conversion_parses_each_gguf_file_once_and_leaves_gguf_as_it_was(tmp_path: Path) -> None:
+    """transformers constructs gguf-py's reader three times per conversion and its name map once per module;
+    inside the conversion both are memoized, and afterwards the gguf module is as it was."""
+    gguf_py = pytest.importorskip("gguf")
+    from trtprompt.gguf import _parsed_once
+
+    writer = gguf_py.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader, name_map = gguf_py.GGUFReader, gguf_py.get_tensor_name_map
+    with _parsed_once():
+        first = gguf_py.GGUFReader(tmp_path / "m.gguf")
+        assert gguf_py.GGUFReader(str(tmp_path / "m.gguf")) is first  # the same file however it is named
+        assert [t.name for t in first.tensors] == ["token_embd.weight"]
+        arch = gguf_py.MODEL_ARCH.LLAMA
+        assert gguf_py.get_tensor_name_map(arch, 2) is gguf_py.get_tensor_name_map(arch, 2)
+        assert gguf_py.get_tensor_name_map(arch, 3) is not gguf_py.get_tensor_name_map(arch, 2)
+    assert (gguf_py.GGUFReader, gguf_py.get_tensor_name_map) == (reader, name_map)
+    assert gguf_py.GGUFReader(tmp_path / "m.gguf") is not first
