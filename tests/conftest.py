@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -53,6 +55,28 @@ def llmapi_engine(tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory
     result = CliRunner().invoke(main, ["build", str(tiny_checkpoint_factory("llama")), "-o", str(out), "--target",
                                        "trtllm", "--trtllm-api", "llmapi", "--max-seq-len", "2048", "--no-progress"])
     assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="session")
+def wide_checkpoint(tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama checkpoint widened so that every layer linear has 128 or 256 input columns (the tiny
+    one's 64 only take groups of 32 and 64): its tokenizer, random weights of the shapes config.json implies.
+    The grouped quantizations' tests (int4_wo, int8_wo with int8_group_size) build it. Read-only."""
+    import torch
+    from safetensors.torch import save_file
+
+    from trtprompt.checkpoint import expected_weight_shapes, read_checkpoint
+
+    out = tmp_path_factory.mktemp("wide") / "wide"
+    shutil.copytree(tiny_checkpoint_factory("llama"), out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(hidden_size=128, intermediate_size=256, head_dim=32)
+    (out / "config.json").write_text(json.dumps(cfg))
+    gen = torch.Generator().manual_seed(0)
+    shapes = expected_weight_shapes(read_checkpoint(out).pretrained_config)
+    save_file({name: torch.randn(shape, generator=gen) * 0.3 for name, shape in shapes.items()},
+              str(out / "model.safetensors"))
     return out
 
 

@@ -4,18 +4,17 @@ records, and what it refuses; and that the engine it makes gives the greedy toke
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from trtprompt import knobs
 from trtprompt.build import BuildRequest, run_build
-from trtprompt.checkpoint import expected_weight_shapes, is_layer_linear, read_checkpoint
+from trtprompt.checkpoint import is_layer_linear, read_checkpoint
 from trtprompt.cli import main
 from trtprompt.engine.quant_int4 import INT4_GROUP_SIZES, dequantize_int4, group_of
 from trtprompt.errors import CheckpointError, PlanError, ProfileError
@@ -23,22 +22,6 @@ from trtprompt.plan import make_plan
 from trtprompt.profile import Profile
 
 LINEARS_PER_LAYER = 7
-
-
-@pytest.fixture(scope="module")
-def wide_checkpoint(tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama checkpoint widened so that every layer linear has 128 or 256 input columns (the tiny
-    one's 64 only take groups of 32 and 64): its tokenizer, random weights of the shapes config.json implies."""
-    out = tmp_path_factory.mktemp("int4") / "wide"
-    shutil.copytree(tiny_checkpoint_factory("llama"), out)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg.update(hidden_size=128, intermediate_size=256, head_dim=32)
-    (out / "config.json").write_text(json.dumps(cfg))
-    gen = torch.Generator().manual_seed(0)
-    shapes = expected_weight_shapes(read_checkpoint(out).pretrained_config)
-    save_file({name: torch.randn(shape, generator=gen) * 0.3 for name, shape in shapes.items()},
-              str(out / "model.safetensors"))
-    return out
 
 
 def _build(ckpt: Path, out: Path, *args: str) -> Path:

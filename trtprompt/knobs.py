@@ -27,7 +27,8 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8_wo", "int8_w8a8", "int4_wo", "fp8", "int4_awq")
 # The int4_wo group sizes the engine's kernel unpacks (multiples of 2 x 16 lanes). Declared here, not imported
 # from engine/quant_int4.py, because this module is standard library only (the CLI and the Triton stubs import
-# it without torch); tests/test_build_int4.py checks the two tuples are equal.
+# it without torch); tests/test_build_int4.py checks the two tuples are equal. int8_group_size takes the same
+# sizes (the kernels' group loops step by whole vectors).
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 # auto: the engine's dtype; int8: int8 K/V with a float16 scale per (token, kv head) (torch target;
 # TensorRT-LLM's kv_cache_quant_algo INT8, vLLM's --kv-cache-dtype). docs/quantization.md, "KV cache int8".
@@ -183,6 +184,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _k("int4_group_size", "build", int, 32, "int4_wo only: the int4_wo group size, TensorRT-LLM's group_size "
        "(input columns sharing one scale); smaller groups keep more quality and cost one float32 scale per group.",
        choices=INT4_GROUP_SIZES),
+    # GGUF's Q8_0 layout with 32: int8 symmetric in groups of input columns. Recorded in config.json as
+    # quantization.group_size beside quant_algo W8A16 (engine/quant_w8a8.py, quantize_int8_groups).
+    _k("int8_group_size", "build", int, None, "int8_wo only: a float32 scale per group of this many input "
+       "columns instead of one per output row (32: GGUF's Q8_0 layout); finer rounding for ~4 / size more bytes "
+       "a weight (docs/quantization.md, 'int8 in groups'). Unset: a scale per row.", choices=INT4_GROUP_SIZES,
+       nullable=True),
     # TensorRT-LLM's quantize_and_export(quantize_lm_head=...); OpenVINO's int8 export compresses lm_head too.
     _k("quantize_lm_head", "build", bool, False, "int8_wo only: lm_head in int8 as well, a scale per vocabulary "
        "row (a tied checkpoint keeps its float embedding beside the int8 copy): a one-request step reads ~a fifth "

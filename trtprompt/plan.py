@@ -83,6 +83,7 @@ class BuildPlan:
     kv_cache_dtype: str = "auto"  # knobs.KV_CACHE_DTYPES
     int4_group_size: int | None = None  # input columns per int4 scale (int4_wo only; None: no int4 weights)
     quantize_lm_head: bool = False  # lm_head int8 too (int8_wo on the torch target only)
+    int8_group_size: int | None = None  # input columns per int8 scale (int8_wo only; None: a scale per row)
     # max_lora_rank, and the adapters build --lora-dir put in the engine, checked against the base (lora_build.py)
     lora: LoraPlan = LoraPlan(KNOBS["max_lora_rank"].default)
 
@@ -159,18 +160,19 @@ def resolve_bounds(pc: Mapping[str, Any], profile: Profile) -> BuildBounds:
 
 
 def weight_bytes(pc: Mapping[str, Any], dtype: str, quantization: str, int4_group_size: int | None = None,
-                 quantize_lm_head: bool = False) -> int:
-    """Bytes of the engine's weights: int8 + a float32 scale per row for int8 linears, half a byte per weight
-    + a float32 scale and minimum per group of int4_group_size for int4 ones; with quantize_lm_head, lm_head's
-    int8 copy (beside the embedding it may be tied to)."""
+                 quantize_lm_head: bool = False, int8_group_size: int | None = None) -> int:
+    """Bytes of the engine's weights: int8 + a float32 scale per row (or per group of int8_group_size) for int8
+    linears, half a byte per weight + a float32 scale and minimum per group of int4_group_size for int4 ones;
+    with quantize_lm_head, lm_head's int8 copy (beside the embedding it may be tied to)."""
     vocab, hidden = pc["vocab_size"], pc["hidden_size"]
-    total = vocab * hidden + 4 * vocab if quantize_lm_head else 0
+    scales = hidden // int8_group_size if int8_group_size else 1  # float32 scales per int8 row
+    total = vocab * hidden + 4 * vocab * scales if quantize_lm_head else 0
     for name, shape in expected_weight_shapes(pc).items():
         count = math.prod(shape)
         if quantize_lm_head and name == "lm_head.weight":
             continue  # counted above
         if quantization in INT8_WEIGHT_QUANTIZATIONS and is_layer_linear(name):
-            total += count + 4 * shape[0]
+            total += count + 4 * shape[0] * (shape[1] // int8_group_size if int8_group_size else 1)
         elif quantization in INT4_WEIGHT_QUANTIZATIONS and is_layer_linear(name) and int4_group_size:
             total += count // 2 + 2 * 4 * shape[0] * (shape[1] // int4_group_size)
         else:
@@ -182,6 +184,12 @@ def int4_group_size(profile: Profile) -> int | None:
     """The group size int4 weights are built with; None when the quantization stores no int4 weights (the knob
     keeps its default then, and nothing records it)."""
     return profile.int4_group_size if profile.quantization in INT4_WEIGHT_QUANTIZATIONS else None
+
+
+def int8_group_size(profile: Profile) -> int | None:
+    """The group size int8_wo's weights are built with; None: a scale per row (the plan refuses the knob with
+    any other quantization)."""
+    return profile.int8_group_size if profile.quantization == "int8_wo" else None
 
 
 def resolve_dtype(profile: Profile, source_dtype: str, target: str) -> str:
@@ -209,6 +217,10 @@ def _check_target(profile: Profile, target: str) -> None:
     if profile.quantize_lm_head and (profile.quantization != "int8_wo" or target != "torch"):
         raise PlanError(f"quantize_lm_head quantizes lm_head as int8_wo does the layer linears: it needs quantization "
                         f"int8_wo on the torch target (got quantization {profile.quantization} on the {target} target)")
+    if profile.int8_group_size is not None and (profile.quantization != "int8_wo" or target != "torch"):
+        raise PlanError(f"int8_group_size {profile.int8_group_size} groups int8_wo's scales: it needs quantization "
+                        f"int8_wo on the torch target (got quantization {profile.quantization} on the {target} "
+                        "target)")
     if target != "torch" and profile.kv_cache_dtype != "auto":
         raise PlanError(f"kv_cache_dtype {profile.kv_cache_dtype} is available on the torch target only; "
                         f"the {target} target keeps the KV cache in the engine dtype (kv_cache_dtype auto)")
@@ -227,7 +239,8 @@ def memory_plan(pc: Mapping[str, Any], profile: Profile, bounds: BuildBounds, dt
     tokens, blocks = pool if pool is not None else (None, None)
     per_seq = math.ceil(bounds.max_seq_len / tpb)
     return MemoryPlan(
-        weight_bytes=weight_bytes(pc, dtype, profile.quantization, int4_group_size(profile), profile.quantize_lm_head),
+        weight_bytes=weight_bytes(pc, dtype, profile.quantization, int4_group_size(profile), profile.quantize_lm_head,
+                                  int8_group_size(profile)),
         kv_bytes_per_token=per_token, bytes_per_block=per_token * tpb,
         kv_budget_bytes=kv_budget_bytes, kv_budget_source=budget_source,
         kv_cache_tokens=tokens, num_blocks=blocks, blocks_per_sequence=per_seq,
@@ -271,4 +284,5 @@ def make_plan(pc: Mapping[str, Any], profile: Profile, target: str, source_dtype
     runtime_input = rules.max_input_len(bounds.max_seq_len, bounds.max_num_tokens, profile.enable_chunked_context)
     return BuildPlan(target, dtype, profile.quantization, QUANT_ALGOS[profile.quantization], bounds, mem,
                      runtime_input, _warnings(profile, bounds, dtype, target), profile.kv_cache_dtype,
-                     int4_group_size(profile), profile.quantize_lm_head, plan_lora(lora, pc, profile.max_lora_rank))
+                     int4_group_size(profile), profile.quantize_lm_head, int8_group_size(profile),
+                     plan_lora(lora, pc, profile.max_lora_rank))

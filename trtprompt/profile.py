@@ -42,6 +42,7 @@ class Profile(knobs.RuntimePolicy):
     dtype: str | None = knobs.default("dtype")
     quantization: str = knobs.default("quantization")
     int4_group_size: int = knobs.default("int4_group_size")
+    int8_group_size: int | None = knobs.default("int8_group_size")
     quantize_lm_head: bool = knobs.default("quantize_lm_head")
     smoothquant_alpha: float | None = knobs.default("smoothquant_alpha")
     kv_cache_dtype: str = knobs.default("kv_cache_dtype")

@@ -39,7 +39,7 @@ from trtprompt.engine.panel_linear import (
     panels_fit,
 )
 from trtprompt.engine.quant_int4 import dequantize_int4, group_of
-from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, make_w8a8_linear
+from trtprompt.engine.quant_w8a8 import LEGACY_BITS, W8A8Bits, dequantize_int8, make_w8a8_linear
 
 LINEAR_BACKENDS: tuple[str, ...] = ("onednn", "reference")
 # Rows a weight-only call runs on the few-rows kernel (passes of 8); above, the weight is dequantized for a
@@ -153,10 +153,11 @@ class DenseFewRowsLinear(OneDnnLinear):
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The float weight of int8 [out, in] + scale [out], or of packed int4 (uint8) + [out, groups, 2]."""
+    """The float weight of int8 [out, in] + scale [out] or [out, groups], or of packed int4 (uint8) + [out, groups,
+    2]."""
     if qweight.dtype == torch.uint8:
         return dequantize_int4(qweight, scale, dtype)
-    return (qweight.float() * scale.float()[:, None]).to(dtype)
+    return dequantize_int8(qweight, scale, dtype)
 
 
 def few_rows_available(dtype: torch.dtype, device: torch.device, in_features: int) -> bool:
@@ -170,30 +171,39 @@ def few_rows_available(dtype: torch.dtype, device: torch.device, in_features: in
 
 
 class WeightOnlyLinear(torch.nn.Module):
-    """int8 [out, in] + scale [out], or packed int4 [out, in / 2] + (scale, minimum) [out, groups, 2], kept
-    quantized. With bf16 activations where AMX runs (amx_linear.py) the weight is also kept in AMX's tile
-    layout (its quantized bytes a second time): calls of `amx_rows` rows run there."""
+    """int8 [out, in] + scale [out] or [out, groups], or packed int4 [out, in / 2] + (scale, minimum) [out, groups,
+    2], kept quantized. With bf16 activations where AMX runs (amx_linear.py) the weight is also kept in AMX's tile
+    layout (its quantized bytes a second time): calls of `amx_rows` rows run there (not grouped int8: the AMX
+    kernel scales whole rows)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.qweight, self.scale = qweight.contiguous(), scale.float().contiguous()
         self.int4 = qweight.dtype == torch.uint8
-        self.group = group_of(qweight, scale) if self.int4 else 0
+        int8_groups = not self.int4 and scale.dim() == 2
+        self.group = 0  # input columns per scale: int4's group, grouped int8's, or 0 for a scale per row
+        if self.int4:
+            self.group = group_of(qweight, scale)
+        elif int8_groups:
+            self.group = qweight.shape[1] // scale.shape[1]
         self.bias, self.dtype = bias, dtype
         out_features, in_features = qweight.shape[0], qweight.shape[1] * (2 if self.int4 else 1)
         self.tiles: torch.Tensor | None = None
         self.tile_scale = self.scale  # int8: the row scale; int4: its (scale, minimum) per tile
         self.amx_rows = AMX_INT4_ROWS if self.int4 else AMX_INT8_ROWS
-        if amx_available(dtype, qweight.device, out_features, in_features):
+        if not int8_groups and amx_available(dtype, qweight.device, out_features, in_features):
             if self.int4:
                 self.tiles, self.tile_scale = pack_int4_tiles(self.qweight, self.scale)
             else:
                 self.tiles = pack_tiles(self.qweight)
         width = panel_width()
         self.panels: torch.Tensor | None = None  # int8 where the panel kernel runs and AMX does not
+        self.panel_scale = self.scale  # the row scale, or grouped scales packed as the panels are
         if self.tiles is None and not self.int4 and width is not None and panels_fit(qweight, width):
             self.panels = pack_panels(self.qweight, width)
+            if int8_groups:
+                self.panel_scale = pack_panels(self.scale, width)
         self.bias_f32 = float_bias(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +215,7 @@ class WeightOnlyLinear(torch.nn.Module):
                                                                self.bias_f32)
             return out
         if self.panels is not None and m in PANEL_INT8_ROWS:
-            out = torch.ops.trtprompt.panel_linear(x.contiguous(), self.panels, self.scale, self.bias_f32)
+            out = torch.ops.trtprompt.panel_linear(x.contiguous(), self.panels, self.panel_scale, self.bias_f32)
             return out
         if m <= FEW_ROWS_MAX:
             out = torch.ops.trtprompt.few_rows_linear(x.contiguous(), self.qweight, self.scale, self.group)

@@ -148,7 +148,8 @@ class DecoderModel(torch.nn.Module):
         self.lm_head: torch.nn.Module | None = None
         self.w8a8_backend: str | None = None  # the int8 GEMM of W8A8 linears (quant_w8a8.py); None: not W8A8
         self.w8a8_bits = LEGACY_BITS  # their weight / activation bit split (config.json records it)
-        self.group_size: int | None = None  # int4 weights' group (W4A16); None: not int4
+        self.group_size: int | None = None  # int4 weights' group (W4A16) or grouped int8's (W8A16); None: neither
+        self.int4 = False  # the layer linears are packed int4 (W4A16)
 
     # -- weights -----------------------------------------------------------------
 
@@ -166,7 +167,7 @@ class DecoderModel(torch.nn.Module):
 
         def lin(name: str, out_features: int, in_features: int) -> LinearWeights:
             return take_linear(tensors, p + name, (out_features, in_features), self.dtype, self.device, quantized,
-                               self.group_size)
+                               self.group_size, self.int4)
 
         qkv = fuse_linears([lin("self_attn.q_proj", c.num_attention_heads * d, h),
                             lin("self_attn.k_proj", c.num_key_value_heads * d, h),
@@ -184,15 +185,17 @@ class DecoderModel(torch.nn.Module):
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], quant_algo: str | None = None,
                      w8a8_bits: W8A8Bits = LEGACY_BITS, group_size: int | None = None) -> None:
-        """Load HF-named tensors; with a quant_algo the layer linears are int8 + `<name>_scale` (W4A16: packed
-        int4 in groups of group_size, which it needs)."""
+        """Load HF-named tensors; with a quant_algo the layer linears are int8 + `<name>_scale` (a scale per group
+        of group_size input columns where W8A16 has one; W4A16: packed int4 in groups of group_size, which it
+        needs)."""
         check_quant_algo(quant_algo)
-        if (quant_algo == W4A16) != (group_size is not None):
+        if (quant_algo == W4A16 and group_size is None) or (quant_algo not in (W4A16, W8A16) and group_size):
             raise ValueError(f"quant_algo {quant_algo!r} with group_size {group_size!r}: W4A16 needs a group_size "
-                             "(config.json quantization.group_size), the other algos take none")
+                             f"(config.json quantization.group_size), {W8A16} may have one, the other algos take "
+                             "none")
         c = self.cfg
         quantized = quant_algo is not None
-        self.w8a8_bits, self.group_size = w8a8_bits, group_size
+        self.w8a8_bits, self.group_size, self.int4 = w8a8_bits, group_size, quant_algo == W4A16
         self.w8a8_backend = resolve_w8a8_backend(self.linear_backend, w8a8_bits) if quant_algo == W8A8 else None
         embed_shape = (c.vocab_size, c.hidden_size)
         self.embed_tokens = take_tensor(tensors, "model.embed_tokens.weight", embed_shape, self.dtype, self.device)
@@ -209,7 +212,7 @@ class DecoderModel(torch.nn.Module):
             if quant_algo != W8A16:
                 raise ValueError(f"an int8 lm_head (lm_head.weight_scale) goes with quant_algo {W8A16}, "
                                  f"not {quant_algo!r}")
-            lw = take_linear(tensors, "lm_head", shape, self.dtype, self.device, True)
+            lw = take_linear(tensors, "lm_head", shape, self.dtype, self.device, True, self.group_size)
             return make_linear(lw.weight, None, self.linear_backend, self.dtype, lw.scale, few_rows=False)
         assert self.embed_tokens is not None  # for mypy: load_weights sets it first
         head = self.embed_tokens if c.tie_word_embeddings else take_tensor(tensors, "lm_head.weight", shape,
@@ -274,8 +277,8 @@ def load_model_from_safetensors(path: str | Path, cfg: ModelConfig, dtype: torch
 def load_engine_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                       linear_backend: str, quantization: Mapping[str, Any] | None) -> DecoderModel:
     """The model of an engine whose config.json records `quantization` (its quant_algo, W8A8 bit split,
-    int4 group_size)."""
+    int4 or int8 group_size)."""
     q = quantization or {}
-    group = q.get("group_size") if q.get("quant_algo") == W4A16 else None
+    group = q.get("group_size") if q.get("quant_algo") in (W4A16, W8A16) else None
     return load_model_from_safetensors(path, cfg, dtype, device, linear_backend, q.get("quant_algo"), bits_of(q),
                                        None if group is None else int(group))

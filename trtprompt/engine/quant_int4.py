@@ -22,11 +22,12 @@ from trtprompt.knobs import INT4_GROUP_SIZES  # noqa: F401  (re-exported: the bu
 INT4_LEVELS = 15  # q in [0, 15]: w = q * scale + minimum
 
 
-def check_group(group: int, in_features: int) -> None:
+def check_group(group: int, in_features: int, what: str = "int4") -> None:
+    """what: whose group it is (int4_wo's, or grouped int8_wo's: the same sizes)."""
     if group not in INT4_GROUP_SIZES:
-        raise ValueError(f"int4 group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group}")
+        raise ValueError(f"{what} group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group}")
     if in_features % group:
-        raise ValueError(f"int4 group_size {group} does not divide the linear's {in_features} input columns")
+        raise ValueError(f"{what} group_size {group} does not divide the linear's {in_features} input columns")
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

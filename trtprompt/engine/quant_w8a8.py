@@ -103,6 +103,25 @@ def quantize_int8(weight: torch.Tensor, qmax: int = WEIGHT_QMAX) -> tuple[torch.
     return q.contiguous(), scale.contiguous()
 
 
+def quantize_int8_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8_wo with int8_group_size: each run of `group` input columns of a row rounded as quantize_int8 rounds a
+    row (GGUF's Q8_0 with 32): (int8 [out, in], float32 scale [out, in / group])."""
+    out_f, in_f = weight.shape
+    if in_f % group:
+        raise ValueError(f"int8_group_size {group} does not divide the linear's {in_f} input columns")
+    q, scale = quantize_int8(weight.reshape(-1, group))
+    return q.reshape(out_f, in_f), scale.reshape(out_f, in_f // group)
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight of int8 [out, in] with its scale per row [out] or per group [out, in / group]."""
+    s = scale.float()
+    if s.dim() == 1:
+        return (q.float() * s[:, None]).to(dtype)
+    out_f, groups = s.shape
+    return (q.float().reshape(out_f, groups, -1) * s[..., None]).reshape(q.shape).to(dtype)
+
+
 def bits_of(quantization: Mapping[str, Any] | None) -> W8A8Bits:
     """The split config.json's pretrained_config.quantization records (absent: LEGACY_BITS)."""
     q = quantization or {}

@@ -28,7 +28,8 @@ QUANT_ALGOS: tuple[str, ...] = (W8A16, W8A8, W4A16)
 class LinearWeights:
     weight: torch.Tensor  # [out, in]: engine dtype, or int8 when scale is set; uint8 [out, in / 2]: int4
     bias: torch.Tensor | None
-    scale: torch.Tensor | None  # float32 [out] for the int8 algos, [out, in / group_size, 2] for int4
+    # float32 [out] for the int8 algos ([out, in / group_size] grouped), [out, in / group_size, 2] for int4
+    scale: torch.Tensor | None
 
 
 def check_quant_algo(quant_algo: str | None) -> None:
@@ -47,32 +48,35 @@ def take_tensor(tensors: Mapping[str, torch.Tensor], name: str, shape: Sequence[
 
 
 def _take_quantized(tensors: Mapping[str, torch.Tensor], name: str, shape: Sequence[int],
-                    device: torch.device, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [out, in] + scale [out]; with group_size, packed int4 [out, in / 2] + (scale, minimum)
-    [out, in / group_size, 2]."""
+                    device: torch.device, group_size: int | None, int4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [out, in] + scale [out], or [out, in / group_size] with a group_size (int8_wo's int8_group_size);
+    int4: packed int4 [out, in / 2] + (scale, minimum) [out, in / group_size, 2]."""
     key = f"{name}.weight"
-    stored = torch.int8 if group_size is None else torch.uint8
+    stored = torch.uint8 if int4 else torch.int8
     if key in tensors and tensors[key].dtype != stored:
         want = str(stored).removeprefix("torch.")
         raise ValueError(f"quantized weight {key!r} must be {want}, got {tensors[key].dtype}")
+    out_f, in_f = shape
     if group_size is None:
         return (take_tensor(tensors, key, shape, torch.int8, device),
                 take_tensor(tensors, f"{key}_scale", shape[:1], torch.float32, device))
-    out_f, in_f = shape
-    check_group(group_size, in_f)
+    check_group(group_size, in_f, "int4" if int4 else "int8")
+    if not int4:
+        return (take_tensor(tensors, key, shape, torch.int8, device),
+                take_tensor(tensors, f"{key}_scale", (out_f, in_f // group_size), torch.float32, device))
     return (take_tensor(tensors, key, (out_f, in_f // 2), torch.uint8, device),
             take_tensor(tensors, f"{key}_scale", (out_f, in_f // group_size, 2), torch.float32, device))
 
 
 def take_linear(tensors: Mapping[str, torch.Tensor], name: str, shape: Sequence[int],
                 dtype: torch.dtype, device: torch.device, quantized: bool,
-                group_size: int | None = None) -> LinearWeights:
-    """`name` without '.weight'; the bias is loaded whenever the checkpoint has one. group_size: int4's
-    (quantized only)."""
+                group_size: int | None = None, int4: bool = False) -> LinearWeights:
+    """`name` without '.weight'; the bias is loaded whenever the checkpoint has one. group_size: the int8 or int4
+    (int4 True) weights' group (quantized only; int4 needs one)."""
     bias_key = f"{name}.bias"
     bias = take_tensor(tensors, bias_key, shape[:1], dtype, device) if bias_key in tensors else None
     if quantized:
-        weight, scale = _take_quantized(tensors, name, shape, device, group_size)
+        weight, scale = _take_quantized(tensors, name, shape, device, group_size, int4)
         return LinearWeights(weight, bias, scale)
     key = f"{name}.weight"
     if key in tensors and tensors[key].dtype in (torch.int8, torch.uint8):

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from trtprompt.checkpoint import Checkpoint, expected_weight_shapes, is_layer_linear, iter_tensors
 from trtprompt.engine.quant_int4 import quantize_int4
-from trtprompt.engine.quant_w8a8 import BUILD_BITS, WEIGHT_QMAX, quantize_int8
+from trtprompt.engine.quant_w8a8 import BUILD_BITS, WEIGHT_QMAX, quantize_int8, quantize_int8_groups
 from trtprompt.errors import CheckpointError
 from trtprompt.plan import INT4_WEIGHT_QUANTIZATIONS, INT8_WEIGHT_QUANTIZATIONS
 from trtprompt.targets.smoothquant import SmoothQuantRecord, smooth
@@ -49,22 +49,27 @@ def _convert_one(name: str, tensor: torch.Tensor, dtype: torch.dtype,
     return {name: tensor.to(dtype).contiguous()}
 
 
-def _quantizer(quantization: str, int4_group_size: int | None) -> Quantizer | None:
+def _quantizer(quantization: str, group_size: int | None) -> Quantizer | None:
+    """group_size: int4_wo's int4_group_size, or int8_wo's int8_group_size (None: int8 scales per row)."""
     if quantization in INT4_WEIGHT_QUANTIZATIONS:
-        if int4_group_size is None:
+        if group_size is None:
             raise ValueError(f"quantization {quantization} needs int4_group_size")
-        group = int4_group_size
+        group = group_size
         return lambda w: quantize_int4(w, group)
+    if quantization == "int8_wo" and group_size is not None:
+        int8_group = group_size
+        return lambda w: quantize_int8_groups(w, int8_group)
     qmax = _weight_qmax(quantization)
     return None if qmax is None else lambda w: quantize_int8(w, qmax)
 
 
-def check_int4_groups(ckpt: Checkpoint, pc: Mapping[str, Any], group: int) -> None:
-    """Refuse, before reading any weight, a layer linear whose input columns the group does not divide."""
+def check_groups(ckpt: Checkpoint, pc: Mapping[str, Any], group: int, knob: str) -> None:
+    """Refuse, before reading any weight, a layer linear whose input columns the group (the value of `knob`) does
+    not divide."""
     for name, shape in expected_weight_shapes(pc).items():
         if is_layer_linear(name) and shape[1] % group:
-            raise CheckpointError(f"{ckpt.path}: tensor {name!r} has in_features {shape[1]}, which int4_group_size "
-                                  f"{group} does not divide; choose an int4_group_size that divides every layer "
+            raise CheckpointError(f"{ckpt.path}: tensor {name!r} has in_features {shape[1]}, which {knob} "
+                                  f"{group} does not divide; choose an {knob} that divides every layer "
                                   "linear's input columns")
 
 
@@ -84,15 +89,17 @@ def _tokenizer_json(ckpt: Checkpoint) -> Path:
 
 def convert_weights(ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str, quantization: str,
                     progress: bool = True, smoothquant_alpha: float | None = None,
-                    int4_group_size: int | None = None,
+                    group_size: int | None = None,
                     quantize_lm_head: bool = False) -> tuple[dict[str, torch.Tensor], SmoothQuantRecord | None]:
     """Every expected tensor, shape-checked and cast (unknown tensors are an error, not dropped), and how
     int8_w8a8's weights were smoothed (smoothquant_alpha None: searched per linear; other quantizations: None).
-    int4_group_size: int4_wo's group (the plan's; None for the other quantizations). quantize_lm_head (int8_wo):
-    lm_head as int8 + `lm_head.weight_scale` too, from the embedding where the checkpoint ties them."""
-    quantize = _quantizer(quantization, int4_group_size)
-    if quantization in INT4_WEIGHT_QUANTIZATIONS and int4_group_size is not None:
-        check_int4_groups(ckpt, pc, int4_group_size)
+    group_size: int4_wo's or int8_wo's group (the plan's; None for int8 scales per row and the other
+    quantizations). quantize_lm_head (int8_wo): lm_head as int8 + `lm_head.weight_scale` too, from the embedding
+    where the checkpoint ties them, grouped as the layer linears are."""
+    quantize = _quantizer(quantization, group_size)
+    if group_size is not None:
+        check_groups(ckpt, pc, group_size, "int4_group_size" if quantization in INT4_WEIGHT_QUANTIZATIONS
+                     else "int8_group_size")
     tensors = _read_tensors(ckpt, pc, progress)
     record = None
     if quantization == "int8_w8a8":
@@ -100,16 +107,17 @@ def convert_weights(ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str, quantiz
     target = TORCH_DTYPES[dtype]
     out: dict[str, torch.Tensor] = {}
     if quantize_lm_head:
-        out.update(_quantized_head(tensors, quantization))
+        out.update(_quantized_head(tensors, quantization, group_size))
     for name in list(tensors):  # popped as converted: the read copy of each tensor goes as its output comes
         out.update(_convert_one(name, tensors.pop(name), target, quantize))
     return out, record
 
 
-def _quantized_head(tensors: dict[str, torch.Tensor], quantization: str) -> dict[str, torch.Tensor]:
-    """lm_head.weight (taken out of tensors; a tied checkpoint's embedding stays) as int8 + its row scale, as
+def _quantized_head(tensors: dict[str, torch.Tensor], quantization: str,
+                    group_size: int | None) -> dict[str, torch.Tensor]:
+    """lm_head.weight (taken out of tensors; a tied checkpoint's embedding stays) as int8 + its scales, as
     int8_wo quantizes a layer linear (the plan allows no other quantization)."""
-    quantize = _quantizer(quantization, None)
+    quantize = _quantizer(quantization, group_size)
     if quantization != "int8_wo" or quantize is None:
         raise ValueError(f"quantize_lm_head needs quantization int8_wo, got {quantization}")
     head = tensors.pop("lm_head.weight", None)
@@ -146,16 +154,17 @@ def w8a8_config_entries(record: SmoothQuantRecord | None) -> dict[str, Any]:
     return {**BUILD_BITS.to_config(), **(record.config_entries() if record is not None else {})}
 
 
-def int4_config_entries(group: int) -> dict[str, Any]:
-    """What an int4_wo engine's pretrained_config.quantization adds: TensorRT-LLM's group_size."""
+def group_config_entries(group: int) -> dict[str, Any]:
+    """What an int4_wo engine's (or a grouped int8_wo one's) pretrained_config.quantization adds: TensorRT-LLM's
+    group_size."""
     return {"group_size": group}
 
 
 def write_weights(out_dir: Path, ckpt: Checkpoint, pc: Mapping[str, Any], dtype: str,
                   quantization: str, progress: bool = True, smoothquant_alpha: float | None = None,
-                  int4_group_size: int | None = None, quantize_lm_head: bool = False) -> SmoothQuantRecord | None:
+                  group_size: int | None = None, quantize_lm_head: bool = False) -> SmoothQuantRecord | None:
     """Write rank0.safetensors; returns how its int8_w8a8 weights were smoothed (None: not smoothed)."""
-    tensors, record = convert_weights(ckpt, pc, dtype, quantization, progress, smoothquant_alpha, int4_group_size,
+    tensors, record = convert_weights(ckpt, pc, dtype, quantization, progress, smoothquant_alpha, group_size,
                                       quantize_lm_head)
     save_file(tensors, str(out_dir / WEIGHTS_FILE),
               metadata={"format": "pt", "dtype": dtype, "quantization": quantization})

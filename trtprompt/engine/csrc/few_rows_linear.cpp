@@ -7,6 +7,8 @@
 // split between threads, a float32 dot product per (row of x, row of W). Weight formats:
 //   float32 / bfloat16 [N, K]                    the engine dtype's weight
 //   int8 [N, K] + float32 scale [N]              per output channel (int8_wo, W8A16)
+//   int8 [N, K] + float32 scale [N, K / G]       per group of G input columns (int8_wo with int8_group_size):
+//       each widened weight vector times its group's scale (one multiply per vector, shared by the M rows)
 //   uint8 [N, K / 2] + float32 [N, K / G, 2]     int4 in groups of G columns (int4_wo, W4A16):
 //       value = nibble * scale + minimum, (scale, minimum) per group; within a group, byte b holds
 //       column b (low nibble) and column b + G / 2 (high nibble): a vector of bytes unpacks into two
@@ -57,6 +59,18 @@ struct Int8Weight {
   const int8_t* w;
   int64_t k_dim, rows;
   vf at(int64_t n, int64_t k) const { return __builtin_convertvector(widen_s8(w + n * k_dim + k), vf); }
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * k_dim); }
+  static constexpr int64_t kBytes = sizeof(int8_t);
+};
+
+struct Int8GroupWeight {
+  const int8_t* w;
+  int64_t k_dim, rows;
+  const float* scale;  // [N, K / G]
+  int shift;           // log2(G): the group sizes are powers of two
+  vf at(int64_t n, int64_t k) const {
+    return __builtin_convertvector(widen_s8(w + n * k_dim + k), vf) * (vf{} + scale[(n * k_dim + k) >> shift]);
+  }
   const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * k_dim); }
   static constexpr int64_t kBytes = sizeof(int8_t);
 };
@@ -220,13 +234,19 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
                 "few_rows_linear: int4 group (", group, ") must divide K and be a multiple of ", 2 * kLanes);
     TORCH_CHECK(scale->numel() == n_dim * (k_dim / group) * 2,
                 "few_rows_linear: int4 scale must be [N, K / group, 2]: (scale, minimum) per group");
+  } else if (scaled && group > 0) {
+    TORCH_CHECK((group & (group - 1)) == 0 && group % kLanes == 0 && k_dim % group == 0,
+                "few_rows_linear: int8 group (", group, ") must be a power of two dividing K and a multiple of ",
+                kLanes);
+    TORCH_CHECK(scale->numel() == n_dim * (k_dim / group), "few_rows_linear: grouped int8 scale must be [N, K / group]");
   } else if (scaled) {
     TORCH_CHECK(scale->numel() == n_dim, "few_rows_linear: int8 scale must be [N]");
   }
   at::Tensor out = at::empty({x.size(0), n_dim}, x.options());
   std::vector<float> xf(x.size(0) * k_dim);
   x_as_float(x, xf.data());
-  const float* row_scale = (scaled && !int4) ? scale->data_ptr<float>() : nullptr;
+  const bool int8_groups = scaled && !int4 && group > 0;
+  const float* row_scale = (scaled && !int4 && !int8_groups) ? scale->data_ptr<float>() : nullptr;
   // Each task's rows of W are read from memory once: every pass of kRowsPerPass rows of x runs over them
   // while they are in cache (a task's 16 rows take 9-98 KB on SmolLM2), rather than each pass streaming W.
   for_each_task(n_dim, [&](int64_t n0, int64_t n1, float* buf) {
@@ -245,7 +265,13 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
                         n0, n1, buf);
             break;
           case at::kChar:
-            dot_rows<M>(xp, k_dim, Int8Weight{weight.data_ptr<int8_t>(), k_dim, n_dim}, n0, n1, buf);
+            if (int8_groups)
+              dot_rows<M>(xp, k_dim,
+                          Int8GroupWeight{weight.data_ptr<int8_t>(), k_dim, n_dim, scale->data_ptr<float>(),
+                                          __builtin_ctzll(group)},
+                          n0, n1, buf);
+            else
+              dot_rows<M>(xp, k_dim, Int8Weight{weight.data_ptr<int8_t>(), k_dim, n_dim}, n0, n1, buf);
             break;
           default:
             dot_rows_int4<M>(xp, k_dim, weight.data_ptr<uint8_t>(), scale->data_ptr<float>(), group, n_dim, n0,

@@ -10,6 +10,8 @@
 // Weight formats:
 //   float32 [N / P, K, P]                    the float32 engine's weight
 //   int8 [N / P, K, P] + float32 scale [N]   per output channel (int8_wo), widened to float32 per vector
+//   int8 [N / P, K, P] + float32 scale [N / P, K / G, P]   a scale per group of G input columns (int8_wo with
+//       int8_group_size), each widened weight vector times its group's scales (the sums need no per-group pass)
 // x is float32 or bfloat16 [M, K]; y [M, N] in x's dtype, plus an optional float32 bias [N]. Design and
 // figures: docs/design.md, "Panel linear".
 #include <ATen/Parallel.h>
@@ -34,9 +36,11 @@ constexpr int64_t kPanel = 2 * kLanes;
 // variant's 16 (AVX2) or 32 (AVX-512) vector registers.
 constexpr int kBlockRows = kLanes == 16 ? 12 : 6;
 
+// A panel's weight vector (half 0 or 1 of its kPanel columns) at column k of K, as float32.
 struct F32Panels {
   const float* w;
-  vf at(int64_t i) const { return load(w + i); }
+  int64_t k_dim;
+  vf at(int64_t p, int64_t k, int half) const { return load(w + (p * k_dim + k) * kPanel + half * kLanes); }
   static constexpr int kRows = kBlockRows;
 };
 
@@ -44,7 +48,23 @@ struct F32Panels {
 // than it would spare), which ran 32 rows at 1.4x and 64 rows at 2x the float32 block's time.
 struct Int8Panels {
   const int8_t* w;
-  vf at(int64_t i) const { return __builtin_convertvector(widen_s8(w + i), vf); }
+  int64_t k_dim;
+  vf at(int64_t p, int64_t k, int half) const {
+    return __builtin_convertvector(widen_s8(w + (p * k_dim + k) * kPanel + half * kLanes), vf);
+  }
+  static constexpr int kRows = kBlockRows - 1;
+};
+
+// Grouped scales in panels as the weight: the scale vector is a memory operand of the multiply, no register more.
+struct Int8GroupPanels {
+  const int8_t* w;
+  const float* scale;  // [N / P, K / G, P]
+  int64_t k_dim;
+  int shift;  // log2(G): the group sizes are powers of two
+  vf at(int64_t p, int64_t k, int half) const {
+    const vf s = load(scale + (p * (k_dim >> shift) + (k >> shift)) * kPanel + half * kLanes);
+    return __builtin_convertvector(widen_s8(w + (p * k_dim + k) * kPanel + half * kLanes), vf) * s;
+  }
   static constexpr int kRows = kBlockRows - 1;
 };
 
@@ -76,10 +96,9 @@ void block(const float* x, int64_t k_dim, const W& w, int64_t p, int64_t r0, int
     acc0[r] = k0 == 0 ? vf{} : load(sums + (r0 + r) * kPanel);
     acc1[r] = k0 == 0 ? vf{} : load(sums + (r0 + r) * kPanel + kLanes);
   }
-  const int64_t base = p * k_dim * kPanel;
   const float* xr = x + r0 * k_dim;
   for (int64_t k = k0; k < k1; ++k) {
-    const vf w0 = w.at(base + k * kPanel), w1 = w.at(base + k * kPanel + kLanes);
+    const vf w0 = w.at(p, k, 0), w1 = w.at(p, k, 1);
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) {
       const vf xb = splat(xr[r * k_dim + k]);
@@ -149,18 +168,27 @@ void panels_times_rows(const float* x, int64_t m, int64_t k_dim, const W& w, int
   });
 }
 
+// group: input columns per int8 scale (0: a scale per output column, or a float32 weight).
 template <typename T>
-void run(const float* x, const at::Tensor& panels, const float* scale, const float* bias, at::Tensor& y) {
+void run(const float* x, const at::Tensor& panels, const float* scale, const float* bias, int64_t group,
+         at::Tensor& y) {
   const int64_t m = y.size(0), n_dim = y.size(1), k_dim = panels.size(1), count = panels.size(0);
+  if (group > 0) {
+    const Output<T> out{y.data_ptr<T>(), n_dim, nullptr, bias};
+    const Int8GroupPanels w{panels.data_ptr<int8_t>(), scale, k_dim, __builtin_ctzll(group)};
+    panels_times_rows(x, m, k_dim, w, count, out);
+    return;
+  }
   const Output<T> out{y.data_ptr<T>(), n_dim, scale, bias};
   if (panels.scalar_type() == at::kChar)
-    panels_times_rows(x, m, k_dim, Int8Panels{panels.data_ptr<int8_t>()}, count, out);
+    panels_times_rows(x, m, k_dim, Int8Panels{panels.data_ptr<int8_t>(), k_dim}, count, out);
   else
-    panels_times_rows(x, m, k_dim, F32Panels{panels.data_ptr<float>()}, count, out);
+    panels_times_rows(x, m, k_dim, F32Panels{panels.data_ptr<float>(), k_dim}, count, out);
 }
 
-void check_inputs(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& scale,
-                  const c10::optional<at::Tensor>& bias) {
+// The int8 scale's columns per group: 0 for a scale per output column, else G (the scale [N / P, K / G, P]).
+int64_t check_inputs(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& scale,
+                     const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "panel_linear: x must be a contiguous [M, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "panel_linear: x must be float32 or bfloat16");
@@ -169,18 +197,31 @@ void check_inputs(const at::Tensor& x, const at::Tensor& panels, const c10::opti
   TORCH_CHECK(panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kChar,
               "panel_linear: the weight must be float32 or int8");
   TORCH_CHECK(x.size(1) == panels.size(1), "panel_linear: x has ", x.size(1), " columns, the weight ", panels.size(1));
-  const int64_t n_dim = panels.size(0) * kPanel;
+  const int64_t n_dim = panels.size(0) * kPanel, k_dim = panels.size(1);
   const bool int8 = panels.scalar_type() == at::kChar;
   TORCH_CHECK(int8 == scale.has_value(), "panel_linear: an int8 weight needs its scale, a float32 one has none");
-  for (const auto* t : {&scale, &bias})
-    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() &&
-                                    (*t)->numel() == n_dim),
-                "panel_linear: scale and bias must be contiguous float32 [N]");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == n_dim),
+              "panel_linear: the bias must be contiguous float32 [N]");
+  if (!int8) return 0;
+  TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous(),
+              "panel_linear: the scale must be contiguous float32");
+  if (scale->dim() == 1) {
+    TORCH_CHECK(scale->numel() == n_dim, "panel_linear: a scale per output column must be [N]");
+    return 0;
+  }
+  TORCH_CHECK(scale->dim() == 3 && scale->size(0) == panels.size(0) && scale->size(2) == kPanel &&
+                  scale->size(1) > 0 && k_dim % scale->size(1) == 0,
+              "panel_linear: grouped scales must be panels [N / ", kPanel, ", K / G, ", kPanel, "]");
+  const int64_t group = k_dim / scale->size(1);
+  TORCH_CHECK((group & (group - 1)) == 0 && group % kLanes == 0,
+              "panel_linear: the group (", group, ") must be a power of two and a multiple of ", kLanes);
+  return group;
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& scale,
                         const c10::optional<at::Tensor>& bias) {
-  check_inputs(x, panels, scale, bias);
+  const int64_t group = check_inputs(x, panels, scale, bias);
   at::Tensor y = at::empty({x.size(0), panels.size(0) * kPanel}, x.options());
   if (x.size(0) == 0) return y;
   std::vector<float> converted;
@@ -195,9 +236,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10
   const float* s = scale.has_value() ? scale->data_ptr<float>() : nullptr;
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   if (y.scalar_type() == at::kFloat)
-    run<float>(xf, panels, s, b, y);
+    run<float>(xf, panels, s, b, group, y);
   else
-    run<c10::BFloat16>(xf, panels, s, b, y);
+    run<c10::BFloat16>(xf, panels, s, b, group, y);
   return y;
 }
 
