@@ -56,3 +56,15 @@ def test_rounded_model_rounds_the_layers_and_an_untied_head_only(tmp_path: Path)
         assert (model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()) == head
     with pytest.raises(ValueError, match=r"'int4\+head' is not sym or asym"):
         int8_schemes.parse_scheme("int4+head")
+
+
+def test_the_int8_scenario_names_grouped_int8_variants() -> None:
+    from trtprompt.bench.scenarios.int8 import parse_variant
+
+    grouped = parse_variant("wog32head")
+    assert (grouped.quantization, grouped.group, grouped.quantize_lm_head) == ("int8_wo", 32, True)
+    assert (parse_variant("wog64").group, parse_variant("wog64").quantize_lm_head) == (64, False)
+    assert (parse_variant("wohead").group, parse_variant("wohead").quantize_lm_head) == (None, True)
+    assert (parse_variant("int4g64").quantization, parse_variant("int4g64").group) == ("int4_wo", 64)
+    with pytest.raises(SystemExit, match="wo\\[gGROUP\\]\\[head\\]"):
+        parse_variant("wog")

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import statistics
 import time
 import warnings
@@ -212,13 +213,13 @@ class Variant:
     """fp32, int8_wo, int4_wo in groups, or int8_w8a8 at a bit split with SmoothQuant alpha (None: unsmoothed);
     "+bf16" on any of them builds a bfloat16 engine."""
 
-    spec: str  # "fp32", "wo", "wohead", "int4g32", "w8a7@none", "w7a8@0.5", "w7a8@0.5+skip1", "auto+bf16"
+    spec: str  # "fp32", "wo", "wohead", "wog32head", "int4g32", "w8a7@none", "w7a8@0.5", "w7a8@0.5+skip1", "auto+bf16"
     quantization: str
     bits: W8A8Bits | None = None
     alpha: float | None = None
     skip_first: int | None = None  # calibration tokens left out per sequence (None: the build's choice)
     search: bool = False  # alpha "auto": searched per linear (smoothquant.ALPHA_GRID)
-    group: int | None = None  # int4_wo's int4_group_size
+    group: int | None = None  # int4_wo's int4_group_size, or int8_wo's int8_group_size ("wogN")
     dtype: str = "float32"
     quantize_lm_head: bool = False  # "wohead": int8_wo with lm_head int8 too
 
@@ -227,8 +228,10 @@ def parse_variant(spec: str) -> Variant:
     base, bf16, _ = spec.partition("+bf16")
     if bf16:
         return dataclasses.replace(parse_variant(base), spec=spec, dtype="bfloat16")
-    if spec == "wohead":
-        return Variant(spec, "int8_wo", quantize_lm_head=True)
+    wo = re.fullmatch(r"wo(?:g(\d+))?(head)?", spec)
+    if wo is not None and (wo.group(1) or wo.group(2)):  # "wohead", "wog32", "wog32head"
+        return Variant(spec, "int8_wo", group=int(wo.group(1)) if wo.group(1) else None,
+                       quantize_lm_head=bool(wo.group(2)))
     if spec in ("fp32", "wo", "bf16"):
         return Variant(spec, "int8_wo" if spec == "wo" else "none", dtype="bfloat16" if spec == "bf16" else "float32")
     if spec.startswith("int4g") and spec[5:].isdigit():
@@ -236,7 +239,7 @@ def parse_variant(spec: str) -> Variant:
     split, _, rest = spec.partition("@")
     alpha, _, skip = rest.partition("+skip")
     if split not in SPLITS or not alpha:
-        raise SystemExit(f"variant {spec!r}: fp32, bf16, wo, wohead, int4gGROUP, or SPLIT@ALPHA[+skipN] with SPLIT in "
+        raise SystemExit(f"variant {spec!r}: fp32, bf16, wo[gGROUP][head], int4gGROUP, or SPLIT@ALPHA[+skipN] with SPLIT in "
                          f"{', '.join(SPLITS)}, ALPHA a number, none or auto, N the calibration tokens left out at "
                          "each sequence's start; +bf16 after any builds a bfloat16 engine")
     value = None if alpha in ("none", "auto") else float(alpha)
@@ -263,7 +266,8 @@ def build_as(v: Variant) -> Iterator[None]:
 
 def variant_engine(v: Variant, checkpoint: Path, overrides: dict[str, Any]) -> Path:
     extra: dict[str, Any] = {"smoothquant_alpha": v.alpha} if v.alpha is not None else {}
-    extra.update({"int4_group_size": v.group} if v.group is not None else {}, dtype=v.dtype)
+    group_knob = "int8_group_size" if v.quantization == "int8_wo" else "int4_group_size"
+    extra.update({group_knob: v.group} if v.group is not None else {}, dtype=v.dtype)
     extra.update({"quantize_lm_head": True} if v.quantize_lm_head else {})
     with build_as(v):
         return built(checkpoint, OUT / f"smollm2-{v.spec}", v.quantization, {**overrides, **extra})
@@ -339,7 +343,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--variants", default="w8a7@none,w8a7@0.5,w7a8@0.5,wo",
                     help="quality: comma list of variants besides fp32: bf16, wo (int8_wo), wohead (int8_wo with "
-                    "quantize_lm_head), int4gGROUP (int4_wo in "
+                    "quantize_lm_head), wogGROUP[head] (int8_wo with int8_group_size GROUP), int4gGROUP (int4_wo in "
                     "groups of GROUP), or SPLIT@ALPHA (SPLIT w8a7 or w7a8: weight / activation bits; ALPHA: "
                     "SmoothQuant alpha, none, or auto: searched); +bf16 after any builds a bfloat16 engine")
     ap.add_argument("--ppl-tokens", type=int, default=PPL_TOKENS, help="quality: held-out tokens scored")
