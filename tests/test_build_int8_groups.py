@@ -63,6 +63,16 @@ def test_the_kernels_equal_the_dequantized_weight(group: int, dtype: torch.dtype
                                    atol=0.2 if dtype == torch.bfloat16 else 1e-4)
 
 
+def test_the_few_rows_kernel_refuses_a_group_it_has_no_loop_for() -> None:
+    from trtprompt.engine import kernels
+
+    if not kernels.compiled_kernel_status()[0]:
+        pytest.skip("no compiled kernels here")
+    q, scale = torch.zeros(16, 96, dtype=torch.int8), torch.ones(16, 2)
+    with pytest.raises(RuntimeError, match=r"int8 group \(48\) must be 32, 64 or 128"):
+        torch.ops.trtprompt.few_rows_linear(torch.zeros(1, 96), q, scale, 48)
+
+
 def test_the_build_writes_grouped_scales_and_the_engine_runs_them(wide_checkpoint: Path, tmp_path: Path) -> None:
     engine_dir = _build(wide_checkpoint, tmp_path / "e", 32, "--quantize-lm-head")
     src, out = load_file(str(wide_checkpoint / "model.safetensors")), load_file(str(engine_dir / "rank0.safetensors"))

@@ -48,6 +48,7 @@ from trtprompt.bench.peers import (
     workloads,
 )
 from trtprompt.bench.peers.servers import ROOT
+from trtprompt.knobs import INT4_GROUP_SIZES
 
 MODELS = ("peer", "smollm2")
 DTYPES = ("fp32", "bf16", "int8")
@@ -83,6 +84,9 @@ def _side_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quantize-lm-head", action="store_true",
                     help="--dtype int8 with int8_wo: lm_head in int8 too (build knob quantize_lm_head), as OpenVINO's "
                          "int8 export does; the engine is build/<model>-engine-int8_wo-head")
+    ap.add_argument("--int8-group-size", type=int, choices=INT4_GROUP_SIZES,
+                    help="--dtype int8 with int8_wo: a scale per group of this many input columns (build knob "
+                         "int8_group_size); the engine is build/<model>-engine-int8_wo-gN[-head]")
     ap.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
                     help="trtprompt's compute_dtype (serve knob; unset: a bf16 engine computes in float32 on a CPU "
                          "without bf16 instructions, engine/compute_dtype.py)")
@@ -149,8 +153,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def fill_paths(args: argparse.Namespace) -> None:
     """Defaults that follow --model, --dtype and --peers-dir."""
-    if args.quantize_lm_head and (args.dtype != "int8" or args.int8_quantization != "int8_wo"):
-        sys.exit("--quantize-lm-head goes with --dtype int8 --int8-quantization int8_wo (the build knob needs int8_wo)")
+    for given, flag in ((args.quantize_lm_head, "--quantize-lm-head"), (args.int8_group_size, "--int8-group-size")):
+        if given and (args.dtype != "int8" or args.int8_quantization != "int8_wo"):
+            sys.exit(f"{flag} goes with --dtype int8 --int8-quantization int8_wo (the build knob needs int8_wo)")
     args.vllm_venv = args.vllm_venv or args.peers_dir / "vllm-venv"
     args.ov_venv = args.ov_venv or args.peers_dir / "ov-venv"
     args.ov_model_dir = args.ov_model_dir or args.peers_dir / "openvino"
@@ -160,6 +165,7 @@ def fill_paths(args: argparse.Namespace) -> None:
         # The fp32 peer engine keeps its old name, so an existing build is reused.
         plain = args.model == "peer" and args.dtype == "fp32"
         kind = args.int8_quantization if args.dtype == "int8" else args.dtype
+        kind += f"-g{args.int8_group_size}" if args.int8_group_size else ""
         kind += "-head" if args.quantize_lm_head else ""
         args.engine = ROOT / ("build/peer-engine" if plain else f"build/{args.model}-engine-{kind}")
 

@@ -29,6 +29,8 @@ def precision_flags(args: argparse.Namespace) -> list[str]:
     if args.dtype != "int8":
         return PRECISION[args.dtype].split()
     head = ["--quantize-lm-head"] if getattr(args, "quantize_lm_head", False) else []
+    group = getattr(args, "int8_group_size", None)
+    head += ["--int8-group-size", str(group)] if group else []
     return ["--dtype", int8_dtype(), "--quantization", getattr(args, "int8_quantization", "int8_w8a8"), *head]
 
 

@@ -239,9 +239,9 @@ def parse_variant(spec: str) -> Variant:
     split, _, rest = spec.partition("@")
     alpha, _, skip = rest.partition("+skip")
     if split not in SPLITS or not alpha:
-        raise SystemExit(f"variant {spec!r}: fp32, bf16, wo[gGROUP][head], int4gGROUP, or SPLIT@ALPHA[+skipN] with SPLIT in "
-                         f"{', '.join(SPLITS)}, ALPHA a number, none or auto, N the calibration tokens left out at "
-                         "each sequence's start; +bf16 after any builds a bfloat16 engine")
+        raise SystemExit(f"variant {spec!r}: fp32, bf16, wo[gGROUP][head], int4gGROUP, or SPLIT@ALPHA[+skipN] with "
+                         f"SPLIT in {', '.join(SPLITS)}, ALPHA a number, none or auto, N the calibration tokens left "
+                         "out at each sequence's start; +bf16 after any builds a bfloat16 engine")
     value = None if alpha in ("none", "auto") else float(alpha)
     return Variant(spec, "int8_w8a8", SPLITS[split], value, int(skip) if skip else None, alpha == "auto")
 
