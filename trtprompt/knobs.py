@@ -187,9 +187,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     # GGUF's Q8_0 layout with 32: int8 symmetric in groups of input columns. Recorded in config.json as
     # quantization.group_size beside quant_algo W8A16 (engine/quant_w8a8.py, quantize_int8_groups).
     _k("int8_group_size", "build", int, None, "int8_wo only: a float32 scale per group of this many input "
-       "columns instead of one per output row (32: GGUF's Q8_0 layout); finer rounding for ~4 / size more bytes "
-       "a weight (docs/quantization.md, 'int8 in groups'). Unset: a scale per row.", choices=INT4_GROUP_SIZES,
-       nullable=True),
+       "columns instead of one per output row (32: GGUF's Q8_0 layout); finer rounding for 4 / size bytes more "
+       "per weight, 12.5 % with 32 (docs/quantization.md, 'int8 in groups'). Unset: a scale per row.",
+       choices=INT4_GROUP_SIZES, nullable=True),
     # TensorRT-LLM's quantize_and_export(quantize_lm_head=...); OpenVINO's int8 export compresses lm_head too.
     _k("quantize_lm_head", "build", bool, False, "int8_wo only: lm_head in int8 as well, a scale per vocabulary "
        "row (a tied checkpoint keeps its float embedding beside the int8 copy): a one-request step reads ~a fifth "
