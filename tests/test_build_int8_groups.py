@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from engine_helpers import run_to_completion
 from safetensors.torch import load_file
 
 from trtprompt.checkpoint import is_layer_linear, read_checkpoint
@@ -93,13 +94,8 @@ def test_the_build_writes_grouped_scales_and_the_engine_runs_them(wide_checkpoin
         fast = [m for m in engine.runner.model.modules() if isinstance(m, WeightOnlyLinear)]
         assert len(fast) == (4 * 3 + 1 if backend == "onednn" else 0)  # qkv, o, gate_up, down per layer; lm_head
         assert all(m.group == 32 for m in fast)
-        for i, prompt in enumerate(([5, 9, 2, 7, 11], [3, 4, 5, 6, 7, 8, 9, 10, 12])):
-            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
-        done: dict[str, list[int]] = {"r0": [], "r1": []}
-        while engine.requests:
-            for step_out in engine.step():
-                done[step_out.request_id] += step_out.new_token_ids
-        tokens.append(done)
+        prompts = {"r0": [5, 9, 2, 7, 11], "r1": [3, 4, 5, 6, 7, 8, 9, 10, 12]}
+        tokens.append(run_to_completion(engine, prompts, SamplingParams(max_tokens=8, ignore_eos=True)))
     assert tokens[0] == tokens[1] and all(len(t) == 8 for t in tokens[0].values())
 
 
