@@ -179,8 +179,8 @@ def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: Bu
             from trtprompt.targets.torch_build import write_weights
 
             smoothing = write_weights(tmp, ckpt, ckpt.pretrained_config, plan.dtype, plan.quantization,
-                                      req.progress, profile.smoothquant_alpha,
-                                      plan.int4_group_size or plan.int8_group_size, plan.quantize_lm_head)
+                                      req.progress, profile.smoothquant_alpha, plan.group_size,
+                                      plan.quantize_lm_head)
         _copy_tokenizer(ckpt, tmp)
         copy_adapters(plan.lora, tmp)
         meta = engine_meta(ckpt, profile, plan)
@@ -201,11 +201,10 @@ def write_engine(req: BuildRequest, ckpt: Checkpoint, profile: Profile, plan: Bu
                 from trtprompt.targets.torch_build import w8a8_config_entries
 
                 config["pretrained_config"]["quantization"].update(w8a8_config_entries(smoothing))
-            group = plan.int4_group_size or plan.int8_group_size  # int4_wo / int8_wo, torch target only
-            if group is not None:
+            if plan.group_size is not None:  # int4_wo / int8_wo, torch target only (the plan refuses it elsewhere)
                 from trtprompt.targets.torch_build import group_config_entries
 
-                config["pretrained_config"]["quantization"].update(group_config_entries(group))
+                config["pretrained_config"]["quantization"].update(group_config_entries(plan.group_size))
             if plan.quantize_lm_head:  # int8_wo, torch target only (the plan refuses it elsewhere)
                 config["pretrained_config"]["quantization"]["quantize_lm_head"] = True
             write_json(tmp / "config.json", config)

@@ -87,6 +87,11 @@ class BuildPlan:
     # max_lora_rank, and the adapters build --lora-dir put in the engine, checked against the base (lora_build.py)
     lora: LoraPlan = LoraPlan(KNOBS["max_lora_rank"].default)
 
+    @property
+    def group_size(self) -> int | None:
+        """Input columns per weight scale where the quantization groups them (int4_wo's or int8_wo's), else None."""
+        return self.int4_group_size or self.int8_group_size
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

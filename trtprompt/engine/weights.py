@@ -57,15 +57,14 @@ def _take_quantized(tensors: Mapping[str, torch.Tensor], name: str, shape: Seque
         want = str(stored).removeprefix("torch.")
         raise ValueError(f"quantized weight {key!r} must be {want}, got {tensors[key].dtype}")
     out_f, in_f = shape
-    if group_size is None:
-        return (take_tensor(tensors, key, shape, torch.int8, device),
-                take_tensor(tensors, f"{key}_scale", shape[:1], torch.float32, device))
-    check_group(group_size, in_f, "int4" if int4 else "int8")
-    if not int4:
-        return (take_tensor(tensors, key, shape, torch.int8, device),
-                take_tensor(tensors, f"{key}_scale", (out_f, in_f // group_size), torch.float32, device))
-    return (take_tensor(tensors, key, (out_f, in_f // 2), torch.uint8, device),
-            take_tensor(tensors, f"{key}_scale", (out_f, in_f // group_size, 2), torch.float32, device))
+    if group_size is not None:
+        check_group(group_size, in_f, "int4" if int4 else "int8")
+    if int4 and group_size is not None:
+        return (take_tensor(tensors, key, (out_f, in_f // 2), torch.uint8, device),
+                take_tensor(tensors, f"{key}_scale", (out_f, in_f // group_size, 2), torch.float32, device))
+    scale_shape = (out_f,) if group_size is None else (out_f, in_f // group_size)
+    return (take_tensor(tensors, key, shape, torch.int8, device),
+            take_tensor(tensors, f"{key}_scale", scale_shape, torch.float32, device))
 
 
 def take_linear(tensors: Mapping[str, torch.Tensor], name: str, shape: Sequence[int],
