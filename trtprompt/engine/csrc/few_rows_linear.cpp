@@ -68,11 +68,15 @@ struct Int8Weight {
 
 // Grouped int8: dot_rows broadcasts each row's group scale once per group and multiplies each widened vector by
 // it (shared by the M rows). Looking the scale up at every vector ran SmolLM2's one-row step at 1.7x the
-// per-row format's time.
+// per-row format's time. The index is unsigned (a signed division by G rounds towards zero: four instructions
+// a row and group where a shift does) and splat is a broadcast (vf{} + s added a zero first): one row's linears
+// took 0.93-0.94x the time (docs/design.md, "Few-rows linear").
 template <int64_t G>
 struct Int8GroupWeight : Int8Weight {
   const float* scales;  // [N, K / G]
-  vf scale(int64_t n, int64_t k) const { return vf{} + scales[(n * k_dim + k) / G]; }
+  vf scale(int64_t n, int64_t k) const {
+    return splat(scales[static_cast<uint64_t>(n) * static_cast<uint64_t>(k_dim / G) + static_cast<uint64_t>(k) / G]);
+  }
   static constexpr bool kGrouped = true;
   static constexpr int64_t group = G;  // a constant: the group's loop unrolls whole
 };
