@@ -1,6 +1,6 @@
 """The compiled kernels (csrc/), built on first use: paged attention, fused layer ops, the KV write, the
-few-rows linear, the LoRA products, W8A8's per-token quantize and rescale, the greedy argmax, and the bf16
-linear on AMX tiles.
+few-rows linear, the LoRA products, W8A8's per-token quantize and rescale, the greedy argmax, the bf16
+linear on AMX tiles, and a probe of the FMA units' rate for benchmark reports (bench/host_speed.py).
 
 One build per instruction set (isa.py chooses the variant from the CPU's flags).
 
@@ -35,7 +35,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "fused_ops.cpp",
            CSRC / "few_rows_linear.cpp", CSRC / "kv_write.cpp", CSRC / "lora_runs.cpp", CSRC / "quantize_rows.cpp",
            CSRC / "greedy_rows.cpp", CSRC / "amx_linear.cpp", CSRC / "panel_linear.cpp",
-           CSRC / "decode_attention.cpp")
+           CSRC / "decode_attention.cpp", CSRC / "host_probe.cpp")
 HEADERS = (CSRC / "vec.h", CSRC / "bf16_vec.h", CSRC / "typed_vec.h", CSRC / "dtypes.h", CSRC / "paged_checks.h",
            CSRC / "widen.h")
 # The kernel tiles rows by four; head sizes must be a multiple of the variant's vector width.

@@ -22,8 +22,9 @@ prompts are token ids in one JSON file every side reads. The offline reps run in
 runs that rep (after its own warm-up), the sides' order alternating from round to round. trtprompt decodes
 plainly (`--speculative-decoding none`: the peers do not speculate). Prints the machine (CPU model,
 family/model, kernel flags), each side's precision and command line, a Markdown table of medians and ratios
-(trtprompt / peer) and the cores each side kept busy, and writes everything to OUT/results.json. Not part of
-`make test`.
+(trtprompt / peer), the cores each side kept busy and the host's FMA and memory read rates before each round
+(bench/host_speed.py: a shared host's speed moves within minutes), and writes everything to OUT/results.json.
+Not part of `make test`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from trtprompt.bench import machine
+from trtprompt.bench import host_speed, machine
 from trtprompt.bench.peers import (
     llamacpp_side,
     openvino_side,
@@ -219,15 +220,20 @@ def round_order(sides: Sequence[str], rep: int) -> list[str]:
     return list(sides) if rep % 2 == 0 else list(reversed(sides))
 
 
-def run_all(args: argparse.Namespace, spec: dict[str, Any] | None) -> dict[str, Any]:
+def run_all(args: argparse.Namespace, spec: dict[str, Any] | None,
+            host_rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Each rep is a round in which every side runs it in a process of its own (after its own warm-up), the
-    order alternating between rounds; then the served runs."""
+    order alternating between rounds; then the served runs. host_rounds gets the host's speed before each round
+    (host_speed.probe)."""
     results: dict[str, Any] = {side: {} for side in args.sides}
     if spec is not None:
         (args.out_dir / "offline-prompts.json").write_text(json.dumps(spec), encoding="utf-8")
         for rep in range(args.reps):
             prompts = args.out_dir / f"offline-prompts-rep{rep}.json"
             prompts.write_text(json.dumps(round_spec(spec, rep)), encoding="utf-8")
+            probe = host_speed.probe()  # between rounds, no side running
+            servers.log(f"round {rep}: host {host_speed.one_line(probe)}")
+            host_rounds.append(probe)
             for side in round_order(args.sides, rep):
                 merge_round(results[side], run_offline(args, side, prompts), list(spec["workloads"]))
     if "served" in args.only:
@@ -274,6 +280,11 @@ def notes(args: argparse.Namespace, results: dict[str, Any], spec: dict[str, Any
     return lines
 
 
+def host_lines(host_rounds: list[dict[str, Any]]) -> list[str]:
+    """The host's speed before each round, to read the rounds' ratios by (host_speed.py)."""
+    return [f"host before round {i}: {host_speed.one_line(p)}" for i, p in enumerate(host_rounds)]
+
+
 def report_text(args: argparse.Namespace, info: dict[str, Any], table: list[dict[str, Any]],
                 extra: list[str]) -> str:
     lines = [f"machine: {machine.one_line(info)}",
@@ -297,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     servers.log(f"machine: {machine.one_line(info)}; {args.threads} threads per side")
     offline = [w for w in workloads.OFFLINE if w in args.only]
     spec = workloads.offline_spec(args, workloads.token_range(args.checkpoint)) if offline else None
-    results = run_all(args, spec)
+    host_rounds: list[dict[str, Any]] = []
+    results = run_all(args, spec, host_rounds)
     table = report.rows(args, results)
     extra = notes(args, results, spec)
     info["loadavg_end"] = list(os.getloadavg())
@@ -305,7 +317,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     agreement = {p: report.greedy_agreement(results, p) for p in args.sides if p in report.PEERS}
     out.write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
                                "precision": precision(args), "commands": commands(args), "table": table,
-                               "greedy_agreement": agreement, "notes": extra, "results": results},
+                               "greedy_agreement": agreement, "notes": extra, "host_rounds": host_rounds,
+                               "results": results},
                               indent=1, default=str), encoding="utf-8")
-    print("\n" + report_text(args, info, table, extra) + f"\nload average at end {info['loadavg_end'][0]:.2f}"
+    print("\n" + report_text(args, info, table, extra + host_lines(host_rounds))
+          + f"\nload average at end {info['loadavg_end'][0]:.2f}"
           f"\nJSON: {out}")

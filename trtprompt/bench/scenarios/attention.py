@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from trtprompt.bench import machine, offline
+from trtprompt.bench.host_speed import read_bandwidth_gbs
 from trtprompt.engine import attention_paged, kernels
 from trtprompt.engine.attention import SeqSlice, allocate_kv_cache, build_attention_metadata, paged_attention
 from trtprompt.engine.attention_common import gather_blocks
@@ -59,18 +60,6 @@ def prefix(engine_dir: Path, reps: int) -> dict[str, Any]:
     return out
 
 
-def read_bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
-    """Memory read bandwidth: sum over a buffer far larger than the caches (median of reps)."""
-    x = torch.ones(int(gib * (1 << 30)) // 4)
-    x.sum()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
-
-
 def long_decode(engine_dir: Path, seqs: int = 16, context: int = 8192, reps: int = 5) -> dict[str, Any]:
     """One decode step's attention over all layers per backend, against one read of the KV at read bandwidth."""
     cfg = engine_config(read_engine_files(engine_dir), {"max_tokens_in_paged_kv_cache": 1 << 20})
@@ -85,7 +74,7 @@ def long_decode(engine_dir: Path, seqs: int = 16, context: int = 8192, reps: int
     k = torch.randn(seqs, mc.num_key_value_heads, mc.head_size)
     kv_bytes = 2 * seqs * (context + 1) * mc.num_key_value_heads * mc.head_size * 4
     out: dict[str, Any] = {"kv_bytes_per_layer": kv_bytes, "layers": mc.num_hidden_layers,
-                 "read_bandwidth_gbs": read_bandwidth_gbs()}
+                 "read_bandwidth_gbs": read_bandwidth_gbs(1 << 30)}
     for backend in BACKENDS:
         meta = build_attention_metadata(slices, tpb, torch.device("cpu"), backend=backend)
         paged_attention(q, k, k, (kc, vc), meta, mc.head_size ** -0.5)
