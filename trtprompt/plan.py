@@ -170,14 +170,17 @@ def weight_bytes(pc: Mapping[str, Any], dtype: str, quantization: str, int4_grou
     linears, half a byte per weight + a float32 scale and minimum per group of int4_group_size for int4 ones;
     with quantize_lm_head, lm_head's int8 copy (beside the embedding it may be tied to)."""
     vocab, hidden = pc["vocab_size"], pc["hidden_size"]
-    scales = hidden // int8_group_size if int8_group_size else 1  # float32 scales per int8 row
-    total = vocab * hidden + 4 * vocab * scales if quantize_lm_head else 0
+
+    def int8_scale_bytes(out_f: int, in_f: int) -> int:  # float32 scales: one per row, or per group of a row
+        return 4 * out_f * (in_f // int8_group_size if int8_group_size else 1)
+
+    total = vocab * hidden + int8_scale_bytes(vocab, hidden) if quantize_lm_head else 0
     for name, shape in expected_weight_shapes(pc).items():
         count = math.prod(shape)
         if quantize_lm_head and name == "lm_head.weight":
             continue  # counted above
         if quantization in INT8_WEIGHT_QUANTIZATIONS and is_layer_linear(name):
-            total += count + 4 * shape[0] * (shape[1] // int8_group_size if int8_group_size else 1)
+            total += count + int8_scale_bytes(shape[0], shape[1])
         elif quantization in INT4_WEIGHT_QUANTIZATIONS and is_layer_linear(name) and int4_group_size:
             total += count // 2 + 2 * 4 * shape[0] * (shape[1] // int4_group_size)
         else:

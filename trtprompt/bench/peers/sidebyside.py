@@ -220,12 +220,13 @@ def round_order(sides: Sequence[str], rep: int) -> list[str]:
     return list(sides) if rep % 2 == 0 else list(reversed(sides))
 
 
-def run_all(args: argparse.Namespace, spec: dict[str, Any] | None,
-            host_rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def run_all(args: argparse.Namespace,
+            spec: dict[str, Any] | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Each rep is a round in which every side runs it in a process of its own (after its own warm-up), the
-    order alternating between rounds; then the served runs. host_rounds gets the host's speed before each round
-    (host_speed.probe)."""
+    order alternating between rounds; then the served runs. Returns the sides' results and the host's speed
+    before each round (host_speed.probe)."""
     results: dict[str, Any] = {side: {} for side in args.sides}
+    host_rounds: list[dict[str, Any]] = []
     if spec is not None:
         (args.out_dir / "offline-prompts.json").write_text(json.dumps(spec), encoding="utf-8")
         for rep in range(args.reps):
@@ -242,7 +243,7 @@ def run_all(args: argparse.Namespace, spec: dict[str, Any] | None,
                 results[side]["served"] = served.run_served(args, side)
             else:
                 servers.log(openvino_side.OVMS_NOTE)
-    return results
+    return results, host_rounds
 
 
 # ---- the report --------------------------------------------------------------------------
@@ -308,8 +309,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     servers.log(f"machine: {machine.one_line(info)}; {args.threads} threads per side")
     offline = [w for w in workloads.OFFLINE if w in args.only]
     spec = workloads.offline_spec(args, workloads.token_range(args.checkpoint)) if offline else None
-    host_rounds: list[dict[str, Any]] = []
-    results = run_all(args, spec, host_rounds)
+    results, host_rounds = run_all(args, spec)
     table = report.rows(args, results)
     extra = notes(args, results, spec)
     info["loadavg_end"] = list(os.getloadavg())
