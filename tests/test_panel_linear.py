@@ -29,7 +29,7 @@ from trtprompt.engine.panel_linear import (
     pack_panels,
     panel_width,
 )
-from trtprompt.engine.quant_w8a8 import quantize_int8
+from trtprompt.engine.quant_w8a8 import quantize_int8, quantize_int8_groups
 
 pytestmark = pytest.mark.skipif(not kernels.compiled_kernel_status()[0], reason="compiled kernels unavailable")
 
@@ -75,6 +75,21 @@ def test_panel_kernel_matches_torch_for_every_row_count(fmt: str, x_dtype: torch
             tol = 1e-5 if x_dtype == torch.float32 else 8e-3  # a bfloat16 output is rounded once
             assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item()), (fmt, m)
     assert torch.ops.trtprompt.panel_linear(torch.zeros(0, k), panels, scale, None).shape == (0, n)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_grouped_int8_rows_are_equal_bit_for_bit_on_both_sides_of_the_widening_bound(group: int) -> None:
+    """From a dozen rows the kernel widens a grouped chunk to float32 once for all its blocks instead of in every
+    block (csrc/panel_linear.cpp, kWidenRows): a row's sums are the same floats in the same order either way."""
+    n, k = 3 * _width(), 640  # K in chunks of 256, 256 and 128: whole groups
+    q, scale = quantize_int8_groups(torch.randn(n, k, generator=torch.Generator().manual_seed(group)), group)
+    panels, packed_scale = pack_panels(q, _width()), pack_panels(scale.float(), _width())
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(7))
+    many = torch.ops.trtprompt.panel_linear(x, panels, packed_scale, None)
+    for m in (2, 5, 11):
+        assert torch.equal(torch.ops.trtprompt.panel_linear(x[:m].contiguous(), panels, packed_scale, None),
+                           many[:m]), m
+    torch.testing.assert_close(many, x @ dequantize(q, scale, torch.float32).t(), rtol=1e-5, atol=1e-4)
 
 
 def test_panel_kernel_refuses_what_it_cannot_read() -> None:

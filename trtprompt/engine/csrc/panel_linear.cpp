@@ -11,7 +11,8 @@
 //   float32 [N / P, K, P]                    the float32 engine's weight
 //   int8 [N / P, K, P] + float32 scale [N]   per output channel (int8_wo), widened to float32 per vector
 //   int8 [N / P, K, P] + float32 scale [N / P, K / G, P]   a scale per group of G input columns (int8_wo with
-//       int8_group_size), each widened weight vector times its group's scales (the sums need no per-group pass)
+//       int8_group_size), each widened weight vector times its group's scales (the sums need no per-group pass);
+//       from kWidenRows rows a chunk is widened and scaled once for all blocks of rows (ChunkPanels)
 // x is float32 or bfloat16 [M, K]; y [M, N] in x's dtype, plus an optional float32 bias [N]. Design and
 // figures: docs/design.md, "Panel linear".
 #include <ATen/Parallel.h>
@@ -25,6 +26,7 @@
 #include "widen.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -160,29 +162,75 @@ void block_of(int rows, const float* x, int64_t k_dim, const W& w, int64_t p, in
 // blocks ran at 142-180 GFLOP/s against 150-170 for 4, 12 or all of them (a noisy host: within ~10 %).
 constexpr int64_t kGroupBlocks = 8;
 
+// One K chunk of one panel as float32 [k1 - k0, kPanel], widened from grouped int8 and times its groups' scales
+// once for every block of the group: the blocks then run the float32 register block, one row more than int8's and no
+// widening or scaling per block. Each float is the value the int8 block would compute, summed in the same order:
+// the results are equal bit for bit.
+struct ChunkPanels {
+  const float* buf;
+  int64_t k0;
+  vf at(int64_t, int64_t k, int half) const { return load(buf + (k - k0) * kPanel + half * kLanes); }
+  static constexpr int kRows = kBlockRows;
+  static constexpr bool kGrouped = false;
+};
+
+template <typename W>
+ChunkPanels widen_chunk(const W& w, int64_t p, int64_t k0, int64_t k1, float* buf) {
+  static_assert(W::kGrouped, "a chunk is widened for grouped int8 formats only");
+  for (int64_t g0 = k0; g0 < k1; g0 += W::group) {
+    const vf s0 = w.scale(p, g0, 0), s1 = w.scale(p, g0, 1);
+    for (int64_t k = g0; k < g0 + W::group; ++k) {
+      store(buf + (k - k0) * kPanel, w.at(p, k, 0) * s0);
+      store(buf + (k - k0) * kPanel + kLanes, w.at(p, k, 1) * s1);
+    }
+  }
+  return ChunkPanels{buf, k0};
+}
+
 // Every panel against every block of rows, a K chunk at a time, a group of blocks at a time; the M rows split
 // into blocks of near-equal size (32 rows on AVX2: 6, 6, 5, 5, 5, 5), since a block of one or two rows holds too
-// few sums to keep the FMA units busy.
-template <typename W, typename T>
+// few sums to keep the FMA units busy. B is the format the blocks read: W itself, or ChunkPanels widened from
+// it a chunk at a time (grouped int8).
+template <typename B, typename W, typename T>
 void panels_times_rows(const float* x, int64_t m, int64_t k_dim, const W& w, int64_t panels, const Output<T>& out) {
-  const int64_t blocks = (m + W::kRows - 1) / W::kRows, small = m / blocks, larger = m % blocks;
+  const int64_t blocks = (m + B::kRows - 1) / B::kRows, small = m / blocks, larger = m % blocks;
   // Block b: the first `larger` blocks hold small + 1 rows, the rest small.
   auto first_row = [&](int64_t b) { return b * small + std::min(b, larger); };
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> sums(m * kPanel);
+    std::vector<float> sums(m * kPanel), chunk(std::is_same_v<B, W> ? 0 : kChunk * kPanel);
     for (int64_t g0 = 0; g0 < blocks; g0 += kGroupBlocks) {
       const int64_t g1 = std::min(blocks, g0 + kGroupBlocks);
       for (int64_t p = p0; p < p1; ++p) {
         for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
           const int64_t k1 = std::min(k_dim, k0 + kChunk);
+          const B read = [&]() -> B {
+            if constexpr (std::is_same_v<B, W>) return w;
+            else return widen_chunk(w, p, k0, k1, chunk.data());
+          }();
           for (int64_t b = g0; b < g1; ++b) {
             const int rows = static_cast<int>(first_row(b + 1) - first_row(b));
-            block_of(rows, x, k_dim, w, p, first_row(b), k0, k1, sums.data(), out);
+            block_of(rows, x, k_dim, read, p, first_row(b), k0, k1, sums.data(), out);
           }
         }
       }
     }
   });
+}
+
+// Rows from which a grouped int8 call widens each chunk once for all its blocks (ChunkPanels) instead of in every
+// block. Measured in one process on a 2-core AVX2 EPYC (docs/design.md, "Panel linear"): SmolLM2's layer linears in
+// groups of 32 at 12 / 24 / 32 / 256 rows took 0.97 / 0.90 / 0.87 / 0.84x the time of widening in every block, at
+// the float32 panel's rate from 24 rows. A scale per output column gains nothing (its block does not scale per
+// group; 0.95-1.14x), so that format keeps widening in the block.
+constexpr int64_t kWidenRows = 12;
+
+template <typename W, typename T>
+void grouped_panels_times_rows(const float* x, int64_t m, int64_t k_dim, const W& w, int64_t panels,
+                               const Output<T>& out) {
+  if (m >= kWidenRows)
+    panels_times_rows<ChunkPanels>(x, m, k_dim, w, panels, out);
+  else
+    panels_times_rows<W>(x, m, k_dim, w, panels, out);
 }
 
 // group: input columns per int8 scale (0: a scale per output column, or a float32 weight).
@@ -194,16 +242,16 @@ void run(const float* x, const at::Tensor& panels, const float* scale, const flo
     const Output<T> out{y.data_ptr<T>(), n_dim, nullptr, bias};
     const int8_t* w = panels.data_ptr<int8_t>();
     switch (group) {
-      case 32: return panels_times_rows(x, m, k_dim, Int8GroupPanels<32>{w, scale, k_dim}, count, out);
-      case 64: return panels_times_rows(x, m, k_dim, Int8GroupPanels<64>{w, scale, k_dim}, count, out);
-      default: return panels_times_rows(x, m, k_dim, Int8GroupPanels<128>{w, scale, k_dim}, count, out);
+      case 32: return grouped_panels_times_rows(x, m, k_dim, Int8GroupPanels<32>{w, scale, k_dim}, count, out);
+      case 64: return grouped_panels_times_rows(x, m, k_dim, Int8GroupPanels<64>{w, scale, k_dim}, count, out);
+      default: return grouped_panels_times_rows(x, m, k_dim, Int8GroupPanels<128>{w, scale, k_dim}, count, out);
     }
   }
   const Output<T> out{y.data_ptr<T>(), n_dim, scale, bias};
   if (panels.scalar_type() == at::kChar)
-    panels_times_rows(x, m, k_dim, Int8Panels{panels.data_ptr<int8_t>(), k_dim}, count, out);
+    panels_times_rows<Int8Panels>(x, m, k_dim, Int8Panels{panels.data_ptr<int8_t>(), k_dim}, count, out);
   else
-    panels_times_rows(x, m, k_dim, F32Panels{panels.data_ptr<float>(), k_dim}, count, out);
+    panels_times_rows<F32Panels>(x, m, k_dim, F32Panels{panels.data_ptr<float>(), k_dim}, count, out);
 }
 
 // The int8 scale's columns per group: 0 for a scale per output column, else G (the scale [N / P, K / G, P]).
