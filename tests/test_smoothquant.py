@@ -165,6 +165,25 @@ def test_maxima_skip_each_sequences_first_tokens_when_asked() -> None:
     torch.testing.assert_close(store["down"], torch.tensor([50.0, 3.0]))
 
 
+def test_calibration_sees_every_linears_input_and_puts_the_linears_back(
+        tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    """The model calls its linears' forward directly, so calibration wraps them (no forward hooks) for the
+    prefill and restores them after; layer 0's qkv input is its input norm of the embeddings."""
+    ckpt = tiny_checkpoint_factory("llama")
+    cfg = ModelConfig.from_pretrained_config(read_checkpoint(ckpt).pretrained_config)
+    tensors = {k: t.float() for k, t in _tensors(ckpt).items()}
+    model = sq.calibration_model(tensors, cfg)
+    linears = [(la.attn.qkv, la.attn.o_proj, la.mlp.gate_up, la.mlp.down) for la in model.layers]
+    samples: list[dict[str, list[torch.Tensor]]] = [{} for _ in model.layers]
+    maxima = sq.collect_input_maxima(model, [PROMPT], progress=False, samples=samples)
+    assert [(la.attn.qkv, la.attn.o_proj, la.mlp.gate_up, la.mlp.down) for la in model.layers] == linears
+    assert all(set(m) == set(sq.KINDS) and set(s) == set(sq.KINDS) for m, s in zip(maxima, samples))
+    emb = tensors["model.embed_tokens.weight"][PROMPT]
+    normed = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + cfg.norm_epsilon) \
+        * tensors["model.layers.0.input_layernorm.weight"]
+    torch.testing.assert_close(maxima[0]["qkv"], normed.abs().amax(dim=0))
+
+
 def test_alpha_search_keeps_the_float_model_and_records_its_choices(
         tiny_checkpoint_factory: Callable[..., Path]) -> None:
     ckpt = tiny_checkpoint_factory("llama")

@@ -5,6 +5,11 @@ attention is paged (attention.py). q/k/v and gate/up are fused into one GEMM
 each. The row-wise ops (RMSNorm, rotary, SiLU * up) come from a LayerOps
 (layer_ops.py): transformers' torch expressions, or one compiled op each.
 Logits are computed only at the rows asked for, and returned in float32.
+
+The layers and their parts call each other's forward, not the modules themselves: nn.Module.__call__ (hook
+checks, an extra frame) cost ~5 us a call on a 2-core EPYC, and a decode step makes ~180 of them (a one-request
+SmolLM2 forward took 0.93x the time without: docs/design.md, "Fused layer ops"). No forward hooks run on these
+modules; smoothquant.py observes the linears' inputs by wrapping them instead.
 """
 
 from __future__ import annotations
@@ -76,13 +81,13 @@ class Attention(torch.nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KvCache, ops: LayerOps,
                 lora: LoraStep | None = None) -> torch.Tensor:
-        qkv = self.qkv(x)
+        qkv = self.qkv.forward(x)
         if lora is not None:
             qkv = lora.apply(qkv, x, self.index, "qkv")
         fused = decode_attention(qkv, cos, sin, kv_cache, meta, self.num_heads, self.scale,
                                  self.qk_norms) if ops.fuses_decode else None
         out = self._attend(qkv, cos, sin, meta, kv_cache, ops) if fused is None else fused
-        projected: torch.Tensor = self.o_proj(out)
+        projected: torch.Tensor = self.o_proj.forward(out)
         return projected if lora is None else lora.apply(projected, out, self.index, "o_proj")
 
     def _attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
@@ -94,7 +99,7 @@ class Attention(torch.nn.Module):
         k = k.view(t, self.num_kv_heads, d)
         v = v.view(t, self.num_kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q, ops), self.k_norm(k, ops)
+            q, k = self.q_norm.forward(q, ops), self.k_norm.forward(k, ops)
         q, k = ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
         return paged_attention(q, k, v, kv_cache, meta, self.scale).reshape(t, self.num_heads * d)
 
@@ -106,11 +111,11 @@ class MLP(torch.nn.Module):
         self.index = index
 
     def forward(self, x: torch.Tensor, ops: LayerOps, lora: LoraStep | None = None) -> torch.Tensor:
-        gate_up: torch.Tensor = self.gate_up(x)
+        gate_up: torch.Tensor = self.gate_up.forward(x)
         if lora is not None:
             gate_up = lora.apply(gate_up, x, self.index, "gate_up")
         act = ops.silu_and_mul(gate_up)
-        down: torch.Tensor = self.down(act)
+        down: torch.Tensor = self.down.forward(act)
         return down if lora is None else lora.apply(down, act, self.index, "down_proj")
 
 
@@ -126,9 +131,9 @@ class DecoderLayer(torch.nn.Module):
         """(residual stream, this layer's MLP output not yet added): each residual add happens in the op
         that norms its result, the last one in the next layer's (or the final norm's)."""
         x, h = ops.add_rms_norm(x, delta, self.input_norm.weight, self.input_norm.eps)
-        attended: torch.Tensor = self.attn(h, cos, sin, meta, kv_cache, ops, lora)
+        attended: torch.Tensor = self.attn.forward(h, cos, sin, meta, kv_cache, ops, lora)
         x, h = ops.add_rms_norm(x, attended, self.post_norm.weight, self.post_norm.eps)
-        mixed: torch.Tensor = self.mlp(h, ops, lora)
+        mixed: torch.Tensor = self.mlp.forward(h, ops, lora)
         return x, mixed
 
 
@@ -255,11 +260,11 @@ class DecoderModel(torch.nn.Module):
         cos, sin = ops.rotary_tables(*self.rotary.cos_sin(positions, self.dtype))
         delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, delta = layer(x, delta, cos, sin, meta, kv_cache, ops, lora)
+            x, delta = layer.forward(x, delta, cos, sin, meta, kv_cache, ops, lora)
         if delta is not None:
             delta = delta.index_select(0, logits_indices)
         x = ops.add_rms_norm(x.index_select(0, logits_indices), delta, self.norm.weight, self.norm.eps)[1]
-        logits: torch.Tensor = self.lm_head(x)
+        logits: torch.Tensor = self.lm_head.forward(x)
         return logits.float()
 
 

@@ -154,22 +154,42 @@ def collect_input_maxima(model: DecoderModel, sequences: Sequence[Sequence[int]]
     if any(len(ids) <= skip_first for ids in sequences):
         raise ValueError(f"every calibration sequence needs more than skip_first={skip_first} tokens")
     maxima: list[dict[str, torch.Tensor]] = [{} for _ in model.layers]
-    handles = []
+    observed: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []  # (owner, attribute, the linear itself)
     for i, (store, layer) in enumerate(zip(maxima, model.layers)):
         if not isinstance(layer, DecoderLayer):
-            raise TypeError(f"calibration hooks the engine's DecoderLayer, got {type(layer).__name__}")
-        modules: dict[str, torch.nn.Module] = {"qkv": layer.attn.qkv, "o": layer.attn.o_proj,
-                                               "gate_up": layer.mlp.gate_up, "down": layer.mlp.down}
-        handles += [modules[k].register_forward_pre_hook(_recorder(store, k, skip_first)) for k in KINDS]
-        if samples is not None:
-            handles += [modules[k].register_forward_pre_hook(_sampler(samples[i], k, skip_first)) for k in KINDS]
+            raise TypeError(f"calibration observes the engine's DecoderLayer, got {type(layer).__name__}")
+        owners = {"qkv": (layer.attn, "qkv"), "o": (layer.attn, "o_proj"), "gate_up": (layer.mlp, "gate_up"),
+                  "down": (layer.mlp, "down")}
+        for k in KINDS:
+            owner, name = owners[k]
+            hooks = [_recorder(store, k, skip_first)]
+            if samples is not None:
+                hooks.append(_sampler(samples[i], k, skip_first))
+            observed.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, _Observed(getattr(owner, name), hooks))
     try:
         for ids in tqdm(sequences, desc="calibrating (smoothquant)", unit="seq", disable=not progress):
             _prefill(model, ids)
     finally:
-        for handle in handles:
-            handle.remove()
+        for owner, name, linear in observed:
+            setattr(owner, name, linear)
     return maxima
+
+
+class _Observed(torch.nn.Module):
+    """A linear whose inputs the calibration sees: the model calls its linears' forward directly (model.py), so
+    forward hooks on them would not run."""
+
+    def __init__(self, linear: torch.nn.Module, hooks: list[Callable[[torch.nn.Module, tuple[Any, ...]], None]]
+                 ) -> None:
+        super().__init__()
+        self.linear, self.hooks = linear, hooks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for hook in self.hooks:
+            hook(self.linear, (x,))
+        out: torch.Tensor = self.linear.forward(x)
+        return out
 
 
 def _column_max(t: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor:
