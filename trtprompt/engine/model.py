@@ -8,7 +8,7 @@ Logits are computed only at the rows asked for, and returned in float32.
 
 The layers and their parts call each other's forward, not the modules themselves: nn.Module.__call__ (hook
 checks, an extra frame) cost ~5 us a call on a 2-core EPYC, and a decode step makes ~180 of them (a one-request
-SmolLM2 forward took 0.93x the time without: docs/design.md, "Fused layer ops"). No forward hooks run on these
+SmolLM2 decode step took 0.94x the time without: docs/design.md, "Fused layer ops"). No forward hooks run on these
 modules; smoothquant.py observes the linears' inputs by wrapping them instead.
 """
 
