@@ -159,9 +159,9 @@ def test_calibration_is_not_the_held_out_text() -> None:
 def test_maxima_skip_each_sequences_first_tokens_when_asked() -> None:
     store: dict[str, torch.Tensor] = {}
     x = torch.tensor([[100.0, -1.0], [2.0, -3.0], [-4.0, 1.0]])
-    sq._recorder(store, "down", 1)(torch.nn.Identity(), (x,))
+    sq._recorder(store, "down", 1)(x)
     torch.testing.assert_close(store["down"], torch.tensor([4.0, 3.0]))
-    sq._recorder(store, "down", 0)(torch.nn.Identity(), (x * 0.5,))  # a second sequence: the running max
+    sq._recorder(store, "down", 0)(x * 0.5)  # a second sequence: the running max
     torch.testing.assert_close(store["down"], torch.tensor([50.0, 3.0]))
 
 

@@ -121,21 +121,21 @@ def to_query_heads(values: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return kv.expand(cfg.num_key_value_heads, group, cfg.head_size).reshape(-1)
 
 
-def _recorder(store: dict[str, torch.Tensor], kind: str,
-              skip: int) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
-    def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        x = args[0]  # one whole sequence's prefill: [tokens, channels]
+# An observer of a linear's input: one whole sequence's prefill, [tokens, channels].
+Observer = Callable[[torch.Tensor], None]
+
+
+def _recorder(store: dict[str, torch.Tensor], kind: str, skip: int) -> Observer:
+    def observe(x: torch.Tensor) -> None:
         top = x.detach().reshape(-1, x.shape[-1])[skip:].abs().amax(dim=0).float()
         store[kind] = top if kind not in store else torch.maximum(store[kind], top)
-    return hook
+    return observe
 
 
-def _sampler(store: dict[str, list[torch.Tensor]], kind: str,
-             skip: int) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
-    def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        x = args[0]
+def _sampler(store: dict[str, list[torch.Tensor]], kind: str, skip: int) -> Observer:
+    def observe(x: torch.Tensor) -> None:
         store.setdefault(kind, []).append(x.detach().reshape(-1, x.shape[-1])[skip::SAMPLE_STRIDE].float().clone())
-    return hook
+    return observe
 
 
 def _prefill(model: DecoderModel, ids: Sequence[int]) -> None:
@@ -162,11 +162,11 @@ def collect_input_maxima(model: DecoderModel, sequences: Sequence[Sequence[int]]
                   "down": (layer.mlp, "down")}
         for k in KINDS:
             owner, name = owners[k]
-            hooks = [_recorder(store, k, skip_first)]
+            observers = [_recorder(store, k, skip_first)]
             if samples is not None:
-                hooks.append(_sampler(samples[i], k, skip_first))
+                observers.append(_sampler(samples[i], k, skip_first))
             observed.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, _Observed(getattr(owner, name), hooks))
+            setattr(owner, name, _Observed(getattr(owner, name), observers))
     try:
         for ids in tqdm(sequences, desc="calibrating (smoothquant)", unit="seq", disable=not progress):
             _prefill(model, ids)
@@ -180,14 +180,13 @@ class _Observed(torch.nn.Module):
     """A linear whose inputs the calibration sees: the model calls its linears' forward directly (model.py), so
     forward hooks on them would not run."""
 
-    def __init__(self, linear: torch.nn.Module, hooks: list[Callable[[torch.nn.Module, tuple[Any, ...]], None]]
-                 ) -> None:
+    def __init__(self, linear: torch.nn.Module, observers: list[Observer]) -> None:
         super().__init__()
-        self.linear, self.hooks = linear, hooks
+        self.linear, self.observers = linear, observers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for hook in self.hooks:
-            hook(self.linear, (x,))
+        for observe in self.observers:
+            observe(x)
         out: torch.Tensor = self.linear.forward(x)
         return out
 
