@@ -26,7 +26,7 @@ AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx
 PARITY = ("fast_paths_equal_reference or log_sum_exp or rms_norm or silu or rotary or int8_in_place or lora_kernel "
           "or quantize_rows or scale_rows or kernel_matches_torch_for_every_row_count "
           "or weight_only_linear_on_both_sides_of_the_threshold or greedy_tokens_is_argmax or amx_is_ready "
-          "or panel_kernel")
+          "or panel_kernel or one_call_equals_the_layer_loop")
 
 
 def test_flags_are_read_from_cpuinfo_on_x86_and_arm(tmp_path: Path) -> None:
@@ -89,7 +89,7 @@ def children() -> Iterator[dict[str, subprocess.Popen[str]]]:
             *(str(tests / f) for f in ("test_layer_ops.py", "test_attention_paths.py", "test_kv_int8.py",
                                           "test_lora_kernel.py", "test_int8_w8a8.py",
                                           "test_few_rows_linear.py", "test_step_overhead.py", "test_amx_linear.py",
-                                          "test_panel_linear.py"))]
+                                          "test_panel_linear.py", "test_decode_layers.py"))]
     started = {v: subprocess.Popen([sys.executable, "-c", CHILD, *args], env={**os.environ, isa.ISA_ENV: v},
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for v in OTHERS}
     yield started

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from trtprompt.engine.kernel_call import AMX, KernelCall, Routed
 from trtprompt.engine.quant_int4 import group_of
 
 # Rows a bf16 call runs on AMX; above, oneDNN. SmolLM2's layer linears took 0.66-0.69x oneDNN's time at 1-32
@@ -78,7 +79,7 @@ def pack_int4_tiles(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Te
     return tiles.contiguous(), scales.contiguous()
 
 
-class AmxLinear(torch.nn.Module):
+class AmxLinear(Routed):
     """Calls of at most AMX_ROWS_MAX rows on the AMX kernel over the packed weight; the rest on `dense`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dense: torch.nn.Module) -> None:
@@ -87,9 +88,10 @@ class AmxLinear(torch.nn.Module):
         self.bias_f32 = float_bias(bias)
         self.dense = dense
 
+    def route(self, m: int) -> KernelCall | None:
+        return KernelCall(AMX, self.packed, None, self.bias_f32) if m <= AMX_ROWS_MAX else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > AMX_ROWS_MAX or x.dtype != torch.bfloat16:
-            out: torch.Tensor = self.dense(x)
-            return out
-        out = torch.ops.trtprompt.amx_linear(x.contiguous(), self.packed, None, self.bias_f32)
+        call = self.kernel_call(x.shape[0]) if x.dim() == 2 and x.dtype == torch.bfloat16 else None
+        out: torch.Tensor = self.dense(x) if call is None else call.run(x)
         return out

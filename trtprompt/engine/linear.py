@@ -29,6 +29,7 @@ from trtprompt.engine.amx_linear import (
     pack_int4_tiles,
     pack_tiles,
 )
+from trtprompt.engine.kernel_call import AMX, FEW_ROWS, PANEL, KernelCall, Routed
 from trtprompt.engine.panel_linear import (
     PANEL_HEAD_ROWS_MAX,
     PANEL_INT8_ROWS,
@@ -136,20 +137,21 @@ class OneDnnLinear(torch.nn.Module):
         return out
 
 
-class DenseFewRowsLinear(OneDnnLinear):
+class DenseFewRowsLinear(OneDnnLinear, Routed):
     """oneDNN prepacked, and calls of at most `few_rows_max` rows on the few-rows kernel over the plain weight
     (a decode step of one to a few sequences, where a linear is bound by reading its weight)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, few_rows_max: int) -> None:
-        super().__init__(weight, bias)
+        super().__init__(weight, bias)  # OneDnnLinear's, whose super() is Routed's
         self.weight = weight.contiguous()
         self.few_rows_max = few_rows_max
 
+    def route(self, m: int) -> KernelCall | None:
+        return KernelCall(FEW_ROWS, self.weight, None, self.bias) if m <= self.few_rows_max else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > self.few_rows_max:
-            return super().forward(x)
-        out: torch.Tensor = torch.ops.trtprompt.few_rows_linear(x.contiguous(), self.weight, None, 0)
-        return out if self.bias is None else out + self.bias
+        call = self.kernel_call(x.shape[0]) if x.dim() == 2 else None
+        return super().forward(x) if call is None else call.run(x)
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -170,7 +172,7 @@ def few_rows_available(dtype: torch.dtype, device: torch.device, in_features: in
     return kernels.compiled_kernel_status()[0] and in_features % kernels.variant().lanes == 0
 
 
-class WeightOnlyLinear(torch.nn.Module):
+class WeightOnlyLinear(Routed):
     """int8 [out, in] + scale [out] or [out, groups], or packed int4 [out, in / 2] + (scale, minimum) [out, groups,
     2], kept quantized. With bf16 activations where AMX runs (amx_linear.py) the weight is also kept in AMX's tile
     layout (its quantized bytes a second time): calls of `amx_rows` rows run there (not grouped int8: the AMX
@@ -206,20 +208,22 @@ class WeightOnlyLinear(torch.nn.Module):
                 self.panel_scale = pack_panels(self.scale, width)
         self.bias_f32 = float_bias(bias)
 
+    def route(self, m: int) -> KernelCall | None:
+        """AMX tiles (bf16 only: amx_available), then the panels, then the few-rows kernel; None: dense."""
+        if self.tiles is not None and m in self.amx_rows:
+            return KernelCall(AMX, self.tiles, self.tile_scale, self.bias_f32)
+        if self.panels is not None and m in PANEL_INT8_ROWS:
+            return KernelCall(PANEL, self.panels, self.panel_scale, self.bias_f32)
+        if m <= FEW_ROWS_MAX:
+            return KernelCall(FEW_ROWS, self.qweight, self.scale, self.bias, self.group)
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return on_rows(self.forward, x)
-        m = x.shape[0]
-        if self.tiles is not None and m in self.amx_rows and x.dtype == torch.bfloat16:
-            out: torch.Tensor = torch.ops.trtprompt.amx_linear(x.contiguous(), self.tiles, self.tile_scale,
-                                                               self.bias_f32)
-            return out
-        if self.panels is not None and m in PANEL_INT8_ROWS:
-            out = torch.ops.trtprompt.panel_linear(x.contiguous(), self.panels, self.panel_scale, self.bias_f32)
-            return out
-        if m <= FEW_ROWS_MAX:
-            out = torch.ops.trtprompt.few_rows_linear(x.contiguous(), self.qweight, self.scale, self.group)
-            return out if self.bias is None else out + self.bias
+        call = self.kernel_call(x.shape[0])
+        if call is not None:
+            return call.run(x)
         return F.linear(x, dequantize(self.qweight, self.scale, self.dtype), self.bias)
 
 

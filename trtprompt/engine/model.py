@@ -31,6 +31,7 @@ from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model'
     paged_attention,
 )
 from trtprompt.engine.config import ModelConfig
+from trtprompt.engine.decode_layers import DecodeLayers, LayerParts
 from trtprompt.engine.layer_ops import LayerOps, TorchOps
 from trtprompt.engine.linear import linear_summary, make_linear, resolve_backend
 from trtprompt.engine.lora.stacks import LoraStep
@@ -155,6 +156,8 @@ class DecoderModel(torch.nn.Module):
         self.w8a8_bits = LEGACY_BITS  # their weight / activation bit split (config.json records it)
         self.group_size: int | None = None  # int4 weights' group (W4A16) or grouped int8's (W8A16); None: neither
         self.int4 = False  # the layer linears are packed int4 (W4A16)
+        # A pure decode step's layers in one compiled call (decode_layers.py); None: always the layer loop
+        self.decode_layers: DecodeLayers | None = None
 
     # -- weights -----------------------------------------------------------------
 
@@ -208,6 +211,16 @@ class DecoderModel(torch.nn.Module):
                                           for i in range(c.num_hidden_layers))
         self.norm = self._norm(tensors, "model.norm.weight", c.hidden_size)
         self.lm_head = self._head(tensors, quant_algo)
+        self.decode_layers = DecodeLayers([self._parts(layer) for layer in self.layers], c.num_attention_heads,
+                                          c.head_size ** -0.5, c.norm_epsilon)
+
+    @staticmethod
+    def _parts(layer: torch.nn.Module) -> LayerParts:
+        assert isinstance(layer, DecoderLayer)  # for mypy: ModuleList items are Modules
+        a, m = layer.attn, layer.mlp
+        return LayerParts(layer.input_norm.weight, layer.post_norm.weight,
+                          None if a.q_norm is None else a.q_norm.weight, None if a.k_norm is None else a.k_norm.weight,
+                          (a.qkv, a.o_proj, m.gate_up, m.down))
 
     def _head(self, tensors: Mapping[str, torch.Tensor], quant_algo: str | None) -> torch.nn.Module:
         """lm_head: the embedding where tied, else its own weight; int8 + a scale per vocabulary row where the
@@ -258,9 +271,14 @@ class DecoderModel(torch.nn.Module):
             raise ValueError(f"kv_caches has {len(kv_caches)} layers, the model {len(self.layers)}")
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = ops.rotary_tables(*self.rotary.cos_sin(positions, self.dtype))
+        fused = self.decode_layers.run(x, cos, sin, meta, kv_caches) \
+            if ops.fuses_decode and lora is None and self.decode_layers is not None else None
         delta: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, delta = layer.forward(x, delta, cos, sin, meta, kv_cache, ops, lora)
+        if fused is not None:
+            x, delta = fused
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, delta = layer.forward(x, delta, cos, sin, meta, kv_cache, ops, lora)
         if delta is not None:
             delta = delta.index_select(0, logits_indices)
         x = ops.add_rms_norm(x.index_select(0, logits_indices), delta, self.norm.weight, self.norm.eps)[1]

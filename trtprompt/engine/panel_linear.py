@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from trtprompt.engine.amx_linear import float_bias
+from trtprompt.engine.kernel_call import PANEL, KernelCall, Routed
 
 # Kernel variants (engine/isa.py) where the kernel was measured faster than oneDNN and the few-rows kernel.
 PANEL_VARIANTS = frozenset({"avx2"})
@@ -61,7 +62,7 @@ def on_rows(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) ->
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-class PanelLinear(torch.nn.Module):
+class PanelLinear(Routed):
     """A float32 linear on the kernel over the packed weight; with a `dense` linear, calls of more than `rows_max`
     rows run there instead (lm_head)."""
 
@@ -74,11 +75,17 @@ class PanelLinear(torch.nn.Module):
         self.bias_f32 = float_bias(bias)
         self.dense, self.rows_max = dense, rows_max
 
+    def route(self, m: int) -> KernelCall | None:
+        if self.rows_max is not None and m > self.rows_max:
+            return None
+        return KernelCall(PANEL, self.panels, None, self.bias_f32)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and self.rows_max is not None and x.numel() > self.rows_max * x.shape[-1]:
-            dense: torch.Tensor = self.dense(x)
-            return dense
         if x.dim() != 2:
             return on_rows(self.forward, x)
-        out: torch.Tensor = torch.ops.trtprompt.panel_linear(x.contiguous(), self.panels, None, self.bias_f32)
-        return out
+        call = self.kernel_call(x.shape[0])
+        if call is not None:
+            return call.run(x)
+        assert self.dense is not None  # for mypy: route answers None only where rows_max (and dense) are set
+        dense: torch.Tensor = self.dense.forward(x)
+        return dense

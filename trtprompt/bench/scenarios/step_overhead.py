@@ -1,17 +1,20 @@
 """Where an engine step's time goes: kernels vs everything between them (issue 26 item 5).
 
     python -m trtprompt.bench.scenarios.step_overhead ENGINE_DIR [--batches 1,8,32] [--steps 20] [--profile]
-        [--compare-fused]
+        [--compare-fused] [--compare-layers]
 
 For each batch size, B requests of --prompt random tokens are prefilled, then --steps decode
 steps are timed, each split by wall clock into schedule / prepare (input tensors and attention
 metadata) / forward / sample / update (stop checks, outputs). A mixed step (one chunk of
 --chunk prefill tokens beside B-1 decodes) is timed the same way. Forward is split again, by wall
 clock, into the layers' linears, lm_head and attention (KV writes included), and forward_rest (norms,
-rotary, residual adds, views and the Python between them). With --profile, torch.profiler
+rotary, residual adds, views and the Python between them); a decode step whose layers run as one compiled call
+(engine/decode_layers.py) has them all in `fused_layers` instead. With --profile, torch.profiler
 sums the ops' self CPU time per class over the decode steps (linears, attention, row-wise ops,
 other small ops); the rest of the step is Python between ops. With --compare-fused, blocks of decode steps
-alternate with and without the fused decode attention, in this process. Prints JSON.
+alternate with and without the fused decode attention, in this process; with --compare-layers, with the layers
+in one compiled call and with the layer loop (its fused decode attention kept), before any part is timed (the
+timer's wrappers would slow the loop only). Prints JSON.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from trtprompt.engine.request import SamplingParams
 
 PARTS = ("schedule", "prepare", "forward", "sample", "update")
 # Inside forward, by wall clock too (no profiler, whose per-op cost would swamp the small ops): the
-# layers' linears, the output projection, attention (KV write included); forward_rest is the rest.
-FORWARD_PARTS = ("linears", "lm_head", "attention")
+# layers' linears, the output projection, attention (KV write included), the layers of a step run as one call;
+# forward_rest is the rest.
+FORWARD_PARTS = ("linears", "lm_head", "attention", "fused_layers")
 # Op name fragments -> class, first match wins (profiler keys of the ops the model runs).
 OP_CLASSES = (("linear", ("_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "w8a8", "int8")),
               ("attention", ("paged", "attention", "sdpa", "flash")),
@@ -75,6 +79,8 @@ class PartTimer:
         model.lm_head.forward = self.wrap("lm_head", model.lm_head.forward)
         model_module.paged_attention = self.wrap("attention", model_module.paged_attention)
         model_module.decode_attention = self.wrap("attention", model_module.decode_attention)
+        if model.decode_layers is not None:
+            model.decode_layers.run = self.wrap("fused_layers", model.decode_layers.run)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -160,34 +166,74 @@ def mixed_step(engine: LLMEngine, timer: PartTimer, chunk: int, steps: int) -> d
     return {key: statistics.median(r[key] for r in results) for key in results[0]}
 
 
-def fused_ab(engine: LLMEngine, rounds: int, block: int = 6) -> dict[str, float]:
-    """Decode steps with the fused decode attention (attention.decode_attention) against the op-by-op path, in
-    blocks of `block` steps alternating `rounds` times in this process (the layer ops' fuses_decode switched):
-    median and minimum step of each, and their ratios."""
-    ops = engine.runner.ops
+def alternate(engine: LLMEngine, rounds: int, block: int, switch: Callable[[bool], None]) -> dict[str, float]:
+    """Decode steps in blocks of `block`, switch(True) and switch(False) alternating `rounds` times in this process:
+    median and minimum step of each (keys `on_` / `off_`), and their ratios."""
     times: dict[bool, list[float]] = {True: [], False: []}
-    try:
-        for _ in range(rounds):
-            for fused in (True, False):
-                ops.fuses_decode = fused
-                for _ in range(block):
-                    t0 = time.perf_counter()
-                    engine.step()
-                    times[fused].append((time.perf_counter() - t0) * 1e3)
-    finally:
-        ops.fuses_decode = type(ops).fuses_decode
+    for _ in range(rounds):
+        for on in (True, False):
+            switch(on)
+            for _ in range(block):
+                t0 = time.perf_counter()
+                engine.step()
+                times[on].append((time.perf_counter() - t0) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     low = {k: min(v) for k, v in times.items()}
-    return {"fused_ms_median": med[True], "op_by_op_ms_median": med[False], "ratio_median": med[True] / med[False],
-            "fused_ms_min": low[True], "op_by_op_ms_min": low[False], "ratio_min": low[True] / low[False]}
+    return {"on_ms_median": med[True], "off_ms_median": med[False], "ratio_median": med[True] / med[False],
+            "on_ms_min": low[True], "off_ms_min": low[False], "ratio_min": low[True] / low[False]}
+
+
+def fused_ab(engine: LLMEngine, rounds: int, block: int = 6) -> dict[str, float]:
+    """The fused decode attention (attention.decode_attention, and with it the one-call layers) against the
+    op-by-op path: the layer ops' fuses_decode switched."""
+    ops = engine.runner.ops
+
+    def switch(on: bool) -> None:
+        ops.fuses_decode = on
+
+    try:
+        got = alternate(engine, rounds, block, switch)
+    finally:
+        ops.fuses_decode = type(ops).fuses_decode
+    return {k.replace("on_", "fused_").replace("off_", "op_by_op_"): v for k, v in got.items()}
+
+
+def layers_ab(engine: LLMEngine, rounds: int, block: int = 8) -> dict[str, float]:
+    """The layers in one compiled call (engine/decode_layers.py) against the layer loop, whose layers keep the
+    fused decode attention: the model's decode_layers switched."""
+    model, fused = engine.runner.model, engine.runner.model.decode_layers
+
+    def switch(on: bool) -> None:
+        model.decode_layers = fused if on else None
+
+    try:
+        got = alternate(engine, rounds, block, switch)
+    finally:
+        model.decode_layers = fused
+    return {k.replace("on_", "one_call_").replace("off_", "loop_"): v for k, v in got.items()}
+
+
+def compare_layers(engine: LLMEngine, args: argparse.Namespace) -> dict[int, dict[str, float]]:
+    """layers_ab at each batch size, on an engine no timer wraps."""
+    out: dict[int, dict[str, float]] = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        start_batch(engine, batch, args.prompt, f"l{batch}-")
+        out[batch] = layers_ab(engine, max(4, args.steps // 4))
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        engine.step()
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = LLMEngine.from_engine_dir(args.engine_dir, enable_kv_cache_reuse=False, speculative_decoding="none")
+    layers = compare_layers(engine, args) if args.compare_layers else None
     timer = PartTimer()
     timer.install(engine)
     out: dict[str, Any] = {"engine": str(args.engine_dir), "layers": engine.model_config.num_hidden_layers,
                            "attention_backend": engine.attention_backend, "batches": {}}
+    if layers is not None:
+        out["one_call_layers"] = layers
     for batch in (int(b) for b in args.batches.split(",")):
         start_batch(engine, batch, args.prompt, f"b{batch}-")
         timed_steps(engine, timer, 3)  # warm-up
@@ -217,6 +263,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--compare-fused", action="store_true", help="also alternate decode steps with and without "
                     "the fused decode attention (docs/design.md, \"Fused layer ops\") and report both")
+    ap.add_argument("--compare-layers", action="store_true", help="first alternate decode steps with the layers "
+                    "in one compiled call and with the layer loop (engine/decode_layers.py) and report both")
     ap.add_argument("--out", type=Path)
     return ap.parse_args()
 
