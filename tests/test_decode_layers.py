@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from trtprompt.engine import kernels
 from trtprompt.engine.attention import SeqSlice, allocate_kv_cache, build_attention_metadata
 from trtprompt.engine.decode_layers import DecodeLayers
-from trtprompt.engine.kernel_call import FEW_ROWS, PANEL
+from trtprompt.engine.kernel_call import FEW_ROWS, KEPT_ROUTE_ROWS, PANEL, KernelCall
 from trtprompt.engine.layer_ops import CompiledOps
 from trtprompt.engine.model import DecoderModel
 from trtprompt.engine.quant_int4 import quantize_int4
@@ -122,6 +122,24 @@ def test_the_step_hands_each_linear_its_own_kernel_call(tiny_checkpoint_factory:
         three = model.decode_layers.linears(3)
         assert three is not None and set(three.kinds) == {PANEL} and three.weights[0] is qkv.panels
     assert model.decode_layers.linears(1) is one  # kept per row count
+
+
+def test_a_linear_keeps_the_routes_of_decode_sizes_only(tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    """A prefill chunk's row count is worked out again each call, so chunks of every size leave nothing behind."""
+    qkv = load(tiny_checkpoint_factory("llama"), torch.float32, "float").layers[0].attn.qkv
+    first = qkv.kernel_call(1)
+    assert first is not None and qkv.kernel_call(1) is first
+    qkv.kernel_call(KEPT_ROUTE_ROWS)
+    qkv.kernel_call(KEPT_ROUTE_ROWS + 1)
+    assert sorted(qkv._calls) == [1, KEPT_ROUTE_ROWS]
+
+
+def test_a_kernel_call_names_a_bad_field() -> None:
+    w = torch.zeros(16, 8)
+    with pytest.raises(ValueError, match="KernelCall.kind must be one of"):
+        KernelCall(7, w, None, None)
+    with pytest.raises(ValueError, match="KernelCall.group must be >= 0"):
+        KernelCall(FEW_ROWS, w, None, None, -1)
 
 
 def test_the_loop_runs_where_the_step_or_a_part_does_not_fit(tiny_checkpoint_factory: Callable[..., Path]) -> None:

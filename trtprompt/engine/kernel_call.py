@@ -14,6 +14,9 @@ import torch
 # The kernels a call may take; csrc/decode_layers.cpp switches on these numbers.
 PANEL, AMX, FEW_ROWS = 0, 1, 2
 KINDS = (PANEL, AMX, FEW_ROWS)
+# Row counts whose route a linear keeps (a decode step's rows are its sequences). A larger call, a prefill chunk of
+# any size, works it out again (~2 us beside the call's milliseconds) and leaves nothing behind.
+KEPT_ROUTE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class KernelCall:
 
 class Routed(torch.nn.Module):
     """A linear whose calls of some row counts run a compiled kernel: subclasses say which in `route`; the answer
-    for each m is kept (a decode step asks it per linear per step)."""
+    for each m up to KEPT_ROUTE_ROWS is kept (a decode step asks it per linear per step)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,5 +63,7 @@ class Routed(torch.nn.Module):
         try:
             return self._calls[m]
         except KeyError:
-            call = self._calls[m] = self.route(m)
+            call = self.route(m)
+            if m <= KEPT_ROUTE_ROWS:
+                self._calls[m] = call
             return call
