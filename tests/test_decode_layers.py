@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 from trtprompt.engine import kernels
 from trtprompt.engine.attention import SeqSlice, allocate_kv_cache, build_attention_metadata
 from trtprompt.engine.decode_layers import DecodeLayers
-from trtprompt.engine.kernel_call import FEW_ROWS, KEPT_ROUTE_ROWS, PANEL, KernelCall
+from trtprompt.engine.kernel_call import FEW_ROWS, KEPT_ROUTE_ROWS, ONEDNN, PANEL, KernelCall
 from trtprompt.engine.layer_ops import CompiledOps
+from trtprompt.engine.linear import DenseFewRowsLinear, OneDnnLinear
 from trtprompt.engine.model import DecoderModel
 from trtprompt.engine.quant_int4 import quantize_int4
 from trtprompt.engine.quant_w8a8 import quantize_int8, quantize_int8_groups
@@ -109,6 +110,41 @@ def test_the_one_call_equals_the_layer_loop_bit_for_bit(tiny_checkpoint_factory:
             assert torch.equal(k, lk) and torch.equal(v, lv), f"{rows} rows"
 
 
+def on_onednn(model: DecoderModel, few_rows_max: int) -> None:
+    """The model's float32 layer linears as oneDNN ones (the few-rows kernel to few_rows_max rows), as other kernel
+    variants than AVX2's build them; the step's one call rebuilt over them."""
+    for layer in model.layers:
+        for owner, name in ((layer.attn, "qkv"), (layer.attn, "o_proj"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
+            lin = getattr(owner, name)
+            weight = lin.panels.transpose(1, 2).reshape(-1, lin.panels.shape[1])  # unpacked: [out, in]
+            bias = None if lin.bias_f32 is None else lin.bias_f32.to(model.dtype)
+            setattr(owner, name, DenseFewRowsLinear(weight, bias, few_rows_max) if few_rows_max else
+                    OneDnnLinear(weight, bias))
+    model.decode_layers = DecodeLayers([model._parts(layer) for layer in model.layers], model.cfg.num_attention_heads,
+                                       model.cfg.head_size ** -0.5, model.cfg.norm_epsilon)
+
+
+@pytest.mark.skipif(kernels.variant().name != "avx2", reason="unpacks the panel linears' weights (AVX2 only)")
+@pytest.mark.parametrize("few_rows_max", [0, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_onednn_linears_fuse_as_their_forward_runs_them(tiny_checkpoint_factory: Callable[..., Path], arch: str,
+                                                        few_rows_max: int) -> None:
+    """oneDNN's prepacked GEMM (a boxed call from C++), alone or above the few-rows kernel's rows: bit for bit."""
+    model = load(tiny_checkpoint_factory(arch), torch.float32, "float")
+    on_onednn(model, few_rows_max)
+    assert model.decode_layers is not None
+    for rows in (1, 3, 13):
+        lin = model.decode_layers.linears(rows)
+        assert lin is not None and set(lin.kinds) == {FEW_ROWS if rows <= few_rows_max else ONEDNN}
+        x, cos, sin, meta, caches = decode_step(model, rows, seed=rows + 20)
+        loop_caches = copies(caches)
+        got = model.decode_layers.run(x, cos, sin, meta, caches)
+        want = layer_loop(model, x, cos, sin, meta, loop_caches)
+        assert got is not None and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"{rows} rows"
+        for (k, v), (lk, lv) in zip(caches, loop_caches):
+            assert torch.equal(k, lk) and torch.equal(v, lv), f"{rows} rows"
+
+
 def test_the_step_hands_each_linear_its_own_kernel_call(tiny_checkpoint_factory: Callable[..., Path]) -> None:
     """One grouped-int8 row on the few-rows kernel with its group, several on the panels (AVX2's panel variant);
     the same KernelCall objects the linears' forward runs."""
@@ -140,6 +176,8 @@ def test_a_kernel_call_names_a_bad_field() -> None:
         KernelCall(7, w, None, None)
     with pytest.raises(ValueError, match="KernelCall.group must be >= 0"):
         KernelCall(FEW_ROWS, w, None, None, -1)
+    with pytest.raises(ValueError, match="KernelCall.scale must be None for kind ONEDNN"):
+        KernelCall(ONEDNN, w, torch.ones(16), None)
 
 
 def test_the_loop_runs_where_the_step_or_a_part_does_not_fit(tiny_checkpoint_factory: Callable[..., Path]) -> None:

@@ -89,7 +89,10 @@ class AmxLinear(Routed):
         self.dense = dense
 
     def route(self, m: int) -> KernelCall | None:
-        return KernelCall(AMX, self.packed, None, self.bias_f32) if m <= AMX_ROWS_MAX else None
+        """AMX tiles to AMX_ROWS_MAX rows, above them the dense linear's route where it has one (oneDNN)."""
+        if m <= AMX_ROWS_MAX:
+            return KernelCall(AMX, self.packed, None, self.bias_f32)
+        return self.dense.kernel_call(m) if isinstance(self.dense, Routed) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         call = self.kernel_call(x.shape[0]) if x.dim() == 2 and x.dtype == torch.bfloat16 else None

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 # The kernels a call may take; csrc/decode_layers.cpp switches on these numbers.
-PANEL, AMX, FEW_ROWS = 0, 1, 2
-KINDS = (PANEL, AMX, FEW_ROWS)
+PANEL, AMX, FEW_ROWS, ONEDNN = 0, 1, 2, 3
+KINDS = (PANEL, AMX, FEW_ROWS, ONEDNN)
 # Row counts whose route a linear keeps (a decode step's rows are its sequences). A larger call, a prefill chunk of
 # any size, works it out again (~2 us beside the call's milliseconds) and leaves nothing behind.
 KEPT_ROUTE_ROWS = 256
@@ -22,10 +22,11 @@ KEPT_ROUTE_ROWS = 256
 @dataclass(frozen=True)
 class KernelCall:
     """kind PANEL / AMX: panel_linear / amx_linear(x, weight, scale, bias), bias float32 added in the kernel;
-    FEW_ROWS: few_rows_linear(x, weight, scale, group), then `+ bias` in the compute dtype."""
+    FEW_ROWS: few_rows_linear(x, weight, scale, group), then `+ bias` in the compute dtype; ONEDNN: oneDNN's
+    prepacked GEMM (mkldnn._linear_pointwise) over the packed weight, bias in the compute dtype, no scale."""
 
     kind: int
-    weight: torch.Tensor  # panels, AMX tiles, or the plain [out, in] weight
+    weight: torch.Tensor  # panels, AMX tiles, the plain [out, in] weight, or oneDNN's packed one
     scale: torch.Tensor | None
     bias: torch.Tensor | None
     group: int = 0  # few rows: input columns per scale, 0 for a scale per row (or none)
@@ -35,10 +36,15 @@ class KernelCall:
             raise ValueError(f"KernelCall.kind must be one of {KINDS}, got {self.kind}")
         if self.group < 0:
             raise ValueError(f"KernelCall.group must be >= 0, got {self.group}")
+        if self.kind == ONEDNN and self.scale is not None:
+            raise ValueError("KernelCall.scale must be None for kind ONEDNN (a float weight)")
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """This call on x [m, in] from Python."""
         out: torch.Tensor
+        if self.kind == ONEDNN:  # x of any leading dims
+            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return out
         if self.kind == FEW_ROWS:
             out = torch.ops.trtprompt.few_rows_linear(x.contiguous(), self.weight, self.scale, self.group)
             return out if self.bias is None else out + self.bias

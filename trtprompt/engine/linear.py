@@ -29,7 +29,7 @@ from trtprompt.engine.amx_linear import (
     pack_int4_tiles,
     pack_tiles,
 )
-from trtprompt.engine.kernel_call import AMX, FEW_ROWS, PANEL, KernelCall, Routed
+from trtprompt.engine.kernel_call import AMX, FEW_ROWS, ONEDNN, PANEL, KernelCall, Routed
 from trtprompt.engine.panel_linear import (
     PANEL_HEAD_ROWS_MAX,
     PANEL_INT8_ROWS,
@@ -125,33 +125,39 @@ class DenseLinear(torch.nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class OneDnnLinear(torch.nn.Module):
+class OneDnnLinear(Routed):
+    """oneDNN's GEMM over the weight reordered once into its blocked layout, for calls of any rows."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_BATCH_HINT)
         self.bias = bias
+        self.dense_call = KernelCall(ONEDNN, self.packed, None, bias)
+
+    def route(self, m: int) -> KernelCall | None:
+        return self.dense_call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return out
+        return self.dense_call.run(x)
 
 
-class DenseFewRowsLinear(OneDnnLinear, Routed):
+class DenseFewRowsLinear(OneDnnLinear):
     """oneDNN prepacked, and calls of at most `few_rows_max` rows on the few-rows kernel over the plain weight
     (a decode step of one to a few sequences, where a linear is bound by reading its weight)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, few_rows_max: int) -> None:
-        super().__init__(weight, bias)  # OneDnnLinear's, whose super() is Routed's
+        super().__init__(weight, bias)
         self.weight = weight.contiguous()
         self.few_rows_max = few_rows_max
 
     def route(self, m: int) -> KernelCall | None:
-        return KernelCall(FEW_ROWS, self.weight, None, self.bias) if m <= self.few_rows_max else None
+        return KernelCall(FEW_ROWS, self.weight, None, self.bias) if m <= self.few_rows_max else self.dense_call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        call = self.kernel_call(x.shape[0]) if x.dim() == 2 else None
-        return super().forward(x) if call is None else call.run(x)
+        call = self.kernel_call(x.shape[0]) if x.dim() == 2 else self.dense_call
+        assert call is not None  # for mypy: every row count has a route here
+        return call.run(x)
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

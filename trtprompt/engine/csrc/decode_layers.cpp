@@ -9,17 +9,18 @@
 // "Fused layer ops".
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
-#include <vector>
 
 namespace {
 
 // engine/kernel_call.py's KINDS.
-enum Kind : int64_t { kPanel = 0, kAmx = 1, kFewRows = 2 };
+enum Kind : int64_t { kPanel = 0, kAmx = 1, kFewRows = 2, kOneDnn = 3 };
 
 using Opt = std::optional<at::Tensor>;
 using OptList = c10::List<Opt>;
@@ -38,6 +39,16 @@ c10::TypedOperatorHandle<Fn> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
+// oneDNN's prepacked GEMM as OneDnnLinear calls it from Python (attr "none", no scalars, no algorithm). A boxed call:
+// torch registers the op's kernel with its own C++ signature, which no header here declares.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const Opt& bias) {
+  static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                          std::string("")};
+  handle.callBoxed(stack);
+  return stack[0].toTensor();
+}
+
 // The step's linears, four a layer (qkv, o_proj, gate_up, down), each as engine/kernel_call.py's KernelCall.
 struct Linears {
   at::IntArrayRef kinds, groups;
@@ -50,6 +61,9 @@ struct Linears {
     static const auto amx = op<BiasLinear>("trtprompt::amx_linear");
     static const auto few_rows = op<FewRows>("trtprompt::few_rows_linear");
     const Opt scale = scales.get(i), bias = biases.get(i);
+    if (kinds[i] == kOneDnn) {
+      return onednn_linear(x, weights[i], bias);
+    }
     if (kinds[i] == kFewRows) {
       at::Tensor out = few_rows.call(x, weights[i], scale, groups[i]);
       return bias.has_value() ? at::add(out, *bias) : out;  // as KernelCall.run: `out + bias`
@@ -66,7 +80,7 @@ void check_lengths(size_t layers, size_t v_caches, size_t norms, size_t qk_norms
                   lin.biases.size() == n,
               "decode_layers: kinds, groups, weights, scales and biases need four entries a layer");
   for (const int64_t kind : lin.kinds) {
-    TORCH_CHECK(kind == kPanel || kind == kAmx || kind == kFewRows, "decode_layers: unknown linear kind ", kind);
+    TORCH_CHECK(kind >= kPanel && kind <= kOneDnn, "decode_layers: unknown linear kind ", kind);
   }
 }
 
@@ -112,5 +126,10 @@ TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
 }
 
 TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+}
+
+// oneDNN's packed weights are MkldnnCPU tensors, which make that the call's dispatch key.
+TORCH_LIBRARY_IMPL(trtprompt, MkldnnCPU, m) {
   m.impl("decode_layers", &decode_layers);
 }
