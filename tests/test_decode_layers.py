@@ -77,6 +77,25 @@ def decode_step(model: DecoderModel, rows: int, seed: int, kv_cache_dtype: str =
     return x, cos, sin, meta, caches
 
 
+def chunk_step(model: DecoderModel, chunks: list[tuple[int, int]], seed: int):
+    """(x, cos, sin, metadata, caches) of a step of whole chunks: (cached tokens, new tokens) per sequence on
+    shuffled blocks, the cached rows random (a verification step's rows are such chunks too)."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    cfg, dtype = model.cfg, model.dtype
+    need = [(c + n + TPB - 1) // TPB for c, n in chunks]
+    free = list(range(sum(need) + 3))
+    rng.shuffle(free)
+    seqs = [SeqSlice(c, n, [free.pop() for _ in range(b)]) for (c, n), b in zip(chunks, need)]
+    caches = allocate_kv_cache(cfg, len(free) + sum(need), TPB, dtype, torch.device("cpu"))
+    for k, v in caches:
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    positions = torch.tensor([p for c, n in chunks for p in range(c, c + n)])
+    x = (torch.randn(len(positions), cfg.hidden_size, generator=gen) * 0.5).to(dtype)
+    cos, sin = CompiledOps().rotary_tables(*model.rotary.cos_sin(positions, dtype))
+    return x, cos, sin, build_attention_metadata(seqs, TPB, torch.device("cpu"), "compiled", dtype), caches
+
+
 def layer_loop(model: DecoderModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, caches):
     ops, delta = CompiledOps(), None
     for layer, kv in zip(model.layers, caches):
@@ -158,6 +177,40 @@ def test_the_step_hands_each_linear_its_own_kernel_call(tiny_checkpoint_factory:
         three = model.decode_layers.linears(3)
         assert three is not None and set(three.kinds) == {PANEL} and three.weights[0] is qkv.panels
     assert model.decode_layers.linears(1) is one  # kept per row count
+
+
+@pytest.mark.parametrize("weights", ["float", "int8-g32", "int4-g32"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_step_of_whole_chunks_takes_the_one_call_bit_for_bit(tiny_checkpoint_factory: Callable[..., Path],
+                                                                arch: str, weights: str) -> None:
+    """Speculative verification rows (1 + 4 drafts behind a context) and prefill chunks, with and without cached
+    context: paged_prefill over the chunks' segments in place of the decode attention."""
+    model = load(tiny_checkpoint_factory(arch), torch.float32, weights)
+    assert model.decode_layers is not None
+    for chunks in ([(21, 5)], [(9, 5), (0, 7), (30, 2)], [(0, 12)]):
+        x, cos, sin, meta, caches = chunk_step(model, chunks, seed=len(chunks))
+        assert meta.decode_tables is None and meta.chunk_tables is not None
+        loop_caches = copies(caches)
+        got = model.decode_layers.run(x, cos, sin, meta, caches)
+        want = layer_loop(model, x, cos, sin, meta, loop_caches)
+        if model.decode_layers.linears(x.shape[0]) is None:
+            assert got is None and kernels.variant().name != "avx2"
+            continue
+        assert got is not None and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), chunks
+        for (k, v), (lk, lv) in zip(caches, loop_caches):
+            assert torch.equal(k, lk) and torch.equal(v, lv), chunks
+
+
+def test_a_step_with_a_decode_row_or_a_shared_prefix_keeps_the_loop(
+        tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    model = load(tiny_checkpoint_factory("llama"), torch.float32, "float")
+    cpu = torch.device("cpu")
+    mixed = build_attention_metadata([SeqSlice(9, 1, [0, 1]), SeqSlice(0, 5, [2])], TPB, cpu, "compiled")
+    prefix = list(range(64))  # 512 tokens shared by both chunks: a cascade group (cascade.MIN_SAVED_TOKENS)
+    shared = build_attention_metadata([SeqSlice(512, 3, [*prefix, 64]), SeqSlice(512, 3, [*prefix, 65])], TPB, cpu,
+                                      "compiled")
+    assert shared.groups and mixed.chunk_tables is None and shared.chunk_tables is None
+    assert build_attention_metadata([SeqSlice(0, 5, [2])], TPB, cpu, "torch").chunk_tables is None
 
 
 def test_a_linear_keeps_the_routes_of_decode_sizes_only(tiny_checkpoint_factory: Callable[..., Path]) -> None:

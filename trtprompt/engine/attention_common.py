@@ -44,6 +44,9 @@ class AttentionMetadata(Protocol):
     @property
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...  # a pure decode step's fused path
 
+    @property
+    def chunk_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...  # a step of whole chunks' (one call)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                scale: float) -> torch.Tensor: ...
 

@@ -201,6 +201,14 @@ class PagedMetadata:
         worked out once a step."""
         return (self.decodes[0].tables, self.decodes[0].lens) if self.compiled and self.pure_decode else None
 
+    @functools.cached_property
+    def chunk_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(block tables, segments) of a compiled step whose every row is in a chunk of its prefill kernel call
+        (no decode row, no shared-prefix group): the one-call layers run it with csrc's chunk_attention."""
+        whole = self.chunks is not None and not self.decodes and not self.groups and not self.prefills \
+            and self.small is None
+        return (self.chunks.tables, self.chunks.segments) if self.compiled and whole and self.chunks else None
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                scale: float) -> torch.Tensor:
         """Compiled: the step's new K/V are read from the cache (written first), not from k and v."""

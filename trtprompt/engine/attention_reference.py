@@ -65,6 +65,7 @@ class ReferenceMetadata:
     prefills: tuple[PrefillPlan, ...]
     decodes: tuple[DecodePlan, ...]
     decode_tables: None = None  # the fused decode path is the compiled kernel's, never the reference's
+    chunk_tables: None = None  # so is the one-call chunk step's
 
     @property
     def kv_blocks(self) -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""A pure decode step's decoder layers in one compiled call (csrc/decode_layers.cpp).
+"""A pure decode step's decoder layers in one compiled call (csrc/decode_layers.cpp), or a step of whole chunks'.
 
-DecoderModel runs its layers through this where the step is one new token per sequence on the compiled ops
-(CompiledOps: the fused decode attention), without LoRA, with float (not int8) KV caches, and where every layer
-linear routes a call of the step's rows to a compiled kernel (kernel_call.py); anywhere else the layer loop runs,
-and it is the path tests compare this with, bit for bit. The C++ side calls the ops the loop would call, in its
-order, so only the ~10 Python calls a layer between them go (docs/design.md, "Fused layer ops").
+DecoderModel runs its layers through this where the step is one new token per sequence, or every row in a chunk of
+the prefill kernel's call (prefill chunks, speculative verification rows; no decode row, no shared-prefix group),
+on the compiled ops (CompiledOps: the fused decode attention), without LoRA, with float (not int8) KV caches, and
+where every layer linear routes a call of the step's rows to a compiled kernel (kernel_call.py); anywhere else the
+layer loop runs, and it is the path tests compare this with, bit for bit. The C++ side calls the ops the loop would
+call, in its order, so only the ~10 Python calls a layer between them go (docs/design.md, "Fused layer ops").
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ class DecodeLayers:
             kv_caches: Sequence[KvCache]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(residual stream, last MLP output not yet added) as the layer loop leaves them, from the embeddings x
         [S, hidden] and CompiledOps.rotary_tables' cos/sin; None where the step or a part does not fit."""
-        tables = meta.decode_tables
+        tables, chunks = meta.decode_tables, False
+        if tables is None:
+            tables, chunks = meta.chunk_tables, True
         if tables is None or isinstance(kv_caches[0], Int8KvCache):
             return None
         lin = self.linears(x.shape[0])
@@ -94,6 +97,6 @@ class DecodeLayers:
             return None
         x, delta = torch.ops.trtprompt.decode_layers(
             x, cos, sin, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], meta.slot_blocks,
-            meta.slot_offsets, *tables, self.heads, self.scale, self.eps, self.norms, self.qk_norms, lin.kinds,
+            meta.slot_offsets, *tables, chunks, self.heads, self.scale, self.eps, self.norms, self.qk_norms, lin.kinds,
             lin.groups, lin.weights, lin.scales, lin.biases)
         return x, delta

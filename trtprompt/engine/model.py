@@ -4,9 +4,9 @@ No padding: a step's tokens of all sequences form one [T, hidden] batch;
 attention is paged (attention.py). q/k/v and gate/up are fused into one GEMM
 each. The row-wise ops (RMSNorm, rotary, SiLU * up) come from a LayerOps
 (layer_ops.py): transformers' torch expressions, or one compiled op each.
-Logits are computed only at the rows asked for, and returned in float32. A pure decode step whose
-linears all run compiled kernels at its rows runs every layer in one compiled call (decode_layers.py),
-the layer loop's result bit for bit.
+Logits are computed only at the rows asked for, and returned in float32. A pure decode step, or a step of
+whole chunks, whose linears all run compiled kernels at its rows runs every layer in one compiled call
+(decode_layers.py), the layer loop's result bit for bit.
 
 The layers and their parts call each other's forward, not the modules themselves: nn.Module.__call__ (hook
 checks, an extra frame) cost ~5 us a call on a 2-core EPYC, and a decode step makes ~180 of them (a one-request

@@ -1,6 +1,7 @@
 // A pure decode step's decoder layers in one call: per layer the (add +) RMSNorm, the qkv linear, the fused decode
 // attention, o_proj, add + RMSNorm, gate_up, SiLU * up and down, each the op the Python layer would call, reached
-// through the dispatcher from here.
+// through the dispatcher from here. A step of whole chunks (prefill chunks, speculative verification rows) runs
+// the same with chunk_attention in the decode attention's place.
 //
 // The results are the layer-by-layer path's bit for bit (same ops, same inputs, same order); what goes is the
 // Python between them: a SmolLM2 step makes ~8 op calls and ~10 Python calls a layer at 5-6 us per custom op
@@ -84,18 +85,21 @@ void check_lengths(size_t layers, size_t v_caches, size_t norms, size_t qk_norms
   }
 }
 
-// x [S, hidden]: the step's embeddings, one token per sequence. Returns (residual stream, last layer's MLP output
-// not yet added), as DecoderModel's layer loop leaves them.
+// x [T, hidden]: the step's embeddings in packed order. chunks false: one token per sequence, block_tables / lens
+// paged_decode's (tables, seq_lens); true: every row in a chunk, lens paged_prefill's segments. Returns (residual
+// stream, last layer's MLP output not yet added), as DecoderModel's layer loop leaves them.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
     at::TensorList v_caches, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t heads, double scale, double eps,
+    const at::Tensor& block_tables, const at::Tensor& lens, bool chunks, int64_t heads, double scale, double eps,
     at::TensorList norms, const OptList& qk_norms, at::IntArrayRef kinds, at::IntArrayRef groups,
     at::TensorList weights, const OptList& scales, const OptList& biases) {
   static const auto rms_norm = op<RmsNorm>("trtprompt::rms_norm");
   static const auto add_rms_norm = op<AddRmsNorm>("trtprompt::add_rms_norm");
   static const auto silu_and_mul = op<Unary>("trtprompt::silu_and_mul");
-  static const auto attention = op<Attention>("trtprompt::decode_attention");
+  static const auto decode = op<Attention>("trtprompt::decode_attention");
+  static const auto chunk = op<Attention>("trtprompt::chunk_attention");
+  const auto& attention = chunks ? chunk : decode;
   const Linears lin{kinds, groups, weights, scales, biases};
   const size_t layers = k_caches.size();
   check_lengths(layers, v_caches.size(), norms.size(), qk_norms.size(), lin);
@@ -108,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     }
     const at::Tensor qkv = lin.run(4 * i, h);
     const at::Tensor attended = attention.call(qkv, cos, sin, k_caches[i], v_caches[i], slot_blocks, slot_offsets,
-                                               block_tables, seq_lens, heads, scale, qk_norms.get(2 * i),
+                                               block_tables, lens, heads, scale, qk_norms.get(2 * i),
                                                qk_norms.get(2 * i + 1), eps);
     std::tie(residual, h) = add_rms_norm.call(residual, lin.run(4 * i + 1, attended), norms[2 * i + 1], eps);
     delta = lin.run(4 * i + 3, silu_and_mul.call(lin.run(4 * i + 2, h)));
@@ -120,7 +124,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 
 TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-        "Tensor slot_blocks, Tensor slot_offsets, Tensor block_tables, Tensor seq_lens, int heads, float scale, "
+        "Tensor slot_blocks, Tensor slot_offsets, Tensor block_tables, Tensor lens, bool chunks, int heads, float scale, "
         "float eps, Tensor[] norms, Tensor?[] qk_norms, int[] kinds, int[] groups, Tensor[] weights, "
         "Tensor?[] scales, Tensor?[] biases) -> (Tensor, Tensor)");
 }
