@@ -211,6 +211,12 @@ def test_a_step_with_a_decode_row_or_a_shared_prefix_keeps_the_loop(
                                       "compiled")
     assert shared.groups and mixed.chunk_tables is None and shared.chunk_tables is None
     assert build_attention_metadata([SeqSlice(0, 5, [2])], TPB, cpu, "torch").chunk_tables is None
+    assert model.decode_layers is not None
+    caches = allocate_kv_cache(model.cfg, 66, TPB, torch.float32, cpu)
+    for meta in (mixed, shared):
+        x = torch.zeros(meta.num_tokens, model.cfg.hidden_size)
+        cos = sin = torch.zeros(meta.num_tokens, model.cfg.head_size // 2)
+        assert model.decode_layers.run(x, cos, sin, meta, caches) is None
 
 
 def test_a_linear_keeps_the_routes_of_decode_sizes_only(tiny_checkpoint_factory: Callable[..., Path]) -> None:
