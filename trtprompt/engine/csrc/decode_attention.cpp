@@ -59,31 +59,23 @@ at::Tensor rotate_and_write(const at::Tensor& qkv, const at::Tensor& cos, const 
   return q_rot;
 }
 
-// One new token per sequence: paged decode over block_tables / seq_lens. Returns [S, heads d].
-at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                            at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_blocks,
-                            const at::Tensor& slot_offsets, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, int64_t heads, double scale,
-                            const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                            double eps) {
-  static const auto decode = op<Paged>("trtprompt::paged_decode");
-  const at::Tensor q = rotate_and_write(qkv, cos, sin, k_cache, v_cache, slot_blocks, slot_offsets, heads, q_norm,
-                                        k_norm, eps);
-  return std::get<0>(decode.call(q, k_cache, v_cache, block_tables, seq_lens, scale)).view({qkv.size(0), -1});
-}
+// The kernel over the rotated q: paged_decode (decode_attention: one new token per sequence, block_tables /
+// lens its tables and seq_lens) or paged_prefill (chunk_attention: every row in a chunk, its tables and segments,
+// as PagedMetadata.chunks holds them).
+constexpr char kPagedDecode[] = "trtprompt::paged_decode";
+constexpr char kPagedPrefill[] = "trtprompt::paged_prefill";
 
-// Every row in a chunk, one segment a chunk (kernels.paged_prefill's block tables and segments, as
-// PagedMetadata.chunks holds them). Returns [T, heads d].
-at::Tensor chunk_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                           at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_blocks,
-                           const at::Tensor& slot_offsets, const at::Tensor& block_tables,
-                           const at::Tensor& segments, int64_t heads, double scale,
-                           const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                           double eps) {
-  static const auto prefill = op<Paged>("trtprompt::paged_prefill");
+// Returns [T, heads d].
+template <const char* Kernel>
+at::Tensor attention_step(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                          at::Tensor v_cache, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
+                          const at::Tensor& block_tables, const at::Tensor& lens, int64_t heads, double scale,
+                          const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                          double eps) {
+  static const auto kernel = op<Paged>(Kernel);
   const at::Tensor q = rotate_and_write(qkv, cos, sin, k_cache, v_cache, slot_blocks, slot_offsets, heads, q_norm,
                                         k_norm, eps);
-  return std::get<0>(prefill.call(q, k_cache, v_cache, block_tables, segments, scale)).view({qkv.size(0), -1});
+  return std::get<0>(kernel.call(q, k_cache, v_cache, block_tables, lens, scale)).view({qkv.size(0), -1});
 }
 
 }  // namespace
@@ -98,6 +90,6 @@ TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
 }
 
 TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
-  m.impl("decode_attention", &decode_attention);
-  m.impl("chunk_attention", &chunk_attention);
+  m.impl("decode_attention", &attention_step<kPagedDecode>);
+  m.impl("chunk_attention", &attention_step<kPagedPrefill>);
 }
