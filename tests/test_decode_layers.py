@@ -139,8 +139,7 @@ def on_onednn(model: DecoderModel, few_rows_max: int) -> None:
             bias = None if lin.bias_f32 is None else lin.bias_f32.to(model.dtype)
             setattr(owner, name, DenseFewRowsLinear(weight, bias, few_rows_max) if few_rows_max else
                     OneDnnLinear(weight, bias))
-    model.decode_layers = DecodeLayers([model._parts(layer) for layer in model.layers], model.cfg.num_attention_heads,
-                                       model.cfg.head_size ** -0.5, model.cfg.norm_epsilon)
+    model.decode_layers = model._decode_layers()
 
 
 @pytest.mark.skipif(kernels.variant().name != "avx2", reason="unpacks the panel linears' weights (AVX2 only)")
@@ -221,12 +220,17 @@ def test_a_step_with_a_decode_row_or_a_shared_prefix_keeps_the_loop(
 
 def test_a_linear_keeps_the_routes_of_decode_sizes_only(tiny_checkpoint_factory: Callable[..., Path]) -> None:
     """A prefill chunk's row count is worked out again each call, so chunks of every size leave nothing behind."""
-    qkv = load(tiny_checkpoint_factory("llama"), torch.float32, "float").layers[0].attn.qkv
+    model = load(tiny_checkpoint_factory("llama"), torch.float32, "float")
+    qkv = model.layers[0].attn.qkv
     first = qkv.kernel_call(1)
     assert first is not None and qkv.kernel_call(1) is first
     qkv.kernel_call(KEPT_ROUTE_ROWS)
     qkv.kernel_call(KEPT_ROUTE_ROWS + 1)
     assert sorted(qkv._calls) == [1, KEPT_ROUTE_ROWS]
+    assert model.decode_layers is not None  # the step's lists too
+    model.decode_layers.linears(1)
+    model.decode_layers.linears(KEPT_ROUTE_ROWS + 1)
+    assert sorted(model.decode_layers._linears) == [1]
 
 
 def test_a_kernel_call_names_a_bad_field() -> None:

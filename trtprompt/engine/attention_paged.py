@@ -205,9 +205,10 @@ class PagedMetadata:
     def chunk_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(block tables, segments) of a compiled step whose every row is in a chunk of its prefill kernel call
         (no decode row, no shared-prefix group): the one-call layers run it with csrc's chunk_attention."""
-        whole = self.chunks is not None and not self.decodes and not self.groups and not self.prefills \
-            and self.small is None
-        return (self.chunks.tables, self.chunks.segments) if self.compiled and whole and self.chunks else None
+        if not self.compiled or self.chunks is None or self.decodes or self.groups or self.prefills \
+                or self.small is not None:
+            return None
+        return self.chunks.tables, self.chunks.segments
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KvCache,
                scale: float) -> torch.Tensor:

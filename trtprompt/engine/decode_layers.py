@@ -17,7 +17,7 @@ import torch
 
 from trtprompt.engine.attention import AttentionMetadata, KvCache
 from trtprompt.engine.attention_int8 import Int8KvCache
-from trtprompt.engine.kernel_call import KernelCall, Routed
+from trtprompt.engine.kernel_call import KEPT_ROUTE_ROWS, KernelCall, Routed
 
 # The row counts the engine's log line says fuse or not (a decode step's rows are its sequences).
 SUMMARY_ROWS = (1, 8, 32, 64, 256)
@@ -64,21 +64,25 @@ class DecodeLayers:
         self.heads, self.scale, self.eps = heads, scale, eps
         self.norms = [t for p in self.parts for t in (p.input_norm, p.post_norm)]
         self.qk_norms = [t for p in self.parts for t in (p.q_norm, p.k_norm)]
-        self._linears: dict[int, StepLinears | None] = {}  # per row count: a step asks once per step
+        # Per row count up to KEPT_ROUTE_ROWS, as the linears keep their routes: a decode step asks once per step;
+        # a larger step (a prefill chunk of any size) works them out again and leaves nothing behind.
+        self._linears: dict[int, StepLinears | None] = {}
 
     def linears(self, rows: int) -> StepLinears | None:
         """The step's linears at `rows` rows, or None where one of them runs no compiled kernel there."""
-        if rows not in self._linears:
-            calls = [lin.kernel_call(rows) if isinstance(lin, Routed) else None
-                     for p in self.parts for lin in p.linears]
-            self._linears[rows] = None if any(c is None for c in calls) else StepLinears.of(
-                [c for c in calls if c is not None])
-        return self._linears[rows]
+        if rows in self._linears:
+            return self._linears[rows]
+        calls = [lin.kernel_call(rows) if isinstance(lin, Routed) else None for p in self.parts for lin in p.linears]
+        got = None if any(c is None for c in calls) else StepLinears.of([c for c in calls if c is not None])
+        if rows <= KEPT_ROUTE_ROWS:
+            self._linears[rows] = got
+        return got
 
     def summary(self, probes: Sequence[int] = SUMMARY_ROWS) -> str:
         """Which of these row counts run the layers in one call (the engine logs it once)."""
-        fused = [str(r) for r in probes if self.linears(r) is not None]
-        loop = [str(r) for r in probes if self.linears(r) is None]
+        fuses = {r: self.linears(r) is not None for r in probes}
+        fused = [str(r) for r in probes if fuses[r]]
+        loop = [str(r) for r in probes if not fuses[r]]
         said = f"{', '.join(fused)} rows: the layers in one compiled call" if fused else "the layer loop"
         return said + (f"; {', '.join(loop)} rows: the layer loop (a linear runs no compiled kernel there)"
                        if fused and loop else "")

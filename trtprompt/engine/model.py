@@ -213,8 +213,15 @@ class DecoderModel(torch.nn.Module):
                                           for i in range(c.num_hidden_layers))
         self.norm = self._norm(tensors, "model.norm.weight", c.hidden_size)
         self.lm_head = self._head(tensors, quant_algo)
-        self.decode_layers = DecodeLayers([self._parts(layer) for layer in self.layers], c.num_attention_heads,
-                                          c.head_size ** -0.5, c.norm_epsilon)
+        self.decode_layers = self._decode_layers()
+
+    def _decode_layers(self) -> DecodeLayers:
+        """The layers as the one-call step reads them; heads, scale and eps are the layers' own (every layer's
+        norms share the config's epsilon)."""
+        first = self.layers[0]
+        assert isinstance(first, DecoderLayer)  # for mypy: ModuleList items are Modules
+        return DecodeLayers([self._parts(layer) for layer in self.layers], first.attn.num_heads, first.attn.scale,
+                            first.input_norm.eps)
 
     @staticmethod
     def _parts(layer: torch.nn.Module) -> LayerParts:

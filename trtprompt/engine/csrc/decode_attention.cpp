@@ -8,13 +8,16 @@
 // write, the metadata's dispatch, the decode wrapper, the reshape), about a millisecond a step on
 // a 30-layer model at batch 1. docs/design.md, "Fused layer ops".
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <tuple>
 
+#include "op_handle.h"
+
 namespace {
+
+using trtprompt_ops::op;
 
 using Rotary = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
@@ -23,11 +26,6 @@ using WriteKv = void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor
 // paged_decode(q, k_cache, v_cache, tables, seq_lens, scale) and paged_prefill(..., tables, segments, scale).
 using Paged = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                  const at::Tensor&, const at::Tensor&, double);
-
-template <typename Fn>
-c10::TypedOperatorHandle<Fn> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-}
 
 // q or k [S, h, d] normed per head first where the model has q/k norms (Qwen3), as CompiledOps.rms_norm
 // norms them (a contiguous copy of the view).

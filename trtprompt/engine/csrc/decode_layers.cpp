@@ -18,7 +18,11 @@
 #include <string>
 #include <tuple>
 
+#include "op_handle.h"
+
 namespace {
+
+using trtprompt_ops::op;
 
 // engine/kernel_call.py's KINDS.
 enum Kind : int64_t { kPanel = 0, kAmx = 1, kFewRows = 2, kOneDnn = 3 };
@@ -34,11 +38,6 @@ using FewRows = at::Tensor(const at::Tensor&, const at::Tensor&, const Opt&, int
 using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor,
                              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                              double, const Opt&, const Opt&, double);
-
-template <typename Fn>
-c10::TypedOperatorHandle<Fn> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
-}
 
 // oneDNN's prepacked GEMM as OneDnnLinear calls it from Python (attr "none", no scalars, no algorithm). A boxed call:
 // torch registers the op's kernel with its own C++ signature, which no header here declares.
