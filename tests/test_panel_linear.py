@@ -77,6 +77,18 @@ def test_panel_kernel_matches_torch_for_every_row_count(fmt: str, x_dtype: torch
     assert torch.ops.trtprompt.panel_linear(torch.zeros(0, k), panels, scale, None).shape == (0, n)
 
 
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+@pytest.mark.parametrize("k", [3, 4, 7, 603])
+def test_one_row_sums_every_column_whatever_k_leaves_after_its_four_chains(fmt: str, k: int) -> None:
+    """One row takes a panel's K whole in four interleaved chains of sums and the columns past a multiple of four
+    alone (csrc/panel_linear.cpp, one_row_sums)."""
+    n = 2 * _width()
+    stored, scale, w = _weight(fmt, n, k, seed=k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3))
+    got = torch.ops.trtprompt.panel_linear(x, pack_panels(stored, _width()), scale, None)
+    torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_grouped_int8_rows_are_equal_bit_for_bit_on_both_sides_of_the_widening_bound(group: int) -> None:
     """From a dozen rows the kernel widens a grouped chunk to float32 once for all its blocks instead of in every

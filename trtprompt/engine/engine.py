@@ -129,6 +129,8 @@ class LLMEngine:
                                                            config.model.head_size, tpb)
         log_attention_backend(config.attention_backend, self.attention_backend)
         log.info("compute: %s", model.compute_summary())
+        if model.weight_pages is not None:
+            log.info("%s", model.weight_pages)
         if self.attention_backend == "compiled" and model.decode_layers is not None and kv_dtype != "int8":
             log.info("decode steps: %s", model.decode_layers.summary())
         slow_bf16 = isa.bf16_problem(isa.cpu_flags()) if dtype == torch.bfloat16 and self.device.type == "cpu" else None

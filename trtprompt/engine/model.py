@@ -34,6 +34,7 @@ from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model'
 )
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.decode_layers import DecodeLayers, LayerParts
+from trtprompt.engine.huge_pages import move_weights
 from trtprompt.engine.layer_ops import LayerOps, TorchOps
 from trtprompt.engine.linear import linear_summary, make_linear, resolve_backend
 from trtprompt.engine.lora.stacks import LoraStep
@@ -160,6 +161,7 @@ class DecoderModel(torch.nn.Module):
         self.int4 = False  # the layer linears are packed int4 (W4A16)
         # A pure decode step's layers in one compiled call (decode_layers.py); None: always the layer loop
         self.decode_layers: DecodeLayers | None = None
+        self.weight_pages: str | None = None  # where load_weights left the large tensors (huge_pages.py), for the log
 
     # -- weights -----------------------------------------------------------------
 
@@ -213,6 +215,8 @@ class DecoderModel(torch.nn.Module):
                                           for i in range(c.num_hidden_layers))
         self.norm = self._norm(tensors, "model.norm.weight", c.hidden_size)
         self.lm_head = self._head(tensors, quant_algo)
+        # Before the one-call step takes its references to the tensors.
+        self.weight_pages = move_weights(self) if self.device.type == "cpu" else None
         self.decode_layers = self._decode_layers()
 
     def _decode_layers(self) -> DecodeLayers:

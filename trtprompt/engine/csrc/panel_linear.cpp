@@ -98,6 +98,36 @@ struct Output {
 // block of rows reads it. On SmolLM2's layer linears 256 was at or ahead of whole panels, 128 and 64 behind.
 constexpr int64_t kChunk = 256;
 
+// Independent sums a one-row block keeps per weight vector: one row streams W from memory, and with a single
+// chain per vector the FMA latency (4 cycles) capped a core at one weight line per 4 cycles, so it could not
+// catch up after a stall. Four chains read SmolLM2's 120 layer linears and lm_head at one row in 0.94x the time
+// (2-core Zen 3, docs/design.md "Panel linear").
+constexpr int kOneRowChains = 4;
+static_assert(kOneRowChains == 4, "one_row_sums adds its chains up as two pairs");
+
+// Sums of one row of x times columns [k0, k1) of panel p (a format without per-group scales), kOneRowChains
+// interleaved chains added up at the end: into acc0 / acc1, which hold the sums so far.
+template <typename W>
+void one_row_sums(const float* xr, const W& w, int64_t p, int64_t k0, int64_t k1, vf& acc0, vf& acc1) {
+  vf a0[kOneRowChains] = {}, a1[kOneRowChains] = {};
+  int64_t k = k0;
+  for (; k + kOneRowChains <= k1; k += kOneRowChains) {
+#pragma GCC unroll 4
+    for (int j = 0; j < kOneRowChains; ++j) {
+      const vf xb = splat(xr[k + j]);
+      a0[j] += xb * w.at(p, k + j, 0);
+      a1[j] += xb * w.at(p, k + j, 1);
+    }
+  }
+  for (; k < k1; ++k) {
+    const vf xb = splat(xr[k]);
+    a0[0] += xb * w.at(p, k, 0);
+    a1[0] += xb * w.at(p, k, 1);
+  }
+  acc0 += (a0[0] + a0[1]) + (a0[2] + a0[3]);
+  acc1 += (a1[0] + a1[1]) + (a1[2] + a1[3]);
+}
+
 // Partial sums of rows [r0, r0 + MR) of x (float32 [M, K]) times columns [k0, k1) of panel p, kept in sums
 // ([M, kPanel] floats) between chunks; the last chunk writes them to out's columns of the panel.
 template <int MR, typename W, typename T>
@@ -111,7 +141,11 @@ void block(const float* x, int64_t k_dim, const W& w, int64_t p, int64_t r0, int
   const float* xr = x + r0 * k_dim;
   int64_t span = k1 - k0;  // columns between scale changes (a chunk is whole groups)
   if constexpr (W::kGrouped) span = W::group;
-  for (int64_t g0 = k0; g0 < k1; g0 += span) {
+  if constexpr (MR == 1 && !W::kGrouped) {
+    one_row_sums(xr, w, p, k0, k1, acc0[0], acc1[0]);
+    span = 0;  // done: the loop below has nothing to add
+  }
+  for (int64_t g0 = k0; span > 0 && g0 < k1; g0 += span) {
     vf s0{}, s1{};
     if constexpr (W::kGrouped) s0 = w.scale(p, g0, 0), s1 = w.scale(p, g0, 1);
     for (int64_t k = g0; k < g0 + span; ++k) {
@@ -196,13 +230,15 @@ void panels_times_rows(const float* x, int64_t m, int64_t k_dim, const W& w, int
   const int64_t blocks = (m + B::kRows - 1) / B::kRows, small = m / blocks, larger = m % blocks;
   // Block b: the first `larger` blocks hold small + 1 rows, the rest small.
   auto first_row = [&](int64_t b) { return b * small + std::min(b, larger); };
+  // One block of rows reuses no chunk: it takes the panel's K whole (a pass per chunk cost a one-row call ~5 %).
+  const int64_t chunk_cols = blocks == 1 && std::is_same_v<B, W> ? k_dim : kChunk;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> sums(m * kPanel), chunk(std::is_same_v<B, W> ? 0 : kChunk * kPanel);
     for (int64_t g0 = 0; g0 < blocks; g0 += kGroupBlocks) {
       const int64_t g1 = std::min(blocks, g0 + kGroupBlocks);
       for (int64_t p = p0; p < p1; ++p) {
-        for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
-          const int64_t k1 = std::min(k_dim, k0 + kChunk);
+        for (int64_t k0 = 0; k0 < k_dim; k0 += chunk_cols) {
+          const int64_t k1 = std::min(k_dim, k0 + chunk_cols);
           const B read = [&]() -> B {
             if constexpr (std::is_same_v<B, W>) return w;
             else return widen_chunk(w, p, k0, k1, chunk.data());
