@@ -35,6 +35,7 @@ class _Holder(torch.nn.Module):
         super().__init__()
         big = torch.randn(1 << 20)  # 4 MiB
         self.weight = torch.nn.Parameter(big.clone(), requires_grad=False)
+        self.trained = torch.nn.Parameter(torch.randn(1 << 18))  # 1 MiB, requires_grad as torch defaults it
         self.register_buffer("table", torch.arange(3 << 18, dtype=torch.int32))  # 3 MiB
         self.panels = big  # a plain attribute, as the packed linears keep theirs
         self.shared = big  # the same tensor under a second name: moved once
@@ -56,8 +57,9 @@ def test_large_tensors_move_once_keep_their_values_and_kinds_and_sit_on_huge_pag
     before = {name: t.clone() for name, t in (("weight", m.weight), ("table", m.table), ("panels", m.panels))}
     small = m.small
     line = move_weights(m)
-    assert line.startswith("weights on huge pages: 11 MiB in 3 tensors"), line
-    assert isinstance(m.weight, torch.nn.Parameter) and not m.weight.requires_grad
+    assert line.startswith("weights on huge pages: 12 MiB in 4 tensors"), line
+    assert isinstance(m.weight, torch.nn.Parameter) and not m.weight.requires_grad  # as they were
+    assert isinstance(m.trained, torch.nn.Parameter) and m.trained.requires_grad
     assert "table" in dict(m.named_buffers()) and m.small is small
     assert m.shared is m.panels
     for name, want in before.items():

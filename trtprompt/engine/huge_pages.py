@@ -92,7 +92,7 @@ def move_weights(model: torch.nn.Module) -> str:
                 if key not in moved:
                     copy = slabs.take(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
                     moved[key] = copy.copy_(t.detach())
-                table[name] = torch.nn.Parameter(moved[key], requires_grad=False) \
+                table[name] = torch.nn.Parameter(moved[key], requires_grad=t.requires_grad) \
                     if isinstance(t, torch.nn.Parameter) else moved[key]
     total = sum(t.numel() * t.element_size() for t in moved.values())
     return f"weights on huge pages: {total / (1 << 20):.0f} MiB in {len(moved)} tensors (THP {mode})"
