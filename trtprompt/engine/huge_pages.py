@@ -3,7 +3,7 @@
 Why (docs/design.md, "Weights on huge pages"): a decode step of a few rows streams every weight once, and on
 4 KiB pages each page is a TLB miss and a stop for the hardware prefetchers, which do not cross a page. Moved
 into 2 MiB pages, SmolLM2's 120 layer linears and lm_head at one row ran in 0.91x the time on a 2-core Zen 3
-(float32, 538 MB a step), and a one-request decode step in ~0.95x.
+(float32, 538 MB a step), and a one-request decode step in 0.92x.
 
 glibc serves torch's large allocations from mmap and the host's THP setting here is `madvise`, so a tensor gets
 huge pages only from memory advised with MADV_HUGEPAGE before it is touched: each tensor is copied into such a

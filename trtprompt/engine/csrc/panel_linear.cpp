@@ -139,23 +139,23 @@ void block(const float* x, int64_t k_dim, const W& w, int64_t p, int64_t r0, int
     acc1[r] = k0 == 0 ? vf{} : load(sums + (r0 + r) * kPanel + kLanes);
   }
   const float* xr = x + r0 * k_dim;
-  int64_t span = k1 - k0;  // columns between scale changes (a chunk is whole groups)
-  if constexpr (W::kGrouped) span = W::group;
   if constexpr (MR == 1 && !W::kGrouped) {
     one_row_sums(xr, w, p, k0, k1, acc0[0], acc1[0]);
-    span = 0;  // done: the loop below has nothing to add
-  }
-  for (int64_t g0 = k0; span > 0 && g0 < k1; g0 += span) {
-    vf s0{}, s1{};
-    if constexpr (W::kGrouped) s0 = w.scale(p, g0, 0), s1 = w.scale(p, g0, 1);
-    for (int64_t k = g0; k < g0 + span; ++k) {
-      vf w0 = w.at(p, k, 0), w1 = w.at(p, k, 1);
-      if constexpr (W::kGrouped) w0 *= s0, w1 *= s1;
+  } else {
+    int64_t span = k1 - k0;  // columns between scale changes (a chunk is whole groups)
+    if constexpr (W::kGrouped) span = W::group;
+    for (int64_t g0 = k0; g0 < k1; g0 += span) {
+      vf s0{}, s1{};
+      if constexpr (W::kGrouped) s0 = w.scale(p, g0, 0), s1 = w.scale(p, g0, 1);
+      for (int64_t k = g0; k < g0 + span; ++k) {
+        vf w0 = w.at(p, k, 0), w1 = w.at(p, k, 1);
+        if constexpr (W::kGrouped) w0 *= s0, w1 *= s1;
 #pragma GCC unroll 12
-      for (int r = 0; r < MR; ++r) {
-        const vf xb = splat(xr[r * k_dim + k]);
-        acc0[r] += xb * w0;
-        acc1[r] += xb * w1;
+        for (int r = 0; r < MR; ++r) {
+          const vf xb = splat(xr[r * k_dim + k]);
+          acc0[r] += xb * w0;
+          acc1[r] += xb * w1;
+        }
       }
     }
   }
