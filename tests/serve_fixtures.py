@@ -89,11 +89,24 @@ class Served:
             return client.infer("tensorrt_llm", token_inputs(ids, max_tokens, streaming, **optional), 60.0,
                                 outputs=outputs)
 
+    def tritonserver_pid(self) -> int:
+        """The one tritonserver under this serve (the launcher may have restarted it since it started)."""
+        found = [pid for pid in descendants(self.proc.pid) if _program(pid).endswith("/tritonserver")]
+        assert len(found) == 1, f"tritonserver processes under serve: {found}"
+        return found[0]
+
     def assert_healthy(self) -> None:
         assert self.proc.poll() is None, "the server process exited"
         result = self.text("health check", 4, temperature=0.0)
         assert result.error is None, result.error
         assert result.finished
+
+
+def _program(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+    except OSError:
+        return ""  # exited meanwhile
 
 
 def _alive(pid: int) -> bool:

@@ -10,7 +10,8 @@ import sys
 import threading
 from pathlib import Path
 
-from trtprompt.serve.launch.launcher import stop_on_signals, watch_children
+from trtprompt.serve.launch.launcher import Ports, Server, spawn_child, stop_on_signals, watch_children
+from trtprompt.serve.launch.options import EngineInfo, resolve_options
 
 
 def test_a_child_that_exits_ends_the_watch_with_its_log(tmp_path: Path) -> None:
@@ -35,6 +36,21 @@ def test_stop_ends_the_watch_and_tick_may_end_it_with_its_code(tmp_path: Path) -
         return 7 if len(ticks) == 3 else None
 
     assert watch_children(threading.Event(), lambda: [], 0.01, print, tick) == 7 and len(ticks) == 3
+
+
+def test_a_dead_tritonserver_ends_the_watch_under_no_restart(tiny_engine_dir: Path, tmp_path: Path) -> None:
+    """Without --no-restart the launcher starts tritonserver again (tests/test_serve_faults.py)."""
+    engine = EngineInfo.read(tiny_engine_dir, None)
+    notes: list[str] = []
+    server = Server(engine, resolve_options(engine, {}), Ports(), tmp_path / "run", restart_engine=False,
+                    log=notes.append)
+    server.triton_log.write_text("its last words\n", encoding="utf-8")
+    server.triton_proc = spawn_child([sys.executable, "-c", "raise SystemExit(6)"], server.triton_log, {})
+    server.triton_proc.wait()
+    assert server.watch() == 1
+    assert notes == ["tritonserver exited with code 6; gRPC and HTTP are down meanwhile:\nits last words",
+                     "--no-restart: stopping the server"]
+    assert server.triton_restarts == 0
 
 
 def test_signals_call_stop_inside_the_scope_only() -> None:

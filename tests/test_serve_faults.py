@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from serve_fixtures import Oracle, Served
+from serve_fixtures import Oracle, Served, wait_for
 
 from trtprompt.client import LLMClient, StreamResult, make_input, text_inputs, token_inputs
 
@@ -199,4 +199,21 @@ def test_engine_killed_mid_stream_then_service_resumes(served: Served) -> None:
         assert time.monotonic() < deadline, "the engine process was not restarted"
         time.sleep(0.2)
     assert served.engine_info()["pid"] != pid
+    served.assert_healthy()
+
+
+def test_tritonserver_killed_then_restarted_on_the_same_ports(served: Served) -> None:
+    """As after tritonserver's own abort (docs/design.md, "Triton restart"): the launcher starts it again and the
+    engine process, with its cache, keeps running."""
+    engine_pid, triton_pid = served.engine_info()["pid"], served.tritonserver_pid()
+    os.kill(triton_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while served.text("back?", 4).error is not None:
+        assert time.monotonic() < deadline, f"tritonserver was not restarted:\n{served.log_path.read_text()[-3000:]}"
+        time.sleep(0.2)
+    # The launcher logs the restart once every model answers ready, which may be after this first answer.
+    wait_for(lambda: "tritonserver restarted" in served.log_path.read_text(), "the launcher's restart line")
+    assert "tritonserver exited with code -9" in served.log_path.read_text()
+    assert served.tritonserver_pid() != triton_pid
+    assert served.engine_info()["pid"] == engine_pid
     served.assert_healthy()

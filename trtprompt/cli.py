@@ -230,7 +230,8 @@ def generate(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int, temper
               help="Tokenizer dir (default: the engine's tokenizer/, or files beside a trtllm-build engine).")
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Keep socket, repository and logs here.")
 @click.option("--ready-timeout", default=120.0, show_default=True, help="Seconds to wait for readiness.")
-@click.option("--no-restart", is_flag=True, help="Stop (instead of restarting) if the engine process dies.")
+@click.option("--no-restart", is_flag=True,
+              help="Stop (instead of restarting) if the engine process or tritonserver dies (torch target).")
 @click.option("--require-kv-reuse", is_flag=True,
               help="Refuse an engine that cannot reuse KV blocks (a TensorRT-LLM 1.2 engine built without "
                    "use_paged_context_fmha or a paged KV cache) instead of serving it with a warning.")

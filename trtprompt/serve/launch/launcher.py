@@ -288,6 +288,7 @@ class Server:
         # Unique per server: what stop() unlinks from /dev/shm is only ever this server's.
         self.shm_prefix = f"trtprompt_{os.getpid()}_{self.run_dir.name.replace('-', '_')}_"
         self.engine_restarts = 0
+        self.triton_restarts = 0
         self._stop = threading.Event()
 
     @property
@@ -379,13 +380,13 @@ class Server:
     def watch(self) -> int:
         """Block until stop() or a fatal failure; restart a dead engine. Returns the exit code."""
         return watch_children(self._stop, lambda: [
-            (self.triton_proc, "tritonserver", self.triton_log),
             (self.openai_proc, "the OpenAI front end", self.run_dir / "openai.log")], 0.25, self.log,
             self._tick)
 
     def _tick(self) -> int | None:
         protect_shm(self.shm_prefix)  # a restarted stub makes its region anew, 0644
-        return self._restart_dead_engine()
+        code = self._restart_dead_engine()
+        return self._restart_dead_triton() if code is None else code
 
     def _restart_dead_engine(self) -> int | None:
         """None while the engine process runs (or was restarted); 1 if it cannot be."""
@@ -403,6 +404,31 @@ class Server:
             self.log(str(exc))
             return 1
         self.log(f"engine process restarted (pid {self.engine_proc.pid})")
+        return None
+
+    def _restart_dead_triton(self) -> int | None:
+        """None while tritonserver runs (or was restarted); 1 if it cannot be. tritonserver 2.51 can abort in
+        gRPC core while many streams are cancelled at once (docs/design.md, "Triton restart"); the engine
+        and its KV cache live in another process, so Triton alone starts again, on the same ports."""
+        proc = self.triton_proc
+        if proc is None or proc.poll() is None:
+            return None
+        self.log(f"tritonserver exited with code {proc.returncode}; gRPC and HTTP are down meanwhile:\n"
+                 f"{log_tail(self.triton_log)}")
+        if not self.restart_engine:
+            self.log("--no-restart: stopping the server")
+            return 1
+        # Its python-backend stubs may outlive it for a moment; their regions would clash with the new ones.
+        for note in stop_group(proc, "tritonserver", 5.0) + remove_shm(self.shm_prefix):
+            self.log(f"trtprompt serve: {note}")
+        self.triton_restarts += 1
+        try:
+            self.start_triton()
+        except LaunchError as exc:
+            self.log(str(exc))
+            return 1
+        pid = self.triton_proc.pid if self.triton_proc is not None else None
+        self.log(f"tritonserver restarted (pid {pid}; restart {self.triton_restarts})")
         return None
 
     def request_stop(self) -> None:

@@ -3,7 +3,7 @@ front end), each on its own cores with its own KV pool, behind sglang-router on 
 port (serve/launch/router.py; docs/replicas.md).
 
 Each replica is the single-server Server of launcher.py, supervised in its own thread: a dead
-engine process is restarted by the Server itself, a dead tritonserver or front end by restarting
+engine process or tritonserver is restarted by the Server itself, a dead front end by restarting
 the whole replica. The router's health checks take a replica out while it cannot answer and put
 it back once it does. SIGHUP restarts the replicas one at a time (rolling_restart): out of the
 router, drained, restarted, back in.
