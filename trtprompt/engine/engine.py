@@ -38,10 +38,10 @@ from trtprompt.engine.request import (
 from trtprompt.engine.runner import ModelRunner, PromptRows, StepLogits
 from trtprompt.engine.sampler import (
     SampleFailure,
+    argmax_only,
     attach_logprobs,
     greedy_tokens,
     logprob_entries,
-    processes_rows,
     raw_logprobs,
     sample,
 )
@@ -407,11 +407,6 @@ class LLMEngine:
         tokens = sample(rows, reqs)
         return tokens, attach_logprobs(raw, reqs, tokens), kept
 
-    @staticmethod
-    def _plain_greedy(req: Request) -> bool:
-        """Greedy with nothing that changes a row between tokens: its drafts verify by one argmax."""
-        return req.params.greedy and not processes_rows(req) and req.matcher is None and not req.reports_extras
-
     def _guide_takes_over(self, req: Request) -> bool:
         """After an accepted draft: the grammar is complete, or forces the next tokens (jump-forward appends
         them), so the rows after it are not what a step without drafts would sample."""
@@ -523,7 +518,7 @@ class LLMEngine:
         rule accepts a draft it is certain of. The first token that differs from its draft is the step's last.
         KV written for rejected drafts is dropped (kv.trim)."""
         drafts = req.drafts[:s.num_draft]
-        fast = greedy_tokens(rows) if self._plain_greedy(req) else None
+        fast = greedy_tokens(rows) if argmax_only(req) else None
         accepted, result = 0, None
         for j in range(len(drafts) + 1):
             draft = drafts[j] if j < len(drafts) else None

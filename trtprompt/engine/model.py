@@ -34,6 +34,7 @@ from trtprompt.engine.attention import (  # noqa: F401  (re-exported: the model'
 )
 from trtprompt.engine.config import ModelConfig
 from trtprompt.engine.decode_layers import DecodeLayers, LayerParts
+from trtprompt.engine.greedy_head import GreedyHead
 from trtprompt.engine.huge_pages import move_weights
 from trtprompt.engine.layer_ops import LayerOps, TorchOps
 from trtprompt.engine.linear import linear_summary, make_linear, resolve_backend
@@ -155,6 +156,8 @@ class DecoderModel(torch.nn.Module):
         self.embed_tokens: torch.Tensor | None = None
         self.norm: RMSNorm | None = None
         self.lm_head: torch.nn.Module | None = None
+        # A float head's int8 screen for rows read only for their argmax (greedy_head.py); None: the head runs
+        self.greedy_head: GreedyHead | None = None
         self.w8a8_backend: str | None = None  # the int8 GEMM of W8A8 linears (quant_w8a8.py); None: not W8A8
         self.w8a8_bits = LEGACY_BITS  # their weight / activation bit split (config.json records it)
         self.group_size: int | None = None  # int4 weights' group (W4A16) or grouped int8's (W8A16); None: neither
@@ -214,7 +217,8 @@ class DecoderModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(self._layer(tensors, i, quantized)
                                           for i in range(c.num_hidden_layers))
         self.norm = self._norm(tensors, "model.norm.weight", c.hidden_size)
-        self.lm_head = self._head(tensors, quant_algo)
+        self.lm_head, head_weight = self._head(tensors, quant_algo)
+        self.greedy_head = None if head_weight is None else GreedyHead.of(head_weight)
         # Before the one-call step takes its references to the tensors.
         self.weight_pages = move_weights(self) if self.device.type == "cpu" else None
         self.decode_layers = self._decode_layers()
@@ -235,20 +239,22 @@ class DecoderModel(torch.nn.Module):
                           None if a.q_norm is None else a.q_norm.weight, None if a.k_norm is None else a.k_norm.weight,
                           (a.qkv, a.o_proj, m.gate_up, m.down))
 
-    def _head(self, tensors: Mapping[str, torch.Tensor], quant_algo: str | None) -> torch.nn.Module:
+    def _head(self, tensors: Mapping[str, torch.Tensor], quant_algo: str | None
+              ) -> tuple[torch.nn.Module, torch.Tensor | None]:
         """lm_head: the embedding where tied, else its own weight; int8 + a scale per vocabulary row where the
-        engine was built with quantize_lm_head (int8_wo only), whether or not the checkpoint ties them."""
+        engine was built with quantize_lm_head (int8_wo only), whether or not the checkpoint ties them. With it,
+        its float weight (None where it is int8)."""
         c, shape = self.cfg, (self.cfg.vocab_size, self.cfg.hidden_size)
         if "lm_head.weight_scale" in tensors:
             if quant_algo != W8A16:
                 raise ValueError(f"an int8 lm_head (lm_head.weight_scale) goes with quant_algo {W8A16}, "
                                  f"not {quant_algo!r}")
             lw = take_linear(tensors, "lm_head", shape, self.dtype, self.device, True, self.group_size)
-            return make_linear(lw.weight, None, self.linear_backend, self.dtype, lw.scale, few_rows=False)
+            return make_linear(lw.weight, None, self.linear_backend, self.dtype, lw.scale, few_rows=False), None
         assert self.embed_tokens is not None  # for mypy: load_weights sets it first
         head = self.embed_tokens if c.tie_word_embeddings else take_tensor(tensors, "lm_head.weight", shape,
                                                                            self.dtype, self.device)
-        return make_linear(head, None, self.linear_backend, self.dtype, few_rows=False)
+        return make_linear(head, None, self.linear_backend, self.dtype, few_rows=False), head
 
     def compute_summary(self) -> str:
         """What the linears run (engine.py logs it once with the attention path): kinds, counts, dtype."""
@@ -259,6 +265,8 @@ class DecoderModel(torch.nn.Module):
         if self.lm_head is not None:
             linears.append(self.lm_head)
         summary = linear_summary(linears, self.dtype)
+        if self.greedy_head is not None:
+            summary += f"; {self.greedy_head.summary()}"
         if self.dtype == torch.bfloat16 and self.device.type == "cpu":
             have = [f for f in isa.BF16_FLAGS if f in isa.cpu_flags()]
             summary += f"; the CPU's bf16 instructions: {', '.join(have) if have else 'none (emulated)'}"
@@ -269,9 +277,10 @@ class DecoderModel(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KvCache], logits_indices: torch.Tensor,
-                ops: LayerOps | None = None, lora: LoraStep | None = None) -> torch.Tensor:
+                ops: LayerOps | None = None, lora: LoraStep | None = None, argmax_only: bool = False) -> torch.Tensor:
         """[len(logits_indices), vocab] float32 logits at the given packed rows (TorchOps by default; lora: the
-        step's adapter products, engine/lora/)."""
+        step's adapter products, engine/lora/). argmax_only: each row is read for its argmax alone, so the greedy
+        head may leave -inf for tokens that cannot be it (greedy_head.py)."""
         ops = TorchOps() if ops is None else ops
         if self.embed_tokens is None or self.norm is None or self.lm_head is None:
             raise RuntimeError("DecoderModel.load_weights must run before forward")
@@ -295,7 +304,8 @@ class DecoderModel(torch.nn.Module):
         if delta is not None:
             delta = delta.index_select(0, logits_indices)
         x = ops.add_rms_norm(x.index_select(0, logits_indices), delta, self.norm.weight, self.norm.eps)[1]
-        logits: torch.Tensor = self.lm_head.forward(x)
+        screened = self.greedy_head.logits(x) if argmax_only and self.greedy_head is not None else None
+        logits: torch.Tensor = self.lm_head.forward(x) if screened is None else screened
         return logits.float()
 
 

@@ -15,6 +15,7 @@ from trtprompt.engine.lora.manager import LoraManager
 from trtprompt.engine.lora.stacks import LoraStep
 from trtprompt.engine.model import DecoderModel
 from trtprompt.engine.request import Request
+from trtprompt.engine.sampler import argmax_only
 from trtprompt.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class StepInputs:
     prompt_rows: tuple[PromptRows, ...] = ()
     draft_rows: tuple[tuple[Request, int], ...] = ()  # (request, its drafts this step)
     lora: LoraStep | None = None  # the adapters' products; None: no row has an adapter
+    argmax_only: bool = False  # every row's logits are read for their argmax alone (sampler.argmax_only)
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,9 @@ class ModelRunner:
                           torch.tensor(positions, dtype=torch.long, device=dev),
                           self.metadata(slices), torch.tensor(logits_rows, dtype=torch.long, device=dev),
                           tuple(prompt_rows), tuple(draft_rows),
-                          None if lora is None else lora.step(row_slot))
+                          None if lora is None else lora.step(row_slot),
+                          not prompt_rows and all(argmax_only(s.request) for s in out.scheduled
+                                                         if s.samples or s.num_draft))
 
     @staticmethod
     def _logits_rows(out: SchedulerOutput, first_row: dict[str, int]
@@ -155,7 +159,8 @@ class ModelRunner:
             self.copy_blocks(out.block_copies)
         step = self.prepare(out, kv)
         logits: torch.Tensor = self.model(step.input_ids, step.positions, step.meta, self.kv_caches,
-                                          step.logits_rows, self.ops, step.lora)  # nn.Module calls are typed Any
+                                          step.logits_rows, self.ops, step.lora,
+                                          step.argmax_only)  # nn.Module calls are typed Any
         num_sampled = len(step.logits_rows) - sum(r.count for r in step.prompt_rows) \
             - sum(n for _, n in step.draft_rows)
         prompt, at = [], num_sampled

@@ -161,6 +161,15 @@ def processes_rows(req: Request) -> bool:
     return p.has_penalties or bool(p.min_tokens) or p.has_vocabulary_controls
 
 
+def argmax_only(req: Request) -> bool:
+    """True when nothing but the argmax of req's rows is read: greedy, no beams, nothing that changes a row
+    (processes_rows, a grammar), no log probabilities or logits asked for. Its drafts verify by one argmax, and the
+    model may leave -inf for tokens that cannot be the argmax (greedy_head.py)."""
+    p = req.params
+    return p.greedy and p.beam_width == 1 and not processes_rows(req) and req.matcher is None \
+        and not req.reports_extras
+
+
 def _prepare_row(row: torch.Tensor, req: Request) -> None:
     if req.params.has_penalties:
         apply_penalties(row, req)

@@ -12,6 +12,7 @@
 #include "vec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
@@ -87,12 +88,87 @@ std::tuple<at::Tensor, at::Tensor> greedy_rows(const at::Tensor& logits) {
   return {best, index};
 }
 
+// screen_rows: engine/greedy_head.py's screen in two passes over a row instead of torch's eight. Pass one finds a
+// row's floor, the largest lower bound max_j (s_j - bound_j |x|_1) of any logit; pass two recomputes each token
+// whose upper bound s_j + bound_j |x|_1 reaches it from its float weight row, and writes -inf for the others.
+
+// Lower bounds' maximum over [begin, end) of one row.
+float floor_of(const float* s, const float* bound, float norm, int64_t begin, int64_t end) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  vf best = splat(kNegInf);
+  const vf n = splat(norm);
+  int64_t j = begin;
+  for (; j + kLanes <= end; j += kLanes) {
+    const vf low = load(s + j) - load(bound + j) * n;
+    best = low > best ? low : best;
+  }
+  float out = kNegInf;
+  for (int l = 0; l < kLanes; ++l) out = std::max(out, best[l]);
+  for (; j < end; ++j) out = std::max(out, s[j] - bound[j] * norm);
+  return out;
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  vf acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
+  float out = hsum(acc);
+  for (; i < n; ++i) out += a[i] * b[i];
+  return out;
+}
+
+// Tokens [begin, end) of one row: candidates get their exact logit, the rest -inf.
+void keep_candidates(float* s, const float* bound, float norm, float floor, const float* x, const float* weight,
+                     int64_t hidden, int64_t begin, int64_t end) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = begin; j < end; ++j) {
+    s[j] = s[j] + bound[j] * norm >= floor ? dot(x, weight + j * hidden, hidden) : kNegInf;
+  }
+}
+
+at::Tensor screen_rows(at::Tensor screened, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bound) {
+  TORCH_CHECK(screened.dim() == 2 && x.dim() == 2 && weight.dim() == 2 && bound.dim() == 1,
+              "screen_rows: screened [rows, vocab], x [rows, hidden], weight [vocab, hidden], bound [vocab]");
+  const int64_t rows = screened.size(0), vocab = screened.size(1), hidden = x.size(1);
+  TORCH_CHECK(x.size(0) == rows && weight.size(0) == vocab && weight.size(1) == hidden && bound.size(0) == vocab,
+              "screen_rows: the shapes disagree");
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&screened), &x, &weight, &bound}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "screen_rows: contiguous float32 tensors only");
+  }
+  const int64_t chunks = (vocab + kChunk - 1) / kChunk;
+  float* s = screened.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>(), *bp = bound.data_ptr<float>();
+  std::vector<float> norms(rows), part(rows * chunks), floors(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float n = 0.f;
+    for (int64_t i = 0; i < hidden; ++i) n += std::abs(xp[r * hidden + i]);
+    norms[r] = n;
+  }
+  at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t r = it / chunks, c = it % chunks;
+      part[it] = floor_of(s + r * vocab, bp, norms[r], c * kChunk, std::min(vocab, (c + 1) * kChunk));
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) floors[r] = *std::max_element(&part[r * chunks], &part[r * chunks] + chunks);
+  at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t r = it / chunks, c = it % chunks;
+      keep_candidates(s + r * vocab, bp, norms[r], floors[r], xp + r * hidden, wp, hidden, c * kChunk,
+                      std::min(vocab, (c + 1) * kChunk));
+    }
+  });
+  return screened;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
   m.def("greedy_rows(Tensor logits) -> (Tensor, Tensor)");
+  m.def("screen_rows(Tensor(a!) screened, Tensor x, Tensor weight, Tensor bound) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
   m.impl("greedy_rows", &greedy_rows);
+  m.impl("screen_rows", &screen_rows);
 }
