@@ -1,7 +1,7 @@
 """Where an engine step's time goes: kernels vs everything between them (issue 26 item 5).
 
     python -m trtprompt.bench.scenarios.step_overhead ENGINE_DIR [--batches 1,8,32] [--steps 20] [--profile]
-        [--compare-fused] [--compare-layers]
+        [--compare-fused] [--compare-layers] [--compare-head]
 
 For each batch size, B requests of --prompt random tokens are prefilled, then --steps decode
 steps are timed, each split by wall clock into schedule / prepare (input tensors and attention
@@ -14,7 +14,8 @@ sums the ops' self CPU time per class over the decode steps (linears, attention,
 other small ops); the rest of the step is Python between ops. With --compare-fused, blocks of decode steps
 alternate with and without the fused decode attention, in this process; with --compare-layers, with the layers
 in one compiled call and with the layer loop (its fused decode attention kept), before any part is timed (the
-timer's wrappers would slow the loop only). Prints JSON.
+timer's wrappers would slow the loop only); with --compare-head, with lm_head's int8 screen for greedy rows and with
+the float head. Prints JSON.
 """
 
 from __future__ import annotations
@@ -213,12 +214,30 @@ def layers_ab(engine: LLMEngine, rounds: int, block: int = 8) -> dict[str, float
     return {k.replace("on_", "one_call_").replace("off_", "loop_"): v for k, v in got.items()}
 
 
-def compare_layers(engine: LLMEngine, args: argparse.Namespace) -> dict[int, dict[str, float]]:
-    """layers_ab at each batch size, on an engine no timer wraps."""
+def head_ab(engine: LLMEngine, rounds: int, block: int = 8) -> dict[str, float]:
+    """lm_head's int8 screen for greedy rows (engine/greedy_head.py) against the float head: the model's
+    greedy_head switched."""
+    model, head = engine.runner.model, engine.runner.model.greedy_head
+    if head is None:
+        raise ValueError("--compare-head: this engine has no greedy head (docs/design.md, \"Greedy head\")")
+
+    def switch(on: bool) -> None:
+        model.greedy_head = head if on else None
+
+    try:
+        got = alternate(engine, rounds, block, switch)
+    finally:
+        model.greedy_head = head
+    return {k.replace("on_", "screened_").replace("off_", "float_head_"): v for k, v in got.items()}
+
+
+def compare_each_batch(engine: LLMEngine, args: argparse.Namespace,
+                       ab: Callable[[LLMEngine, int], dict[str, float]]) -> dict[int, dict[str, float]]:
+    """An A/B (layers_ab, head_ab) at each batch size, on an engine no timer wraps."""
     out: dict[int, dict[str, float]] = {}
     for batch in (int(b) for b in args.batches.split(",")):
         start_batch(engine, batch, args.prompt, f"l{batch}-")
-        out[batch] = layers_ab(engine, max(4, args.steps // 4))
+        out[batch] = ab(engine, max(4, args.steps // 4))
         for rid in list(engine.requests):
             engine.abort(rid)
         engine.step()
@@ -227,13 +246,16 @@ def compare_layers(engine: LLMEngine, args: argparse.Namespace) -> dict[int, dic
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = LLMEngine.from_engine_dir(args.engine_dir, enable_kv_cache_reuse=False, speculative_decoding="none")
-    layers = compare_layers(engine, args) if args.compare_layers else None
+    layers = compare_each_batch(engine, args, layers_ab) if args.compare_layers else None
+    head = compare_each_batch(engine, args, head_ab) if args.compare_head else None
     timer = PartTimer()
     timer.install(engine)
     out: dict[str, Any] = {"engine": str(args.engine_dir), "layers": engine.model_config.num_hidden_layers,
                            "attention_backend": engine.attention_backend, "batches": {}}
     if layers is not None:
         out["one_call_layers"] = layers
+    if head is not None:
+        out["greedy_head"] = head
     for batch in (int(b) for b in args.batches.split(",")):
         start_batch(engine, batch, args.prompt, f"b{batch}-")
         timed_steps(engine, timer, 3)  # warm-up
@@ -265,6 +287,8 @@ def parse_args() -> argparse.Namespace:
                     "the fused decode attention (docs/design.md, \"Fused layer ops\") and report both")
     ap.add_argument("--compare-layers", action="store_true", help="first alternate decode steps with the layers "
                     "in one compiled call and with the layer loop (engine/decode_layers.py) and report both")
+    ap.add_argument("--compare-head", action="store_true", help="first alternate decode steps with lm_head's "
+                    "int8 screen for greedy rows and with the float head (engine/greedy_head.py) and report both")
     ap.add_argument("--out", type=Path)
     return ap.parse_args()
 
