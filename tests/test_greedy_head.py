@@ -35,7 +35,7 @@ def _head(w: torch.Tensor) -> GreedyHead:
 def _check(head: GreedyHead, x: torch.Tensor) -> torch.Tensor:
     """The screened rows against the float head's: same argmax, the same values where kept; returns what is kept."""
     full = x @ head.weight.T
-    got = head.logits(x)
+    got = head.logits(x, [[]] * x.shape[0])
     assert got is not None
     kept = torch.isfinite(got)
     assert torch.equal(kept, torch.isfinite(reference_logits(head, x)))
@@ -90,14 +90,32 @@ def test_near_ties_keep_both_tokens() -> None:
 
 
 @needs_panels
+def test_banned_tokens_leave_the_race_to_the_best_of_the_rest() -> None:
+    """min_tokens' end ids (sampler.screen_bans): a banned argmax is -inf and the best allowed token is kept, as the
+    float row masked afterwards would choose."""
+    gen = torch.Generator().manual_seed(11)
+    head = _head(_weight(2048, 128, gen))
+    x = head.weight[[40, 41, 42]] * 3
+    bans = [[40], [], [42, 7]]
+    full = x @ head.weight.T
+    for row, ids in zip(full, bans):
+        row[ids] = float("-inf")
+    got = head.logits(x, bans)
+    assert got is not None
+    assert torch.equal(torch.isfinite(got), torch.isfinite(reference_logits(head, x, bans)))
+    assert got[0, 40] == got[2, 42] == got[2, 7] == float("-inf")
+    assert torch.equal(got.argmax(dim=-1), full.argmax(dim=-1))
+
+
+@needs_panels
 def test_rows_past_rows_max_and_non_finite_rows_run_the_float_head() -> None:
     head = _head(_weight(512, 64, torch.Generator().manual_seed(1)))
-    assert head.logits(torch.randn(ROWS_MAX + 1, 64)) is None
+    assert head.logits(torch.randn(ROWS_MAX + 1, 64), [[]] * (ROWS_MAX + 1)) is None
     x = torch.randn(2, 64)
     x[1, 3] = float("nan")
-    assert head.logits(x) is None
+    assert head.logits(x, [[], []]) is None
     x[1, 3] = float("inf")
-    assert head.logits(x) is None
+    assert head.logits(x, [[], []]) is None
 
 
 def test_no_screen_where_it_cannot_run() -> None:
@@ -128,9 +146,9 @@ def test_engine_answers_alike_and_screens_only_argmax_steps(tiny_engine_dir: Pat
         calls: list[int] = []
         screen = head.logits
 
-        def counted(x: torch.Tensor) -> torch.Tensor | None:
+        def counted(x: torch.Tensor, bans: list[list[int]]) -> torch.Tensor | None:
             calls.append(x.shape[0])
-            return screen(x)
+            return screen(x, bans)
 
         head.logits = counted  # type: ignore[method-assign]  # counts, then runs the real screen
         greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -141,9 +159,16 @@ def test_engine_answers_alike_and_screens_only_argmax_steps(tiny_engine_dir: Pat
         calls.clear()
         mixed = _generate(engine, {"g": ([5, 6, 7], greedy), "lp": ([5, 6, 8], asks)})
         assert calls == []  # a row whose log probabilities are asked for needs every logit
+        # min_tokens: the end id is banned while it masks it, here the token greedy decoding takes third.
+        third = with_head["tokens"]["g0"][2]
+        held = {"m": ([3, 40, 1, 90], SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0, end_id=third))}
+        calls.clear()
+        banned = _generate(engine, held)
+        assert len(calls) == 8 and banned["tokens"]["m"][2] != third
         model.greedy_head = None
         assert _generate(engine, plain) == with_head
         assert _generate(engine, {"g": ([5, 6, 7], greedy), "lp": ([5, 6, 8], asks)}) == mixed
+        assert _generate(engine, held) == banned
     finally:
         engine.close()
 

@@ -2,17 +2,20 @@
 that can still win (docs/design.md, "Greedy head").
 
 A one-request float32 decode step of SmolLM2 reads 538 MB, 113 MB of them lm_head's (the tied embedding), yet a row
-whose request reads nothing but its argmax (sampler.argmax_only: plain greedy, no log probabilities or logits asked
-for) needs the largest logit, not all 49,152. The screen is the head's weight rounded to int8 in groups of GROUP
+whose request reads nothing but its argmax (sampler.screen_bans: greedy, no log probabilities or logits asked for,
+nothing that changes the row but min_tokens' mask of the end ids) needs the largest logit, not all 49,152. The screen is the head's weight rounded to int8 in groups of GROUP
 input columns (quantize_int8_groups), 28 MB on the panel kernel. A token's screened logit is within
 bound_j * |x|_1 of its float one, bound_j being its largest group scale times one half (the rounding to int8) plus
 the float32 rounding of both dot products (rounding_slack). A token whose upper bound lies below the best lower
 bound cannot be the argmax; the others (2-5 a row on SmolLM2's text) get their logit from the float weight row, the
-rest -inf. The row's argmax is then the float head's, up to the float32 summation order of one dot product, as
+rest -inf; a token the row may not take yet (min_tokens' end ids) is -inf before the race. The row's argmax is
+then the float head's, up to the float32 summation order of one dot product, as
 between any two float32 kernels; a row that is NaN or all -inf stays so (such an x runs the float head).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -66,19 +69,29 @@ class GreedyHead(torch.nn.Module):
         out: torch.Tensor = torch.ops.trtprompt.panel_linear(x, self.panels, self.panel_scale, None)
         return out
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor | None:
-        """[rows, vocab] float32 for x [rows, hidden]: the candidates' exact logits, -inf elsewhere; None where the
-        float head must run (more than ROWS_MAX rows, or an x that is not finite)."""
+    def logits(self, x: torch.Tensor, bans: Sequence[list[int]]) -> torch.Tensor | None:
+        """[rows, vocab] float32 for x [rows, hidden]: the candidates' exact logits, -inf elsewhere, each row's bans
+        (tokens it may not take: sampler.screen_bans) -inf and out of the race; None where the float head must run
+        (more than ROWS_MAX rows, or an x that is not finite)."""
         if x.shape[0] > ROWS_MAX or not bool(torch.isfinite(x).all()):
             return None
         x = x.contiguous()
-        out: torch.Tensor = torch.ops.trtprompt.screen_rows(self.screen(x), x, self.weight, self.bound)
+        screened = ban(self.screen(x), bans)
+        out: torch.Tensor = torch.ops.trtprompt.screen_rows(screened, x, self.weight, self.bound)
         return out
 
 
-def reference_logits(head: GreedyHead, x: torch.Tensor) -> torch.Tensor:
+def ban(screened: torch.Tensor, bans: Sequence[list[int]]) -> torch.Tensor:
+    """A banned token's screened logit -inf: it neither sets a row's floor nor survives it."""
+    for row, ids in zip(screened, bans):
+        if ids:
+            row[ids] = float("-inf")
+    return screened
+
+
+def reference_logits(head: GreedyHead, x: torch.Tensor, bans: Sequence[list[int]] = ()) -> torch.Tensor:
     """GreedyHead.logits in torch ops (what tests compare the compiled screen_rows with)."""
-    screened = head.screen(x)
+    screened = ban(head.screen(x), bans)
     margin = x.abs().sum(dim=-1, keepdim=True) * head.bound
     floor = (screened - margin).amax(dim=-1, keepdim=True)
     keep = screened + margin >= floor

@@ -17,7 +17,7 @@ modules; smoothquant.py observes the linears' inputs by wrapping them instead.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -277,10 +277,12 @@ class DecoderModel(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KvCache], logits_indices: torch.Tensor,
-                ops: LayerOps | None = None, lora: LoraStep | None = None, argmax_only: bool = False) -> torch.Tensor:
+                ops: LayerOps | None = None, lora: LoraStep | None = None,
+                screen_bans: Sequence[list[int]] | None = None) -> torch.Tensor:
         """[len(logits_indices), vocab] float32 logits at the given packed rows (TorchOps by default; lora: the
-        step's adapter products, engine/lora/). argmax_only: each row is read for its argmax alone, so the greedy
-        head may leave -inf for tokens that cannot be it (greedy_head.py)."""
+        step's adapter products, engine/lora/). screen_bans: each row is read for its argmax alone once these
+        tokens of it are -inf, so the greedy head may leave -inf for every token that cannot be it
+        (greedy_head.py)."""
         ops = TorchOps() if ops is None else ops
         if self.embed_tokens is None or self.norm is None or self.lm_head is None:
             raise RuntimeError("DecoderModel.load_weights must run before forward")
@@ -304,7 +306,7 @@ class DecoderModel(torch.nn.Module):
         if delta is not None:
             delta = delta.index_select(0, logits_indices)
         x = ops.add_rms_norm(x.index_select(0, logits_indices), delta, self.norm.weight, self.norm.eps)[1]
-        screened = self.greedy_head.logits(x) if argmax_only and self.greedy_head is not None else None
+        screened = None if screen_bans is None or self.greedy_head is None else self.greedy_head.logits(x, screen_bans)
         logits: torch.Tensor = self.lm_head.forward(x) if screened is None else screened
         return logits.float()
 

@@ -15,7 +15,7 @@ from trtprompt.engine.lora.manager import LoraManager
 from trtprompt.engine.lora.stacks import LoraStep
 from trtprompt.engine.model import DecoderModel
 from trtprompt.engine.request import Request
-from trtprompt.engine.sampler import argmax_only
+from trtprompt.engine.sampler import screen_bans
 from trtprompt.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,9 @@ class StepInputs:
     prompt_rows: tuple[PromptRows, ...] = ()
     draft_rows: tuple[tuple[Request, int], ...] = ()  # (request, its drafts this step)
     lora: LoraStep | None = None  # the adapters' products; None: no row has an adapter
-    argmax_only: bool = False  # every row's logits are read for their argmax alone (sampler.argmax_only)
+    # Per logits row, the tokens it may not take before its argmax is read (sampler.screen_bans); None: a row is
+    # read for more, and the model's float head runs (greedy_head.py)
+    screen_bans: tuple[list[int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,22 @@ class ModelRunner:
                           self.metadata(slices), torch.tensor(logits_rows, dtype=torch.long, device=dev),
                           tuple(prompt_rows), tuple(draft_rows),
                           None if lora is None else lora.step(row_slot),
-                          not prompt_rows and all(argmax_only(s.request) for s in out.scheduled
-                                                         if s.samples or s.num_draft))
+                          None if prompt_rows else self._screen_bans(out))
+
+    @staticmethod
+    def _screen_bans(out: SchedulerOutput) -> tuple[list[int], ...] | None:
+        """StepInputs.screen_bans of a step without prompt rows: its sampled rows', then its draft rows' (a
+        speculating request's rows are screened only where nothing is banned: each row's bans would differ)."""
+        sampled: list[list[int]] = []
+        drafts: list[list[int]] = []
+        for s in out.scheduled:
+            bans = screen_bans(s.request) if s.samples or s.num_draft else []
+            if bans is None or (s.num_draft and bans):
+                return None
+            if s.samples:
+                sampled.append(bans)
+            drafts.extend([bans] * s.num_draft)
+        return tuple(sampled + drafts)
 
     @staticmethod
     def _logits_rows(out: SchedulerOutput, first_row: dict[str, int]
@@ -160,7 +176,7 @@ class ModelRunner:
         step = self.prepare(out, kv)
         logits: torch.Tensor = self.model(step.input_ids, step.positions, step.meta, self.kv_caches,
                                           step.logits_rows, self.ops, step.lora,
-                                          step.argmax_only)  # nn.Module calls are typed Any
+                                          step.screen_bans)  # nn.Module calls are typed Any
         num_sampled = len(step.logits_rows) - sum(r.count for r in step.prompt_rows) \
             - sum(n for _, n in step.draft_rows)
         prompt, at = [], num_sampled

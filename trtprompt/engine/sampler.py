@@ -161,13 +161,21 @@ def processes_rows(req: Request) -> bool:
     return p.has_penalties or bool(p.min_tokens) or p.has_vocabulary_controls
 
 
-def argmax_only(req: Request) -> bool:
-    """True when nothing but the argmax of req's rows is read: greedy, no beams, nothing that changes a row
-    (processes_rows, a grammar), no log probabilities or logits asked for. Its drafts verify by one argmax, and the
-    model may leave -inf for tokens that cannot be the argmax (greedy_head.py)."""
+def screen_bans(req: Request) -> list[int] | None:
+    """For the greedy head (greedy_head.py): the tokens req's row may not take this step before its argmax is read
+    (its end ids while min_tokens masks them, as mask_end_tokens does), or None where the row is read for more than
+    that argmax (sampling, beams, penalties, vocabulary controls, a grammar, log probabilities or logits)."""
     p = req.params
-    return p.greedy and p.beam_width == 1 and not processes_rows(req) and req.matcher is None \
-        and not req.reports_extras
+    if not p.greedy or p.beam_width != 1 or p.has_penalties or p.has_vocabulary_controls or req.matcher is not None \
+            or req.reports_extras:
+        return None
+    return list(req.end_ids) if req.num_output < p.min_tokens and req.end_ids else []
+
+
+def argmax_only(req: Request) -> bool:
+    """True when nothing but the argmax of req's rows is read, each row as the model gave it (screen_bans, and no
+    min_tokens): its drafts verify by one argmax."""
+    return not req.params.min_tokens and screen_bans(req) == []
 
 
 def _prepare_row(row: torch.Tensor, req: Request) -> None:
