@@ -3,14 +3,15 @@ that can still win (docs/design.md, "Greedy head").
 
 A one-request float32 decode step of SmolLM2 reads 538 MB, 113 MB of them lm_head's (the tied embedding), yet a row
 whose request reads nothing but its argmax (sampler.screen_bans: greedy, no log probabilities or logits asked for,
-nothing that changes the row but min_tokens' mask of the end ids) needs the largest logit, not all 49,152. The screen is the head's weight rounded to int8 in groups of GROUP
-input columns (quantize_int8_groups), 28 MB on the panel kernel. A token's screened logit is within
-bound_j * |x|_1 of its float one, bound_j being its largest group scale times one half (the rounding to int8) plus
-the float32 rounding of both dot products (rounding_slack). A token whose upper bound lies below the best lower
-bound cannot be the argmax; the others (2-5 a row on SmolLM2's text) get their logit from the float weight row, the
-rest -inf; a token the row may not take yet (min_tokens' end ids) is -inf before the race. The row's argmax is
-then the float head's, up to the float32 summation order of one dot product, as
-between any two float32 kernels; a row that is NaN or all -inf stays so (such an x runs the float head).
+nothing that changes the row but min_tokens' mask of the end ids) needs the largest logit, not all 49,152. The
+screen is the head's weight rounded to int8 in groups of GROUP input columns (quantize_int8_groups), 28 MB on the
+panel kernel. A token's screened logit is within bound_j * |x|_1 of its float one, bound_j being its largest group
+scale times one half (the rounding to int8) plus the float32 rounding of both dot products (rounding_slack). A
+token whose upper bound lies below the best lower bound cannot be the argmax; the others (3 a row at the median on
+SmolLM2's text) get their logit from the float weight row, the rest -inf; a token the row may not take yet
+(min_tokens' end ids) is -inf before the race. The row's argmax is then the float head's, up to the float32
+summation order of one dot product, as between any two float32 kernels; a row that is NaN or all -inf stays so
+(such an x runs the float head).
 """
 
 from __future__ import annotations
