@@ -199,36 +199,32 @@ def fused_ab(engine: LLMEngine, rounds: int, block: int = 6) -> dict[str, float]
     return {k.replace("on_", "fused_").replace("off_", "op_by_op_"): v for k, v in got.items()}
 
 
-def layers_ab(engine: LLMEngine, rounds: int, block: int = 8) -> dict[str, float]:
-    """The layers in one compiled call (engine/decode_layers.py) against the layer loop, whose layers keep the
-    fused decode attention: the model's decode_layers switched."""
-    model, fused = engine.runner.model, engine.runner.model.decode_layers
+def model_ab(engine: LLMEngine, attr: str, names: tuple[str, str], rounds: int, block: int) -> dict[str, float]:
+    """alternate with the model's `attr` as loaded (keys named names[0]) and set to None (names[1]); put back."""
+    model = engine.runner.model
+    kept = getattr(model, attr)
 
     def switch(on: bool) -> None:
-        model.decode_layers = fused if on else None
+        setattr(model, attr, kept if on else None)
 
     try:
         got = alternate(engine, rounds, block, switch)
     finally:
-        model.decode_layers = fused
-    return {k.replace("on_", "one_call_").replace("off_", "loop_"): v for k, v in got.items()}
+        setattr(model, attr, kept)
+    return {k.replace("on_", names[0]).replace("off_", names[1]): v for k, v in got.items()}
+
+
+def layers_ab(engine: LLMEngine, rounds: int, block: int = 8) -> dict[str, float]:
+    """The layers in one compiled call (engine/decode_layers.py) against the layer loop, whose layers keep the
+    fused decode attention."""
+    return model_ab(engine, "decode_layers", ("one_call_", "loop_"), rounds, block)
 
 
 def head_ab(engine: LLMEngine, rounds: int, block: int = 8) -> dict[str, float]:
-    """lm_head's int8 screen for greedy rows (engine/greedy_head.py) against the float head: the model's
-    greedy_head switched."""
-    model, head = engine.runner.model, engine.runner.model.greedy_head
-    if head is None:
+    """lm_head's int8 screen for greedy rows (engine/greedy_head.py) against the float head."""
+    if engine.runner.model.greedy_head is None:
         raise ValueError("--compare-head: this engine has no greedy head (docs/design.md, \"Greedy head\")")
-
-    def switch(on: bool) -> None:
-        model.greedy_head = head if on else None
-
-    try:
-        got = alternate(engine, rounds, block, switch)
-    finally:
-        model.greedy_head = head
-    return {k.replace("on_", "screened_").replace("off_", "float_head_"): v for k, v in got.items()}
+    return model_ab(engine, "greedy_head", ("screened_", "float_head_"), rounds, block)
 
 
 def compare_each_batch(engine: LLMEngine, args: argparse.Namespace,
