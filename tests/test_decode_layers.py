@@ -21,6 +21,7 @@ from trtprompt.engine.kernel_call import FEW_ROWS, KEPT_ROUTE_ROWS, ONEDNN, PANE
 from trtprompt.engine.layer_ops import CompiledOps
 from trtprompt.engine.linear import DenseFewRowsLinear, OneDnnLinear
 from trtprompt.engine.model import DecoderModel
+from trtprompt.engine.panel_linear import panel_width
 from trtprompt.engine.quant_int4 import quantize_int4
 from trtprompt.engine.quant_w8a8 import quantize_int8, quantize_int8_groups
 from trtprompt.engine.weights import W4A16, W8A16
@@ -286,19 +287,25 @@ def test_the_op_names_lists_that_disagree(tiny_checkpoint_factory: Callable[...,
         DecodeLayers([], 4, 1.0, 1e-6)
 
 
-def test_step_overhead_compares_one_call_with_the_loop_and_puts_it_back(tiny_engine_dir: Path) -> None:
-    """`step_overhead --compare-layers`: decode steps both ways in one process; the model's decode_layers as before,
-    and each way's tokens are the other's (the engine's greedy requests go on as one)."""
-    from trtprompt.bench.scenarios.step_overhead import layers_ab, start_batch
+@pytest.mark.parametrize("ab_name, attr, on, off", [
+    ("layers_ab", "decode_layers", "one_call", "loop"),
+    pytest.param("head_ab", "greedy_head", "screened", "float_head",
+                 marks=pytest.mark.skipif(panel_width() is None, reason="the panel kernel does not run here"))])
+def test_step_overhead_compares_both_ways_and_puts_the_part_back(tiny_engine_dir: Path, ab_name: str, attr: str,
+                                                                 on: str, off: str) -> None:
+    """`step_overhead --compare-layers` / `--compare-head`: decode steps both ways in one process (the layers in one
+    call or the loop; lm_head's int8 screen or the float head); the model's part as before, and each way's tokens are
+    the other's (the engine's greedy requests go on as one)."""
+    from trtprompt.bench.scenarios import step_overhead
     from trtprompt.engine.engine import LLMEngine
 
     engine = LLMEngine.from_engine_dir(tiny_engine_dir, enable_kv_cache_reuse=False, speculative_decoding="none")
     try:
-        before = engine.runner.model.decode_layers
-        start_batch(engine, 2, 16, "t")
-        got = layers_ab(engine, rounds=2, block=2)
-        assert engine.runner.model.decode_layers is before is not None
-        assert got["ratio_median"] == got["one_call_ms_median"] / got["loop_ms_median"] > 0
+        before = getattr(engine.runner.model, attr)
+        step_overhead.start_batch(engine, 2, 16, "t")
+        got = getattr(step_overhead, ab_name)(engine, rounds=2, block=2)
+        assert getattr(engine.runner.model, attr) is before is not None
+        assert got["ratio_median"] == got[f"{on}_ms_median"] / got[f"{off}_ms_median"] > 0
         assert all(r.num_output == 9 for r in engine.requests.values())  # the first token, then 2 rounds x 2 x 2
     finally:
         engine.close()
