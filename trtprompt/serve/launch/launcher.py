@@ -378,7 +378,8 @@ class Server:
             raise
 
     def watch(self) -> int:
-        """Block until stop() or a fatal failure; restart a dead engine. Returns the exit code."""
+        """Block until stop() or a fatal failure; restart a dead engine process or tritonserver. Returns the exit
+        code."""
         return watch_children(self._stop, lambda: [
             (self.openai_proc, "the OpenAI front end", self.run_dir / "openai.log")], 0.25, self.log,
             self._tick)
@@ -388,23 +389,31 @@ class Server:
         code = self._restart_dead_engine()
         return self._restart_dead_triton() if code is None else code
 
+    def _restart(self, died: str, start: Callable[[], None]) -> int | None:
+        """After a child died (logged as `died`): 1 under --no-restart or where start() fails, else None."""
+        self.log(died)
+        if not self.restart_engine:
+            self.log("--no-restart: stopping the server")
+            return 1
+        try:
+            start()
+        except LaunchError as exc:
+            self.log(str(exc))
+            return 1
+        return None
+
     def _restart_dead_engine(self) -> int | None:
         """None while the engine process runs (or was restarted); 1 if it cannot be."""
         if self.engine_proc is None or self.engine_proc.poll() is None:
             return None
-        code = self.engine_proc.returncode
-        self.log(f"the engine process died (exit code {code}); requests get UNAVAILABLE meanwhile")
-        if not self.restart_engine:
-            self.log("--no-restart: stopping the server")
-            return 1
-        self.engine_restarts += 1
-        try:
+
+        def start() -> None:
+            self.engine_restarts += 1  # before it starts: the engine reports the count on /metrics
             self.start_engine()
-        except LaunchError as exc:
-            self.log(str(exc))
-            return 1
-        self.log(f"engine process restarted (pid {self.engine_proc.pid})")
-        return None
+            self.log(f"engine process restarted (pid {self.engine_proc.pid if self.engine_proc else None})")
+
+        return self._restart(f"the engine process died (exit code {self.engine_proc.returncode}); requests get "
+                             "UNAVAILABLE meanwhile", start)
 
     def _restart_dead_triton(self) -> int | None:
         """None while tritonserver runs (or was restarted); 1 if it cannot be. tritonserver 2.51 can abort in
@@ -413,23 +422,18 @@ class Server:
         proc = self.triton_proc
         if proc is None or proc.poll() is None:
             return None
-        self.log(f"tritonserver exited with code {proc.returncode}; gRPC and HTTP are down meanwhile:\n"
-                 f"{log_tail(self.triton_log)}")
-        if not self.restart_engine:
-            self.log("--no-restart: stopping the server")
-            return 1
-        # Its python-backend stubs may outlive it for a moment; their regions would clash with the new ones.
-        for note in stop_group(proc, "tritonserver", 5.0) + remove_shm(self.shm_prefix):
-            self.log(f"trtprompt serve: {note}")
-        self.triton_restarts += 1
-        try:
+
+        def start() -> None:
+            # Its python-backend stubs may outlive it for a moment; their regions would clash with the new ones.
+            for note in stop_group(proc, "tritonserver", 5.0) + remove_shm(self.shm_prefix):
+                self.log(f"trtprompt serve: {note}")
+            self.triton_restarts += 1
             self.start_triton()
-        except LaunchError as exc:
-            self.log(str(exc))
-            return 1
-        pid = self.triton_proc.pid if self.triton_proc is not None else None
-        self.log(f"tritonserver restarted (pid {pid}; restart {self.triton_restarts})")
-        return None
+            pid = self.triton_proc.pid if self.triton_proc is not None else None
+            self.log(f"tritonserver restarted (pid {pid}; restart {self.triton_restarts})")
+
+        return self._restart(f"tritonserver exited with code {proc.returncode}; gRPC and HTTP are down meanwhile:\n"
+                             f"{log_tail(self.triton_log)}", start)
 
     def request_stop(self) -> None:
         self._stop.set()
