@@ -61,7 +61,7 @@ class GreedyHead(torch.nn.Module):
 
     def summary(self) -> str:
         """What runs for greedy rows (the engine's log line)."""
-        mib = (self.panels.numel() + self.panel_scale.numel() * 4) / (1 << 20)
+        mib = sum(t.numel() * t.element_size() for t in (self.panels, self.panel_scale)) / (1 << 20)
         return (f"lm_head for greedy steps of up to {ROWS_MAX} rows: its int8 screen ({mib:.0f} MiB), "
                 "then exact candidates")
 
