@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trtprompt.engine import kernels
+from trtprompt.engine import isa, kernels
 from trtprompt.engine.linear import (
     FEW_ROWS_MAX,
     OneDnnLinear,
@@ -23,10 +23,12 @@ from trtprompt.engine.linear import (
     onednn_available,
 )
 from trtprompt.engine.panel_linear import (
-    PANEL_HEAD_ROWS_MAX,
     PANEL_INT8_ROWS,
+    PANEL_ROWS,
     PanelLinear,
+    PanelRows,
     pack_panels,
+    panel_rows,
     panel_width,
 )
 from trtprompt.engine.quant_w8a8 import quantize_int8, quantize_int8_groups
@@ -126,21 +128,23 @@ needs_panels = pytest.mark.skipif(panel_width() is None or not onednn_available(
 
 
 @needs_panels
-def test_float32_layer_linear_runs_every_call_on_panels_and_lm_head_its_fewest() -> None:
-    width = panel_width()
-    assert width is not None
+def test_float32_linears_run_their_variants_rows_on_panels_and_larger_calls_on_onednn() -> None:
+    width, rows = panel_width(), panel_rows()
+    assert width is not None and rows is not None
     gen = torch.Generator().manual_seed(2)
     w, bias = torch.randn(2 * width, 96, generator=gen) * 0.05, torch.randn(2 * width, generator=gen)
     layer, head = make_linear(w, bias, "onednn", torch.float32), make_linear(w, bias, "onednn", torch.float32,
                                                                               few_rows=False)
-    assert isinstance(layer, PanelLinear) and layer.dense is None
-    assert isinstance(head, PanelLinear) and head.rows_max == PANEL_HEAD_ROWS_MAX
+    assert isinstance(layer, PanelLinear) and layer.rows_max == rows.layer_max
+    assert (layer.dense is None) == (rows.layer_max is None)
+    assert isinstance(head, PanelLinear) and head.rows_max == rows.head_max
     dense = OneDnnLinear(w, bias)
-    for m in (1, PANEL_HEAD_ROWS_MAX, PANEL_HEAD_ROWS_MAX + 1, 300):
+    layer_max = rows.layer_max or 10_000
+    for m in sorted({1, rows.head_max, rows.head_max + 1, layer_max if layer_max < 10_000 else 300, 300}):
         x = torch.randn(m, 96, generator=gen)
         kernel = torch.ops.trtprompt.panel_linear(x, pack_panels(w, width), None, bias)
-        assert torch.equal(layer(x), kernel), m
-        assert torch.equal(head(x), kernel if m <= PANEL_HEAD_ROWS_MAX else dense(x)), m
+        assert torch.equal(layer(x), kernel if m <= layer_max else dense(x)), m
+        assert torch.equal(head(x), kernel if m <= rows.head_max else dense(x)), m
         want = F.linear(x, w, bias)
         assert torch.allclose(layer(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), m
     assert layer(torch.randn(2, 3, 96)).shape == (2, 3, 2 * width)  # leading dimensions kept
@@ -170,7 +174,10 @@ def test_int8_weight_only_runs_panels_for_its_rows() -> None:
             path = torch.nn.functional.linear(x, w, bias)
         assert torch.equal(linear(x), path), m
     summary = linear_summary([linear, make_linear(w, None, "onednn", torch.float32)], torch.float32)
-    assert "panel kernel for 2-256 rows" in summary and "1 x panel kernel" in summary
+    rows = panel_rows()
+    assert rows is not None
+    plain = "1 x panel kernel" if rows.layer_max is None else f"1 x oneDNN prepacked (panel kernel <= {rows.layer_max}"
+    assert "panel kernel for 2-256 rows" in summary and plain in summary
     assert "MiB of weight copies" in summary
 
 
@@ -184,3 +191,11 @@ def test_linears_fold_leading_dims_into_rows(b: int, t: int) -> None:
         got = lin(x)
         assert got.shape == (b, t, 2 * _width())
         assert torch.equal(got, lin(x.reshape(b * t, 64)).view(b, t, -1))
+
+
+def test_panel_rows_bounds_are_checked_and_every_variant_names_a_kernel_variant() -> None:
+    assert set(PANEL_ROWS) <= set(isa.BY_NAME)
+    with pytest.raises(ValueError, match="layer_max"):
+        PanelRows(0, 8)
+    with pytest.raises(ValueError, match="head_max"):
+        PanelRows(None, 0)

@@ -31,11 +31,11 @@ from trtprompt.engine.amx_linear import (
 )
 from trtprompt.engine.kernel_call import AMX, FEW_ROWS, ONEDNN, PANEL, KernelCall, Routed
 from trtprompt.engine.panel_linear import (
-    PANEL_HEAD_ROWS_MAX,
     PANEL_INT8_ROWS,
     PanelLinear,
     on_rows,
     pack_panels,
+    panel_rows,
     panel_width,
     panels_fit,
 )
@@ -257,11 +257,13 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, d
         return DenseLinear(weight, bias)
     if weight.dtype == dtype and amx_available(dtype, weight.device, *weight.shape):
         return AmxLinear(weight, bias, OneDnnLinear(weight, bias))
-    width = panel_width() if dtype == torch.float32 and weight.dtype == dtype else None
-    if width is not None and panels_fit(weight, width):
-        if few_rows:
+    rows = panel_rows() if dtype == torch.float32 and weight.dtype == dtype else None
+    width = None if rows is None else panel_width()
+    if rows is not None and width is not None and panels_fit(weight, width):
+        rows_max = rows.layer_max if few_rows else rows.head_max
+        if rows_max is None:
             return PanelLinear(weight, bias, width)
-        return PanelLinear(weight, bias, width, OneDnnLinear(weight, bias), PANEL_HEAD_ROWS_MAX)
+        return PanelLinear(weight, bias, width, OneDnnLinear(weight, bias), rows_max)
     few_rows_max = DENSE_FEW_ROWS_MAX.get(dtype) if few_rows and weight.dtype == dtype else None
     if few_rows_max is not None and few_rows_available(dtype, weight.device, in_features):
         return DenseFewRowsLinear(weight, bias, few_rows_max)
@@ -274,7 +276,7 @@ _LINEAR_KINDS: dict[str, str] = {
     "OneDnnLinear": "oneDNN prepacked",
     "DenseFewRowsLinear": "oneDNN prepacked (few-rows kernel <= {few} rows)",
     "PanelLinear": "panel kernel",
-    "PanelHeadLinear": "oneDNN prepacked (panel kernel <= {few} rows)",
+    "PanelDenseLinear": "oneDNN prepacked (panel kernel <= {few} rows)",
     "AmxLinear": f"oneDNN prepacked (AMX bf16 kernel <= {AMX_ROWS_MAX} rows)",
     "WeightOnlyLinear": f"weight-only kept quantized (few-rows kernel <= {FEW_ROWS_MAX} rows, dense above)",
     "PanelWeightOnly": (f"weight-only kept quantized (panel kernel for {PANEL_INT8_ROWS.start}-"
@@ -296,7 +298,7 @@ def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
         if isinstance(m, DenseFewRowsLinear):
             name, copies = name.format(few=m.few_rows_max), copies + m.weight.nbytes
         elif isinstance(m, PanelLinear) and m.rows_max is not None:
-            name, copies = _LINEAR_KINDS["PanelHeadLinear"].format(few=m.rows_max), copies + m.panels.nbytes
+            name, copies = _LINEAR_KINDS["PanelDenseLinear"].format(few=m.rows_max), copies + m.panels.nbytes
         elif isinstance(m, AmxLinear):
             copies += m.packed.nbytes
         elif isinstance(m, WeightOnlyLinear) and m.tiles is not None:

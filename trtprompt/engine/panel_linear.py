@@ -4,17 +4,19 @@
 oneDNN's float32 GEMM is tuned for many rows: on a 2-core AVX2 EPYC it ran SmolLM2's layer linears at ~105
 GFLOP/s with 32 rows against ~165 with 2,048, and its per-call work is a share of a one-row call. The kernel
 reads the weight packed once into panels of 2 x the variant's vector width of output columns ([N / P, K, P],
-streamed in memory order) and multiplies each panel by blocks of up to 6 rows (AVX2) held in registers.
+streamed in memory order) and multiplies each panel by blocks of up to 6 (AVX2) or 12 (AVX-512) rows held in
+registers.
 Measured there (docs/design.md, "Panel linear"): the 120 layer linears at 1 / 8 / 32 / 64 rows in 13-15 /
 20-23 / 50 / 85-96 ms against oneDNN's 19-20 / 30-31 / 63-65 / 107-113, at 512 and 2,048 rows at or ahead of
 oneDNN and MKL, and int8 weights at 8 / 32 rows in 12-17 / 44-49 ms against the few-rows kernel's 15-19 /
-74-81. A float32 layer linear therefore keeps only the packed panels (no oneDNN copy); lm_head keeps oneDNN's
-for calls above PANEL_HEAD_ROWS_MAX rows. Only the avx2 variant uses the kernel: its AVX-512 build is tested,
-not yet measured against oneDNN.
+74-81. There a float32 layer linear keeps only the packed panels (no oneDNN copy). On a 2-core Zen 4 the
+AVX-512 build leads oneDNN by less and only to 64 rows, so there a layer linear keeps oneDNN's weight too, for
+larger calls; lm_head keeps oneDNN's on both. PANEL_ROWS has each variant's bounds.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -22,25 +24,44 @@ import torch
 from trtprompt.engine.amx_linear import float_bias
 from trtprompt.engine.kernel_call import PANEL, KernelCall, Routed
 
-# Kernel variants (engine/isa.py) where the kernel was measured faster than oneDNN and the few-rows kernel.
-PANEL_VARIANTS = frozenset({"avx2"})
-# Rows lm_head (49,152 x 576 on SmolLM2) runs on the kernel; above, oneDNN: 3.9 / 5.8 / 13.2 / 20.4 ms at 1 / 8 /
-# 32 / 48 rows against oneDNN's 4.8 / 6.6 / 14.6 / 21.1, at 64 / 128 / 512 rows 26.4 / 51.1 / 247 against 25.2 /
-# 48.4 / 236. Layer linears run every call on the kernel, which was at or ahead of oneDNN from 1 to 2,048 rows.
-PANEL_HEAD_ROWS_MAX = 32
+
+@dataclass(frozen=True)
+class PanelRows:
+    """Rows a kernel variant's float32 calls run on the panels; larger calls run oneDNN's prepacked GEMM."""
+    layer_max: int | None  # a layer linear's calls; None: every call (the linear keeps no oneDNN copy)
+    head_max: int  # lm_head's calls
+
+    def __post_init__(self) -> None:
+        if self.layer_max is not None and self.layer_max < 1:
+            raise ValueError(f"PanelRows.layer_max must be None or >= 1, got {self.layer_max}")
+        if self.head_max < 1:
+            raise ValueError(f"PanelRows.head_max must be >= 1, got {self.head_max}")
+
+
+# Kernel variants (engine/isa.py) where the kernel was measured ahead of oneDNN, and up to how many rows.
+# avx2 (2-core Zen 3): layer linears at or ahead of oneDNN from 1 to 2,048 rows; lm_head (49,152 x 576) 3.9 /
+# 5.8 / 13.2 / 20.4 ms at 1 / 8 / 32 / 48 rows against oneDNN's 4.8 / 6.6 / 14.6 / 21.1, behind from 64.
+# avx512 (2-core Zen 4): SmolLM2's 120 layer linears 0.52-0.62x oneDNN's time at 1-8 rows, 0.9-0.97x at 16-64,
+# 1.1x at 128; lm_head 0.5-0.7x at 1-8 rows, 1.0-1.17x from 16 (docs/design.md, "Panel linear").
+PANEL_ROWS: dict[str, PanelRows] = {"avx2": PanelRows(None, 32), "avx512": PanelRows(64, 8)}
 # Rows an int8 weight-only call runs on the kernel: one row streams faster on the few-rows kernel (4.7-5.2
 # against 5.5-5.8 ms); at 128 / 256 rows it took 212 / 375 ms against dequantizing for a dense GEMM's 257 / 414.
 PANEL_INT8_ROWS = range(2, 257)
 
 
-def panel_width() -> int | None:
-    """Output columns per panel in the kernel variant this process runs, or None where the kernel is not used
-    (no compiled kernels, or a variant outside PANEL_VARIANTS)."""
+def panel_rows() -> PanelRows | None:
+    """The row bounds of the kernel variant this process runs, or None where the kernel is not used (no compiled
+    kernels, or a variant outside PANEL_ROWS)."""
     from trtprompt.engine import kernels  # builds or loads the compiled library once
 
-    if not kernels.compiled_kernel_status()[0] or kernels.variant().name not in PANEL_VARIANTS:
+    if not kernels.compiled_kernel_status()[0]:
         return None
-    return int(torch.ops.trtprompt.panel_width())
+    return PANEL_ROWS.get(kernels.variant().name)
+
+
+def panel_width() -> int | None:
+    """Output columns per panel in the kernel variant this process runs, or None where the kernel is not used."""
+    return None if panel_rows() is None else int(torch.ops.trtprompt.panel_width())
 
 
 def panels_fit(weight: torch.Tensor, width: int) -> bool:

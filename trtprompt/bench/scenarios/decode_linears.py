@@ -6,9 +6,10 @@
 
 From the engine's config.json it makes random fp32 weights of every layer linear (qkv, o_proj,
 gate_up, down) and of lm_head, as each path holds them: `engine`, what engine/linear.py's make_linear
-builds on this CPU (the panel kernel on AVX2, oneDNN elsewhere; its summary line is printed), and
-`onednn`, oneDNN's prepacked GEMM alone. The paths alternate rep by rep, and for each token count M
-each times:
+builds on this CPU (the panel kernel to engine/panel_linear.py's PANEL_ROWS, oneDNN above and on other
+variants; its summary line is printed), `onednn`, oneDNN's prepacked GEMM alone, and `panel`, the panel kernel
+alone on whichever kernel variant this CPU runs (how PANEL_ROWS was set). The paths alternate rep by rep, and for
+each token count M each times:
 - hot: one layer's four linears, repeated, so their weights stay in cache (the GEMM alone);
 - streamed: every layer's own four linears in turn, as a step runs them (weights from DRAM once
   the model outgrows the last-level cache);
@@ -29,9 +30,11 @@ from typing import Any, Callable
 import torch
 
 from trtprompt.bench import machine
+from trtprompt.engine import kernels
 from trtprompt.engine.linear import OneDnnLinear, linear_summary, make_linear, resolve_backend
+from trtprompt.engine.panel_linear import PanelLinear
 
-PATHS = ("engine", "onednn")
+PATHS = ("engine", "onednn", "panel")
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -40,6 +43,8 @@ def linear(out_features: int, in_features: int, path: str, head: bool = False) -
     weight = torch.randn(out_features, in_features) / in_features ** 0.5
     if path == "onednn":
         return OneDnnLinear(weight, None)
+    if path == "panel":  # the panel kernel on every variant, also where PANEL_VARIANTS leaves it out
+        return PanelLinear(weight, None, int(torch.ops.trtprompt.panel_width()))
     backend = resolve_backend("onednn", torch.float32, torch.device("cpu"))
     return make_linear(weight, None, backend, torch.float32, few_rows=not head)
 
@@ -122,6 +127,8 @@ def main() -> None:
     if not paths or any(p not in PATHS for p in paths):
         ap.error(f"--paths: {args.paths!r}: a comma list of {', '.join(PATHS)}")
     torch.set_num_threads(args.threads)
+    if "panel" in paths and not kernels.compiled_kernel_status()[0]:
+        ap.error("--paths panel: the compiled kernels are not available here")
     cfg = json.loads((args.engine_dir / "config.json").read_text(encoding="utf-8"))["pretrained_config"]
     info = machine.describe()
     shapes = layer_shapes(cfg)
