@@ -13,10 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from trtprompt.engine import isa, kernels
+from trtprompt.engine.amx_linear import amx_available
+from trtprompt.engine.kernel_call import ONEDNN
 from trtprompt.engine.linear import (
+    BF16_COPY_ROWS_MIN,
     FEW_ROWS_MAX,
     OneDnnLinear,
     WeightOnlyLinear,
+    bf16_dot_copy,
     dequantize,
     linear_summary,
     make_linear,
@@ -199,3 +203,28 @@ def test_panel_rows_bounds_are_checked_and_every_variant_names_a_kernel_variant(
         PanelRows(0, 8)
     with pytest.raises(ValueError, match="head_max"):
         PanelRows(None, 0)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int8_groups"])
+def test_bf16_weight_only_runs_a_bf16_copy_on_onednn_from_its_rows_where_the_cpu_has_bf16_dots(kind: str) -> None:
+    gen = torch.Generator().manual_seed(21)
+    w, bias = torch.randn(2 * _width(), 64, generator=gen) * 0.05, torch.randn(2 * _width(), generator=gen)
+    q, s = quantize_int8(w) if kind == "int8" else quantize_int8_groups(w, 32)
+    assert make_linear(q, bias, "onednn", torch.float32, s).bf16_copy is None  # float32 activations: never
+    if not bf16_dot_copy(torch.bfloat16, torch.device("cpu")) or amx_available(torch.bfloat16, torch.device("cpu"),
+                                                                                   *w.shape):
+        pytest.skip("no avx512_bf16 without AMX here: the weight-only linear keeps no bf16 copy")
+    linear = make_linear(q, bias.bfloat16(), "onednn", torch.bfloat16, s)
+    assert isinstance(linear, WeightOnlyLinear) and linear.bf16_copy is not None
+    dense = OneDnnLinear(dequantize(q, s, torch.bfloat16), bias.bfloat16())
+    for m in (1, BF16_COPY_ROWS_MIN - 1, BF16_COPY_ROWS_MIN, 32, 300):
+        x = torch.randn(m, 64, generator=gen).bfloat16()
+        call = linear.kernel_call(m)
+        assert (call is not None and call.kind == ONEDNN) == (m >= BF16_COPY_ROWS_MIN), m
+        if m >= BF16_COPY_ROWS_MIN:
+            assert torch.equal(linear(x), dense(x)), m
+        else:
+            want = F.linear(x.float(), dequantize(q, s, torch.float32), bias.bfloat16().float())
+            assert torch.allclose(linear(x).float(), want, rtol=2e-2, atol=2e-2), m
+    summary = linear_summary([linear], torch.bfloat16)
+    assert f"oneDNN bf16 over a bf16 copy from {BF16_COPY_ROWS_MIN}" in summary and "MiB of weight copies" in summary

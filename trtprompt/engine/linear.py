@@ -19,6 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from trtprompt.engine import isa
 from trtprompt.engine.amx_linear import (
     AMX_INT4_ROWS,
     AMX_INT8_ROWS,
@@ -53,6 +54,13 @@ FEW_ROWS_MAX = 32
 # rows (1.0-1.1x at six) and 0.71-0.85x at one to eight float32 rows (0.9-1.06x at ten), on an AVX-512 + AMX
 # Xeon (docs/design.md, "Few-rows linear"). The plain copy costs the layer weights' bytes a second time.
 DENSE_FEW_ROWS_MAX: dict[torch.dtype, int] = {torch.bfloat16: 4, torch.float32: 8}
+# Rows from which a weight-only (int8 / int4) call with bfloat16 activations runs oneDNN's bf16 GEMM over a bf16 copy
+# of its dequantized weight, where the CPU has bf16 dot products (avx512_bf16) and the AMX kernel does not run. The
+# few-rows and panel kernels multiply in float32 FMAs, half the rate of the bf16 dot product oneDNN uses: on a 2-core
+# Zen 4, SmolLM2's 120 int8 (groups of 32) layer linears took 0.44x / 0.55x oneDNN bf16's time at 1 / 2 rows (they
+# read half its bytes) but 1.3x at 4 rows and 1.7-2.1x at 8-64 (docs/quantization.md, "Weight-only at run time").
+# The copy costs the bf16 weight's bytes beside the quantized ones.
+BF16_COPY_ROWS_MIN = 4
 # The M a prepacked weight is tuned for; measured insensitive between decode and prefill sizes.
 ONEDNN_BATCH_HINT = 32
 # Two caches keep an entry per distinct input shape, and the engine's token count changes
@@ -104,6 +112,14 @@ def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
         return False
     ref = F.linear(x, w)
     return y.dtype == dtype and torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-1)
+
+
+def bf16_dot_copy(dtype: torch.dtype, device: torch.device) -> bool:
+    """True where a weight-only linear computing in `dtype` keeps a bf16 copy for oneDNN (BF16_COPY_ROWS_MIN):
+    bf16 activations on a CPU with avx512_bf16 whose oneDNN runs bf16 (the AMX kernel, where it runs, comes
+    first)."""
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and "avx512_bf16" in isa.cpu_flags()
+            and onednn_available(dtype, torch.device(device)))
 
 
 def resolve_backend(backend: str, dtype: torch.dtype, device: torch.device) -> str:
@@ -182,7 +198,8 @@ class WeightOnlyLinear(Routed):
     """int8 [out, in] + scale [out] or [out, groups], or packed int4 [out, in / 2] + (scale, minimum) [out, groups,
     2], kept quantized. With bf16 activations where AMX runs (amx_linear.py) the weight is also kept in AMX's tile
     layout (its quantized bytes a second time): calls of `amx_rows` rows run there (not grouped int8: the AMX
-    kernel scales whole rows)."""
+    kernel scales whole rows). With bf16 activations on a CPU with avx512_bf16 and no AMX tiles, a bf16 copy of the
+    dequantized weight runs calls from BF16_COPY_ROWS_MIN rows on oneDNN (bf16_dot_copy)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
@@ -213,11 +230,17 @@ class WeightOnlyLinear(Routed):
             if int8_groups:
                 self.panel_scale = pack_panels(self.scale, width)
         self.bias_f32 = float_bias(bias)
+        self.bf16_copy: OneDnnLinear | None = None
+        if self.tiles is None and bf16_dot_copy(dtype, qweight.device):
+            self.bf16_copy = OneDnnLinear(dequantize(self.qweight, self.scale, dtype), bias)
 
     def route(self, m: int) -> KernelCall | None:
-        """AMX tiles (bf16 only: amx_available), then the panels, then the few-rows kernel; None: dense."""
+        """AMX tiles (bf16 only: amx_available), the bf16 copy, then the panels, then the few-rows kernel; None:
+        dense."""
         if self.tiles is not None and m in self.amx_rows:
             return KernelCall(AMX, self.tiles, self.tile_scale, self.bias_f32)
+        if self.bf16_copy is not None and m >= BF16_COPY_ROWS_MIN:
+            return self.bf16_copy.dense_call
         if self.panels is not None and m in PANEL_INT8_ROWS:
             return KernelCall(PANEL, self.panels, self.panel_scale, self.bias_f32)
         if m <= FEW_ROWS_MAX:
@@ -282,6 +305,8 @@ _LINEAR_KINDS: dict[str, str] = {
     "PanelWeightOnly": (f"weight-only kept quantized (panel kernel for {PANEL_INT8_ROWS.start}-"
                         f"{PANEL_INT8_ROWS.stop - 1} rows, the few-rows kernel for fewer, dense above)"),
     "AmxWeightOnly": "weight-only kept quantized (AMX for {amx} rows, the few-rows kernel for fewer, dense above)",
+    "Bf16CopyWeightOnly": (f"weight-only kept quantized below {BF16_COPY_ROWS_MIN} rows (the few-rows and panel "
+                           f"kernels), oneDNN bf16 over a bf16 copy from {BF16_COPY_ROWS_MIN}"),
     "FbgemmW8A8Linear": "W8A8 int8 GEMM (fbgemm)",
     "OneDnnW8A8Linear": "W8A8 int8 GEMM (oneDNN with AMX; fbgemm for few rows)",
     "ReferenceW8A8Linear": "W8A8 in plain torch (reference)",
@@ -304,6 +329,9 @@ def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
         elif isinstance(m, WeightOnlyLinear) and m.tiles is not None:
             name = _LINEAR_KINDS["AmxWeightOnly"].format(amx=f"{m.amx_rows.start}-{m.amx_rows.stop - 1}")
             copies += m.tiles.nbytes
+        elif isinstance(m, WeightOnlyLinear) and m.bf16_copy is not None:
+            name = _LINEAR_KINDS["Bf16CopyWeightOnly"]
+            copies += m.bf16_copy.packed.nbytes + (m.panels.nbytes if m.panels is not None else 0)
         elif isinstance(m, WeightOnlyLinear) and m.panels is not None:
             name, copies = _LINEAR_KINDS["PanelWeightOnly"], copies + m.panels.nbytes
         key = f"{name}, {'int4' if held == torch.uint8 else 'int8' if held == torch.int8 else ''}".rstrip(", ")
