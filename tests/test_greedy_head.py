@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trtprompt.engine.engine import LLMEngine
-from trtprompt.engine.greedy_head import GROUP, ROWS_MAX, GreedyHead, reference_logits
+from trtprompt.engine.greedy_head import GROUP, GreedyHead, reference_logits
 from trtprompt.engine.panel_linear import panel_width
 from trtprompt.engine.quant_w8a8 import dequantize_int8, quantize_int8_groups
 from trtprompt.engine.request import SamplingParams
@@ -51,8 +51,8 @@ def test_the_float_argmax_is_always_kept_and_few_others(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     head = _head(_weight(4096, 256, gen))
     # Hidden states near a token's row, as a trained head's are: one clear winner, a few close ones.
-    targets = torch.randint(0, 4096, (ROWS_MAX,), generator=gen)
-    x = head.weight[targets] * 2 + torch.randn(ROWS_MAX, 256, generator=gen) * 0.5
+    targets = torch.randint(0, 4096, (head.rows_max,), generator=gen)
+    x = head.weight[targets] * 2 + torch.randn(head.rows_max, 256, generator=gen) * 0.5
     kept = _check(head, x)
     assert (kept.sum(dim=-1) < 64).all(), kept.sum(dim=-1)
     _check(head, torch.randn(3, 256, generator=gen) * 5)  # flat rows: many kept, the argmax still among them
@@ -70,8 +70,8 @@ def test_the_bound_holds_where_rounding_errors_add_up() -> None:
     head = _head(w)
     q, scale = quantize_int8_groups(w, GROUP)
     errors = w - dequantize_int8(q, scale, torch.float32)
-    rows = torch.randint(0, 2048, (ROWS_MAX,), generator=gen)
-    x = torch.sign(errors[rows]) * (0.5 + torch.rand(ROWS_MAX, 256, generator=gen))
+    rows = torch.randint(0, 2048, (head.rows_max,), generator=gen)
+    x = torch.sign(errors[rows]) * (0.5 + torch.rand(head.rows_max, 256, generator=gen))
     missed = (x @ w.T - head.screen(x)).abs()
     allowed = x.abs().sum(dim=-1, keepdim=True) * head.bound
     assert (missed <= allowed).all()
@@ -110,7 +110,7 @@ def test_banned_tokens_leave_the_race_to_the_best_of_the_rest() -> None:
 @needs_panels
 def test_rows_past_rows_max_and_non_finite_rows_run_the_float_head() -> None:
     head = _head(_weight(512, 64, torch.Generator().manual_seed(1)))
-    assert head.logits(torch.randn(ROWS_MAX + 1, 64), [[]] * (ROWS_MAX + 1)) is None
+    assert head.logits(torch.randn(head.rows_max + 1, 64), [[]] * (head.rows_max + 1)) is None
     x = torch.randn(2, 64)
     x[1, 3] = float("nan")
     assert head.logits(x, [[], []]) is None

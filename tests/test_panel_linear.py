@@ -200,9 +200,11 @@ def test_linears_fold_leading_dims_into_rows(b: int, t: int) -> None:
 def test_panel_rows_bounds_are_checked_and_every_variant_names_a_kernel_variant() -> None:
     assert set(PANEL_ROWS) <= set(isa.BY_NAME)
     with pytest.raises(ValueError, match="layer_max"):
-        PanelRows(0, 8)
+        PanelRows(0, 8, 4)
     with pytest.raises(ValueError, match="head_max"):
-        PanelRows(None, 0)
+        PanelRows(None, 0, 4)
+    with pytest.raises(ValueError, match="screen_max"):
+        PanelRows(None, 8, 0)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int8_groups"])

@@ -20,13 +20,10 @@ from typing import Sequence
 
 import torch
 
-from trtprompt.engine.panel_linear import pack_panels, panel_width, panels_fit
+from trtprompt.engine.panel_linear import pack_panels, panel_rows, panel_width, panels_fit
 from trtprompt.engine.quant_w8a8 import WEIGHT_QMAX, quantize_int8_groups
 
 GROUP = 32  # input columns per int8 scale: GGUF's Q8_0 group, the tightest bound the panel kernel runs
-# Rows a step's screen runs for at most: at 16 rows the int8 panels cost as much as the float32 ones on a 2-core
-# Zen 3 (BENCHMARKS.md, "Greedy head").
-ROWS_MAX = 8
 
 
 def rounding_slack(hidden: int) -> float:
@@ -40,8 +37,9 @@ class GreedyHead(torch.nn.Module):
     """The int8 screen of a float32 lm_head weight [vocab, hidden] and the weight itself (kept, not copied: the
     embedding where tied)."""
 
-    def __init__(self, weight: torch.Tensor, width: int) -> None:
+    def __init__(self, weight: torch.Tensor, width: int, rows_max: int) -> None:
         super().__init__()
+        self.rows_max = rows_max  # rows a step's screen runs for at most: the kernel variant's PANEL_ROWS
         q, scale = quantize_int8_groups(weight, GROUP)
         self.panels = pack_panels(q, width)
         self.panel_scale = pack_panels(scale, width)
@@ -54,15 +52,15 @@ class GreedyHead(torch.nn.Module):
         kernel not compiled here, or a shape its panels do not take)."""
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % GROUP:
             return None
-        width = panel_width()
-        if width is None or not panels_fit(weight, width):
+        width, rows = panel_width(), panel_rows()
+        if width is None or rows is None or not panels_fit(weight, width):
             return None
-        return GreedyHead(weight.contiguous(), width)
+        return GreedyHead(weight.contiguous(), width, rows.screen_max)
 
     def summary(self) -> str:
         """What runs for greedy rows (the engine's log line)."""
         mib = sum(t.numel() * t.element_size() for t in (self.panels, self.panel_scale)) / (1 << 20)
-        return (f"lm_head for greedy steps of up to {ROWS_MAX} rows: its int8 screen ({mib:.0f} MiB), "
+        return (f"lm_head for greedy steps of up to {self.rows_max} rows: its int8 screen ({mib:.0f} MiB), "
                 "then exact candidates")
 
     def screen(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,8 +71,8 @@ class GreedyHead(torch.nn.Module):
     def logits(self, x: torch.Tensor, bans: Sequence[list[int]]) -> torch.Tensor | None:
         """[rows, vocab] float32 for x [rows, hidden]: the candidates' exact logits, -inf elsewhere, each row's bans
         (tokens it may not take: sampler.screen_bans) -inf and out of the race; None where the float head must run
-        (more than ROWS_MAX rows, or an x that is not finite)."""
-        if x.shape[0] > ROWS_MAX or not bool(torch.isfinite(x).all()):
+        (more than rows_max rows, or an x that is not finite)."""
+        if x.shape[0] > self.rows_max or not bool(torch.isfinite(x).all()):
             return None
         x = x.contiguous()
         screened = ban(self.screen(x), bans)

@@ -30,12 +30,14 @@ class PanelRows:
     """Rows a kernel variant's float32 calls run on the panels; larger calls run oneDNN's prepacked GEMM."""
     layer_max: int | None  # a layer linear's calls; None: every call (the linear keeps no oneDNN copy)
     head_max: int  # lm_head's calls
+    screen_max: int  # a greedy step's rows that lm_head's int8 screen runs for (engine/greedy_head.py)
 
     def __post_init__(self) -> None:
         if self.layer_max is not None and self.layer_max < 1:
             raise ValueError(f"PanelRows.layer_max must be None or >= 1, got {self.layer_max}")
-        if self.head_max < 1:
-            raise ValueError(f"PanelRows.head_max must be >= 1, got {self.head_max}")
+        for name in ("head_max", "screen_max"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PanelRows.{name} must be >= 1, got {getattr(self, name)}")
 
 
 # Kernel variants (engine/isa.py) where the kernel was measured ahead of oneDNN, and up to how many rows.
@@ -43,7 +45,9 @@ class PanelRows:
 # 5.8 / 13.2 / 20.4 ms at 1 / 8 / 32 / 48 rows against oneDNN's 4.8 / 6.6 / 14.6 / 21.1, behind from 64.
 # avx512 (2-core Zen 4): SmolLM2's 120 layer linears 0.52-0.62x oneDNN's time at 1-8 rows, 0.9-0.97x at 16-64,
 # 1.1x at 128; lm_head 0.5-0.7x at 1-8 rows, 1.0-1.17x from 16 (docs/design.md, "Panel linear").
-PANEL_ROWS: dict[str, PanelRows] = {"avx2": PanelRows(None, 32), "avx512": PanelRows(64, 8)}
+# The greedy screen's steps against the float head's: on Zen 3 0.91 / 0.94 / 0.97x at 1 / 4 / 8 rows, as dear at 16;
+# on Zen 4 0.90 / 0.92 / 1.12x at 1 / 4 / 8 (BENCHMARKS.md, "Greedy head", "Zen 4").
+PANEL_ROWS: dict[str, PanelRows] = {"avx2": PanelRows(None, 32, 8), "avx512": PanelRows(64, 8, 4)}
 # Rows an int8 weight-only call runs on the kernel: one row streams faster on the few-rows kernel (4.7-5.2
 # against 5.5-5.8 ms); at 128 / 256 rows it took 212 / 375 ms against dequantizing for a dense GEMM's 257 / 414.
 PANEL_INT8_ROWS = range(2, 257)

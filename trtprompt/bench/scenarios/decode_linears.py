@@ -43,7 +43,7 @@ def linear(out_features: int, in_features: int, path: str, head: bool = False) -
     weight = torch.randn(out_features, in_features) / in_features ** 0.5
     if path == "onednn":
         return OneDnnLinear(weight, None)
-    if path == "panel":  # the panel kernel on every variant, also where PANEL_VARIANTS leaves it out
+    if path == "panel":  # the panel kernel on any variant, also past PANEL_ROWS or where it has none
         return PanelLinear(weight, None, int(torch.ops.trtprompt.panel_width()))
     backend = resolve_backend("onednn", torch.float32, torch.device("cpu"))
     return make_linear(weight, None, backend, torch.float32, few_rows=not head)
