@@ -46,8 +46,9 @@ def test_rounded_model_rounds_the_layers_and_an_untied_head_only(tmp_path: Path)
                                                 dtype=torch.float32).eval()
     for scheme, head in (("sym", False), ("asym+head", True)):
         model = int8_schemes.rounded_model(base, scheme)
-        rounding, rounds_head = int8_schemes.parse_scheme(scheme)
-        assert rounds_head == head
+        plan = int8_schemes.parse_scheme(scheme)
+        rounding = plan.rounding
+        assert plan.head == head and plan.act_group is None
         q_proj = model.model.layers[0].self_attn.q_proj.weight
         assert torch.equal(q_proj, rounding(base.model.layers[0].self_attn.q_proj.weight))
         assert torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)
@@ -56,6 +57,30 @@ def test_rounded_model_rounds_the_layers_and_an_untied_head_only(tmp_path: Path)
         assert (model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()) == head
     with pytest.raises(ValueError, match=r"'int4\+head' is not sym or asym"):
         int8_schemes.parse_scheme("int4+head")
+    for bad in ("sym+a0", "sym+a32+a64", "sym+head+head", "sym+b32"):
+        with pytest.raises(ValueError, match="is not sym or asym"):
+            int8_schemes.parse_scheme(bad)
+
+
+def test_activations_in_groups_round_each_run_of_columns_to_int8_on_its_own_scale(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hook = int8_schemes.activations_in_groups(4)
+    x = torch.tensor([[1.0, -0.5, 0.25, 0.126, 100.0, 1.0, -1.0, 0.3]])
+    (got,) = hook(torch.nn.Identity(), (x,))
+    first, second = 1.0 / 127, 100.0 / 127  # each run of 4 on its own scale: the large value does not swamp the first
+    want = torch.tensor([[round(v / first) * first for v in (1.0, -0.5, 0.25, 0.126)]
+                         + [round(v / second) * second for v in (100.0, 1.0, -1.0, 0.3)]])
+    assert torch.allclose(got, want, atol=1e-6)
+    base = AutoModelForCausalLM.from_pretrained(str(make_hf_model(tmp_path, "llama", tie_word_embeddings=True)),
+                                                dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        weights_only = int8_schemes.rounded_model(base, "sym-g32+head")(ids).logits
+        with_acts = int8_schemes.rounded_model(base, "sym-g32+head+a32")(ids).logits
+    assert int8_schemes.parse_scheme("sym-g32+head+a32").act_group == 32
+    assert not torch.equal(weights_only, with_acts)  # the hooks ran
+    assert torch.allclose(weights_only, with_acts, atol=0.1 * float(weights_only.abs().max()))
 
 
 def test_the_int8_scenario_names_grouped_int8_variants() -> None:
