@@ -143,11 +143,12 @@ def test_float32_linears_run_their_variants_rows_on_panels_and_larger_calls_on_o
     assert (layer.dense is None) == (rows.layer_max is None)
     assert isinstance(head, PanelLinear) and head.rows_max == rows.head_max
     dense = OneDnnLinear(w, bias)
-    layer_max = rows.layer_max or 10_000
-    for m in sorted({1, rows.head_max, rows.head_max + 1, layer_max if layer_max < 10_000 else 300, 300}):
+    layer_bounds = set() if rows.layer_max is None else {rows.layer_max, rows.layer_max + 1}
+    for m in sorted({1, rows.head_max, rows.head_max + 1, 300} | layer_bounds):
         x = torch.randn(m, 96, generator=gen)
         kernel = torch.ops.trtprompt.panel_linear(x, pack_panels(w, width), None, bias)
-        assert torch.equal(layer(x), kernel if m <= layer_max else dense(x)), m
+        on_panels = rows.layer_max is None or m <= rows.layer_max
+        assert torch.equal(layer(x), kernel if on_panels else dense(x)), m
         assert torch.equal(head(x), kernel if m <= rows.head_max else dense(x)), m
         want = F.linear(x, w, bias)
         assert torch.allclose(layer(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), m

@@ -116,10 +116,11 @@ def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 def bf16_dot_copy(dtype: torch.dtype, device: torch.device) -> bool:
     """True where a weight-only linear computing in `dtype` keeps a bf16 copy for oneDNN (BF16_COPY_ROWS_MIN):
-    bf16 activations on a CPU with avx512_bf16 whose oneDNN runs bf16 (the AMX kernel, where it runs, comes
-    first)."""
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and "avx512_bf16" in isa.cpu_flags()
-            and onednn_available(dtype, torch.device(device)))
+    bf16 activations on a CPU with avx512_bf16 (the AMX kernel, where it runs, comes first). Asked once per linear
+    at load, so it does not rerun onednn_available's trial GEMM (~0.5 ms each, 211 times for SmolLM2): weight-only
+    linears exist only on the onednn backend, which resolve_backend checked for this dtype once."""
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and "avx512_bf16" in isa.cpu_flags())
 
 
 def resolve_backend(backend: str, dtype: torch.dtype, device: torch.device) -> str:
@@ -281,7 +282,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, d
     if weight.dtype == dtype and amx_available(dtype, weight.device, *weight.shape):
         return AmxLinear(weight, bias, OneDnnLinear(weight, bias))
     rows = panel_rows() if dtype == torch.float32 and weight.dtype == dtype else None
-    width = None if rows is None else panel_width()
+    width = panel_width()  # not None wherever rows is not
     if rows is not None and width is not None and panels_fit(weight, width):
         rows_max = rows.layer_max if few_rows else rows.head_max
         if rows_max is None:
