@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 from trtprompt.engine import isa, kernels
 from trtprompt.engine.amx_linear import amx_available
-from trtprompt.engine.kernel_call import ONEDNN
 from trtprompt.engine.linear import (
     BF16_COPY_ROWS_MIN,
     FEW_ROWS_MAX,
     OneDnnLinear,
     WeightOnlyLinear,
     bf16_dot_copy,
+    bf16_linear,
     dequantize,
     linear_summary,
     make_linear,
@@ -31,6 +31,7 @@ from trtprompt.engine.panel_linear import (
     PANEL_ROWS,
     PanelLinear,
     PanelRows,
+    bf16_panels_fit,
     pack_panels,
     panel_rows,
     panel_width,
@@ -153,8 +154,9 @@ def test_float32_linears_run_their_variants_rows_on_panels_and_larger_calls_on_o
         want = F.linear(x, w, bias)
         assert torch.allclose(layer(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), m
     assert layer(torch.randn(2, 3, 96)).shape == (2, 3, 2 * width)  # leading dimensions kept
-    if onednn_available(torch.bfloat16, torch.device("cpu")):  # float32 weights only
-        assert not isinstance(make_linear(w.bfloat16(), None, "onednn", torch.bfloat16), PanelLinear)
+    if onednn_available(torch.bfloat16, torch.device("cpu")):  # bf16 weights: only on bf16 panels (test_bf16_panels)
+        on_bf16 = make_linear(w.bfloat16(), None, "onednn", torch.bfloat16)
+        assert isinstance(on_bf16, PanelLinear) == bf16_panels_fit(w.bfloat16())
     assert not isinstance(make_linear(w[:-1], None, "onednn", torch.float32), PanelLinear)  # not whole panels
     with pytest.raises(ValueError, match="rows_max"):
         PanelLinear(w, None, width, dense)
@@ -209,7 +211,7 @@ def test_panel_rows_bounds_are_checked_and_every_variant_names_a_kernel_variant(
 
 
 @pytest.mark.parametrize("kind", ["int8", "int8_groups"])
-def test_bf16_weight_only_runs_a_bf16_copy_on_onednn_from_its_rows_where_the_cpu_has_bf16_dots(kind: str) -> None:
+def test_bf16_weight_only_runs_a_bf16_copy_from_its_rows_where_the_cpu_has_bf16_dots(kind: str) -> None:
     gen = torch.Generator().manual_seed(21)
     w, bias = torch.randn(2 * _width(), 64, generator=gen) * 0.05, torch.randn(2 * _width(), generator=gen)
     q, s = quantize_int8(w) if kind == "int8" else quantize_int8_groups(w, 32)
@@ -219,15 +221,18 @@ def test_bf16_weight_only_runs_a_bf16_copy_on_onednn_from_its_rows_where_the_cpu
         pytest.skip("no avx512_bf16 without AMX here: the weight-only linear keeps no bf16 copy")
     linear = make_linear(q, bias.bfloat16(), "onednn", torch.bfloat16, s)
     assert isinstance(linear, WeightOnlyLinear) and linear.bf16_copy is not None
-    dense = OneDnnLinear(dequantize(q, s, torch.bfloat16), bias.bfloat16())
+    copy = bf16_linear(dequantize(q, s, torch.bfloat16), bias.bfloat16())  # bf16 panels where they run, else oneDNN
+    assert type(linear.bf16_copy) is type(copy)
+    held = linear.bf16_copy.panels if isinstance(linear.bf16_copy, PanelLinear) else linear.bf16_copy.packed
     for m in (1, BF16_COPY_ROWS_MIN - 1, BF16_COPY_ROWS_MIN, 32, 300):
         x = torch.randn(m, 64, generator=gen).bfloat16()
         call = linear.kernel_call(m)
-        assert (call is not None and call.kind == ONEDNN) == (m >= BF16_COPY_ROWS_MIN), m
+        assert (call is not None and call.weight is held) == (m >= BF16_COPY_ROWS_MIN), m
         if m >= BF16_COPY_ROWS_MIN:
-            assert torch.equal(linear(x), dense(x)), m
+            assert torch.equal(linear(x), copy(x)), m
         else:
             want = F.linear(x.float(), dequantize(q, s, torch.float32), bias.bfloat16().float())
             assert torch.allclose(linear(x).float(), want, rtol=2e-2, atol=2e-2), m
     summary = linear_summary([linear], torch.bfloat16)
-    assert f"oneDNN bf16 over a bf16 copy from {BF16_COPY_ROWS_MIN}" in summary and "MiB of weight copies" in summary
+    what = "bf16 panels" if isinstance(copy, PanelLinear) else "oneDNN bf16"
+    assert f"a bf16 copy from {BF16_COPY_ROWS_MIN} ({what})" in summary and "MiB of weight copies" in summary

@@ -35,9 +35,9 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "fused_ops.cpp",
            CSRC / "few_rows_linear.cpp", CSRC / "kv_write.cpp", CSRC / "lora_runs.cpp", CSRC / "quantize_rows.cpp",
            CSRC / "greedy_rows.cpp", CSRC / "amx_linear.cpp", CSRC / "panel_linear.cpp",
-           CSRC / "decode_attention.cpp", CSRC / "decode_layers.cpp", CSRC / "host_probe.cpp")
+           CSRC / "decode_attention.cpp", CSRC / "decode_layers.cpp", CSRC / "host_probe.cpp", CSRC / "bf16_panels.cpp")
 HEADERS = (CSRC / "vec.h", CSRC / "bf16_vec.h", CSRC / "typed_vec.h", CSRC / "dtypes.h", CSRC / "paged_checks.h",
-           CSRC / "widen.h", CSRC / "op_handle.h")
+           CSRC / "widen.h", CSRC / "op_handle.h", CSRC / "bf16_panels.h")
 # The kernel tiles rows by four; head sizes must be a multiple of the variant's vector width.
 TOKENS_PER_BLOCK_MULTIPLE = 4
 _BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi")

@@ -34,6 +34,7 @@ from trtprompt.engine.kernel_call import AMX, FEW_ROWS, ONEDNN, PANEL, KernelCal
 from trtprompt.engine.panel_linear import (
     PANEL_INT8_ROWS,
     PanelLinear,
+    bf16_panels_fit,
     on_rows,
     pack_panels,
     panel_rows,
@@ -231,9 +232,9 @@ class WeightOnlyLinear(Routed):
             if int8_groups:
                 self.panel_scale = pack_panels(self.scale, width)
         self.bias_f32 = float_bias(bias)
-        self.bf16_copy: OneDnnLinear | None = None
+        self.bf16_copy: OneDnnLinear | PanelLinear | None = None
         if self.tiles is None and bf16_dot_copy(dtype, qweight.device):
-            self.bf16_copy = OneDnnLinear(dequantize(self.qweight, self.scale, dtype), bias)
+            self.bf16_copy = bf16_linear(dequantize(self.qweight, self.scale, dtype), bias)
 
     def route(self, m: int) -> KernelCall | None:
         """AMX tiles (bf16 only: amx_available), the bf16 copy, then the panels, then the few-rows kernel; None:
@@ -241,7 +242,7 @@ class WeightOnlyLinear(Routed):
         if self.tiles is not None and m in self.amx_rows:
             return KernelCall(AMX, self.tiles, self.tile_scale, self.bias_f32)
         if self.bf16_copy is not None and m >= BF16_COPY_ROWS_MIN:
-            return self.bf16_copy.dense_call
+            return self.bf16_copy.kernel_call(m)
         if self.panels is not None and m in PANEL_INT8_ROWS:
             return KernelCall(PANEL, self.panels, self.panel_scale, self.bias_f32)
         if m <= FEW_ROWS_MAX:
@@ -255,6 +256,13 @@ class WeightOnlyLinear(Routed):
         if call is not None:
             return call.run(x)
         return F.linear(x, dequantize(self.qweight, self.scale, self.dtype), self.bias)
+
+
+def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> OneDnnLinear | PanelLinear:
+    """A bfloat16 weight on bf16 panels where they run (bf16_panels_fit), else on oneDNN's prepacked GEMM."""
+    if bf16_panels_fit(weight):
+        return PanelLinear(weight, bias, int(torch.ops.trtprompt.panel_width()))
+    return OneDnnLinear(weight, bias)
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, dtype: torch.dtype,
@@ -281,6 +289,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, d
         return DenseLinear(weight, bias)
     if weight.dtype == dtype and amx_available(dtype, weight.device, *weight.shape):
         return AmxLinear(weight, bias, OneDnnLinear(weight, bias))
+    if weight.dtype == dtype and bf16_panels_fit(weight):  # every call, lm_head's too
+        return bf16_linear(weight, bias)
     rows = panel_rows() if dtype == torch.float32 and weight.dtype == dtype else None
     width = panel_width()  # not None wherever rows is not
     if rows is not None and width is not None and panels_fit(weight, width):
@@ -300,6 +310,7 @@ _LINEAR_KINDS: dict[str, str] = {
     "OneDnnLinear": "oneDNN prepacked",
     "DenseFewRowsLinear": "oneDNN prepacked (few-rows kernel <= {few} rows)",
     "PanelLinear": "panel kernel",
+    "Bf16PanelLinear": "panel kernel on bf16 dot products",
     "PanelDenseLinear": "oneDNN prepacked (panel kernel <= {few} rows)",
     "AmxLinear": f"oneDNN prepacked (AMX bf16 kernel <= {AMX_ROWS_MAX} rows)",
     "WeightOnlyLinear": f"weight-only kept quantized (few-rows kernel <= {FEW_ROWS_MAX} rows, dense above)",
@@ -307,7 +318,7 @@ _LINEAR_KINDS: dict[str, str] = {
                         f"{PANEL_INT8_ROWS.stop - 1} rows, the few-rows kernel for fewer, dense above)"),
     "AmxWeightOnly": "weight-only kept quantized (AMX for {amx} rows, the few-rows kernel for fewer, dense above)",
     "Bf16CopyWeightOnly": (f"weight-only kept quantized below {BF16_COPY_ROWS_MIN} rows (the few-rows and panel "
-                           f"kernels), oneDNN bf16 over a bf16 copy from {BF16_COPY_ROWS_MIN}"),
+                           f"kernels), a bf16 copy from {BF16_COPY_ROWS_MIN} (" + "{copy})"),
     "FbgemmW8A8Linear": "W8A8 int8 GEMM (fbgemm)",
     "OneDnnW8A8Linear": "W8A8 int8 GEMM (oneDNN with AMX; fbgemm for few rows)",
     "ReferenceW8A8Linear": "W8A8 in plain torch (reference)",
@@ -325,14 +336,18 @@ def linear_summary(linears: list[torch.nn.Module], dtype: torch.dtype) -> str:
             name, copies = name.format(few=m.few_rows_max), copies + m.weight.nbytes
         elif isinstance(m, PanelLinear) and m.rows_max is not None:
             name, copies = _LINEAR_KINDS["PanelDenseLinear"].format(few=m.rows_max), copies + m.panels.nbytes
+        elif isinstance(m, PanelLinear) and m.panels.dtype == torch.bfloat16:
+            name = _LINEAR_KINDS["Bf16PanelLinear"]
         elif isinstance(m, AmxLinear):
             copies += m.packed.nbytes
         elif isinstance(m, WeightOnlyLinear) and m.tiles is not None:
             name = _LINEAR_KINDS["AmxWeightOnly"].format(amx=f"{m.amx_rows.start}-{m.amx_rows.stop - 1}")
             copies += m.tiles.nbytes
         elif isinstance(m, WeightOnlyLinear) and m.bf16_copy is not None:
-            name = _LINEAR_KINDS["Bf16CopyWeightOnly"]
-            copies += m.bf16_copy.packed.nbytes + (m.panels.nbytes if m.panels is not None else 0)
+            what, copy = ("bf16 panels", m.bf16_copy.panels) if isinstance(m.bf16_copy, PanelLinear) else \
+                ("oneDNN bf16", m.bf16_copy.packed)
+            name = _LINEAR_KINDS["Bf16CopyWeightOnly"].format(copy=what)
+            copies += copy.nbytes + (m.panels.nbytes if m.panels is not None else 0)
         elif isinstance(m, WeightOnlyLinear) and m.panels is not None:
             name, copies = _LINEAR_KINDS["PanelWeightOnly"], copies + m.panels.nbytes
         key = f"{name}, {'int4' if held == torch.uint8 else 'int8' if held == torch.int8 else ''}".rstrip(", ")

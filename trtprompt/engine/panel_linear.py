@@ -12,6 +12,12 @@ oneDNN and MKL, and int8 weights at 8 / 32 rows in 12-17 / 44-49 ms against the 
 74-81. There a float32 layer linear keeps only the packed panels (no oneDNN copy). On a 2-core Zen 4 the
 AVX-512 build leads oneDNN by less and only to 64 rows, so there a layer linear keeps oneDNN's weight too, for
 larger calls; lm_head keeps oneDNN's on both. PANEL_ROWS has each variant's bounds.
+
+bfloat16 weights run every call on panels of input-column pairs ([N / P, K / 2, P, 2], the operand of avx512_bf16's
+dot product, csrc/bf16_panels.cpp) where the AVX-512 build holds that kernel and the CPU has the instruction, and
+AMX does not run (amx_linear.py comes first): on a 2-core Zen 4 SmolLM2's layer linears took 0.7x oneDNN's bf16
+time at 32 rows and no more at any row count from 1 to 2,048 (docs/design.md, "bf16 panels"); they keep no other
+copy.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from trtprompt.engine import isa
 from trtprompt.engine.amx_linear import float_bias
 from trtprompt.engine.kernel_call import PANEL, KernelCall, Routed
 
@@ -68,6 +75,23 @@ def panel_width() -> int | None:
     return None if panel_rows() is None else int(torch.ops.trtprompt.panel_width())
 
 
+def bf16_panels_fit(weight: torch.Tensor) -> bool:
+    """True where this weight runs on bf16 panels: bfloat16 [N, K] on the CPU, K even, N whole panels, on the AVX-512
+    build that holds the kernel, on a CPU with avx512_bf16."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+        return False
+    rows = panel_rows()  # builds or loads the compiled library once
+    if rows is None or not bool(torch.ops.trtprompt.bf16_panels_compiled()):
+        return False
+    return panels_fit(weight, int(torch.ops.trtprompt.panel_width())) and "avx512_bf16" in isa.cpu_flags()
+
+
+def pack_bf16_pairs(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """weight [N, K] bfloat16 as [N / width, K / 2, width, 2]: pairs[p, j, c, e] = weight[p * width + c, 2 * j + e]."""
+    n, k = weight.shape
+    return weight.reshape(n // width, width, k // 2, 2).transpose(1, 2).contiguous()
+
+
 def panels_fit(weight: torch.Tensor, width: int) -> bool:
     """True when this [N, K] weight on the CPU packs into whole panels of `width` columns."""
     return weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[0] % width == 0
@@ -88,15 +112,16 @@ def on_rows(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) ->
 
 
 class PanelLinear(Routed):
-    """A float32 linear on the kernel over the packed weight; with a `dense` linear, calls of more than `rows_max`
-    rows run there instead (lm_head)."""
+    """A float32 linear on the kernel over the packed weight, or a bfloat16 one over its pairs (bf16_panels_fit); with
+    a `dense` linear, calls of more than `rows_max` rows run there instead (lm_head)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, width: int,
                  dense: torch.nn.Module | None = None, rows_max: int | None = None) -> None:
         super().__init__()
         if (dense is None) != (rows_max is None):
             raise ValueError("PanelLinear: dense and rows_max go together (calls above rows_max run on dense)")
-        self.panels = pack_panels(weight.float(), width)
+        self.panels = pack_bf16_pairs(weight, width) if weight.dtype == torch.bfloat16 else \
+            pack_panels(weight.float(), width)
         self.bias_f32 = float_bias(bias)
         self.dense, self.rows_max = dense, rows_max
 

@@ -2,14 +2,15 @@
 """What a decode step's linears cost on this CPU, apart from the engine (issue 26 items 5 and 6).
 
     python -m trtprompt.bench.scenarios.decode_linears ENGINE_DIR [--tokens 32,2048] [--reps 8] [--threads 2]
-        [--paths engine,onednn]
+        [--paths engine,onednn] [--dtype float32|bfloat16]
 
-From the engine's config.json it makes random fp32 weights of every layer linear (qkv, o_proj,
+From the engine's config.json it makes random weights in --dtype of every layer linear (qkv, o_proj,
 gate_up, down) and of lm_head, as each path holds them: `engine`, what engine/linear.py's make_linear
 builds on this CPU (the panel kernel to engine/panel_linear.py's PANEL_ROWS, oneDNN above and on other
-variants; its summary line is printed), `onednn`, oneDNN's prepacked GEMM alone, and `panel`, the panel kernel
-alone on whichever kernel variant this CPU runs (how PANEL_ROWS was set). The paths alternate rep by rep, and for
-each token count M each times:
+variants; its summary line is printed), `onednn`, oneDNN's prepacked GEMM alone, `panel`, the panel kernel
+alone on whichever kernel variant this CPU runs (how PANEL_ROWS was set; bf16 panels for bfloat16, where the CPU
+has avx512_bf16), and `few`, the few-rows kernel to DENSE_FEW_ROWS_MAX rows with oneDNN above. The paths
+alternate rep by rep, and for each token count M each times:
 - hot: one layer's four linears, repeated, so their weights stay in cache (the GEMM alone);
 - streamed: every layer's own four linears in turn, as a step runs them (weights from DRAM once
   the model outgrows the last-level cache);
@@ -31,22 +32,32 @@ import torch
 
 from trtprompt.bench import machine
 from trtprompt.engine import kernels
-from trtprompt.engine.linear import OneDnnLinear, linear_summary, make_linear, resolve_backend
+from trtprompt.engine.linear import (
+    DENSE_FEW_ROWS_MAX,
+    DenseFewRowsLinear,
+    OneDnnLinear,
+    linear_summary,
+    make_linear,
+    resolve_backend,
+)
 from trtprompt.engine.panel_linear import PanelLinear
 
-PATHS = ("engine", "onednn", "panel")
+PATHS = ("engine", "onednn", "panel", "few")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def linear(out_features: int, in_features: int, path: str, head: bool = False) -> Linear:
-    """A random float32 weight as `path` holds it (see the module's docstring)."""
-    weight = torch.randn(out_features, in_features) / in_features ** 0.5
+def linear(out_features: int, in_features: int, path: str, dtype: torch.dtype, head: bool = False) -> Linear:
+    """A random weight in `dtype` as `path` holds it (see the module's docstring)."""
+    weight = (torch.randn(out_features, in_features) / in_features ** 0.5).to(dtype)
     if path == "onednn":
         return OneDnnLinear(weight, None)
     if path == "panel":  # the panel kernel on any variant, also past PANEL_ROWS or where it has none
         return PanelLinear(weight, None, int(torch.ops.trtprompt.panel_width()))
-    backend = resolve_backend("onednn", torch.float32, torch.device("cpu"))
-    return make_linear(weight, None, backend, torch.float32, few_rows=not head)
+    if path == "few":
+        return DenseFewRowsLinear(weight, None, DENSE_FEW_ROWS_MAX[dtype])
+    backend = resolve_backend("onednn", dtype, torch.device("cpu"))
+    return make_linear(weight, None, backend, dtype, few_rows=not head)
 
 
 def layer_shapes(cfg: dict[str, Any]) -> list[tuple[int, int]]:
@@ -75,13 +86,13 @@ def with_rate(res: dict[str, float], flops: float) -> dict[str, float]:
     return {**res, "gflops_at_min": flops / res["min_ms"] / 1e6}
 
 
-def measure(cfg: dict[str, Any], m: int, reps: int, paths: list[str]) -> dict[str, Any]:
+def measure(cfg: dict[str, Any], m: int, reps: int, paths: list[str], dtype: torch.dtype) -> dict[str, Any]:
     """hot, streamed and lm_head at M tokens for each path (see the module's docstring)."""
     shapes, n_layers = layer_shapes(cfg), cfg["num_hidden_layers"]
-    layers = {p: [[linear(n, k, p) for k, n in shapes] for _ in range(n_layers)] for p in paths}
-    heads = {p: linear(cfg["vocab_size"], cfg["hidden_size"], p, head=True) for p in paths}
-    inputs = {k: torch.randn(m, k) for k, _ in shapes}
-    x = torch.randn(m, cfg["hidden_size"])
+    layers = {p: [[linear(n, k, p, dtype) for k, n in shapes] for _ in range(n_layers)] for p in paths}
+    heads = {p: linear(cfg["vocab_size"], cfg["hidden_size"], p, dtype, head=True) for p in paths}
+    inputs = {k: torch.randn(m, k).to(dtype) for k, _ in shapes}
+    x = torch.randn(m, cfg["hidden_size"]).to(dtype)
 
     def run(linears: list[Linear]) -> None:
         for (k, _), lin in zip(shapes, linears):
@@ -121,22 +132,24 @@ def main() -> None:
     ap.add_argument("--tokens", default="32,2048", help="comma list of token counts M")
     ap.add_argument("--reps", type=int, default=8, help="timed repetitions of each case")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {', '.join(PATHS)}")
+    ap.add_argument("--paths", default="engine,onednn,panel", help=f"comma list of {', '.join(PATHS)}")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="the weights' and inputs' dtype")
     args = ap.parse_args()
     paths = args.paths.split(",")
     if not paths or any(p not in PATHS for p in paths):
         ap.error(f"--paths: {args.paths!r}: a comma list of {', '.join(PATHS)}")
     torch.set_num_threads(args.threads)
-    if "panel" in paths and not kernels.compiled_kernel_status()[0]:
-        ap.error("--paths panel: the compiled kernels are not available here")
+    if {"panel", "few"} & set(paths) and not kernels.compiled_kernel_status()[0]:
+        ap.error("--paths panel / few: the compiled kernels are not available here")
+    dtype = DTYPES[args.dtype]
     cfg = json.loads((args.engine_dir / "config.json").read_text(encoding="utf-8"))["pretrained_config"]
     info = machine.describe()
     shapes = layer_shapes(cfg)
-    summary = linear_summary([linear(n, k, "engine") for k, n in shapes]
-                             + [linear(cfg["vocab_size"], cfg["hidden_size"], "engine", head=True)], torch.float32)
+    summary = linear_summary([linear(n, k, "engine", dtype) for k, n in shapes]
+                             + [linear(cfg["vocab_size"], cfg["hidden_size"], "engine", dtype, head=True)], dtype)
     res = {"engine": str(args.engine_dir), "cpu_flags": info["flags"], "machine": info, "threads": args.threads,
-           "engine_linears": summary,
-           "tokens": {m: measure(cfg, m, args.reps, paths) for m in (int(t) for t in args.tokens.split(","))},
+           "dtype": args.dtype, "engine_linears": summary,
+           "tokens": {m: measure(cfg, m, args.reps, paths, dtype) for m in (int(t) for t in args.tokens.split(","))},
            "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
     print(json.dumps(res, indent=1))
 

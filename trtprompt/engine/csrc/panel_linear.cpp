@@ -13,6 +13,8 @@
 //   int8 [N / P, K, P] + float32 scale [N / P, K / G, P]   a scale per group of G input columns (int8_wo with
 //       int8_group_size), each widened weight vector times its group's scales (the sums need no per-group pass);
 //       from kWidenRows rows a chunk is widened and scaled once for all blocks of rows (ChunkPanels)
+//   bfloat16 [N / P, K / 2, P, 2]             input columns in pairs, on the bf16 dot product (bf16_panels.cpp;
+//       the AVX-512 variant, bfloat16 x, no scale)
 // x is float32 or bfloat16 [M, K]; y [M, N] in x's dtype, plus an optional float32 bias [N]. Design and
 // figures: docs/design.md, "Panel linear".
 #include <ATen/Parallel.h>
@@ -21,6 +23,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "bf16_panels.h"
 #include "typed_vec.h"
 #include "vec.h"
 #include "widen.h"
@@ -325,6 +328,14 @@ int64_t check_inputs(const at::Tensor& x, const at::Tensor& panels, const c10::o
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& scale,
                         const c10::optional<at::Tensor>& bias) {
+  if (panels.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(!scale.has_value(), "panel_linear: bf16 panels take no scale");
+    TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                      bias->numel() == panels.size(0) * panels.size(2)),
+                "panel_linear: the bias must be contiguous float32 [N]");
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "panel_linear: x must be a contiguous [M, K] tensor");
+    return trtprompt_bf16_panels::linear(x, panels, bias.has_value() ? bias->data_ptr<float>() : nullptr);
+  }
   const int64_t group = check_inputs(x, panels, scale, bias);
   at::Tensor y = at::empty({x.size(0), panels.size(0) * kPanel}, x.options());
   if (x.size(0) == 0) return y;
@@ -349,11 +360,15 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10
 // Output columns per panel in this variant (pack_panels packs the weight for it).
 int64_t panel_width() { return kPanel; }
 
+// Whether this build runs bf16 panels (where the CPU has avx512_bf16: engine/panel_linear.py checks).
+bool bf16_panels_compiled() { return trtprompt_bf16_panels::compiled(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(trtprompt, m) {
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("panel_width() -> int", &panel_width);
+  m.def("bf16_panels_compiled() -> bool", &bf16_panels_compiled);
 }
 
 TORCH_LIBRARY_IMPL(trtprompt, CPU, m) {
