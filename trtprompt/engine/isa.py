@@ -9,8 +9,11 @@ figures: docs/design.md, "Kernel variants".
 
 Only variants whose code differs are listed. bf16 / VNNI / AMX variants would
 compile to the same fp32 code as `avx512`: the kernels compute in fp32 (bf16
-caches are converted on load). Those instruction sets reach the linears
-through oneDNN (engine/linear.py), not through these kernels.
+caches are converted on load). The exceptions carry their instructions'
+target on their own functions inside the `avx512` build and run only where
+the CPU reports the flag: bf16 panels (csrc/bf16_panels.cpp, avx512_bf16) and
+the AMX linear (csrc/amx_linear.cpp); VNNI reaches the linears through oneDNN
+(engine/linear.py).
 """
 
 from __future__ import annotations
