@@ -69,8 +69,9 @@ CASES = [  # heads, kv_heads, head_size, tokens_per_block, dtype
     (12, 4, 48, 32, torch.float32),
     (4, 1, 256, 8, torch.float32),
     (16, 2, 128, 128, torch.float32),
-    (8, 4, 64, 16, torch.bfloat16),
+    (8, 4, 64, 16, torch.bfloat16),  # bf16 dot products where the CPU has avx512_bf16 (head sizes of 32s)
     (8, 2, 128, 32, torch.bfloat16),
+    (12, 4, 48, 32, torch.bfloat16),  # a head size off the bf16 dot path: the float32 one
 ]
 
 

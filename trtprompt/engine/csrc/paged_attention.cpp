@@ -16,7 +16,8 @@
 //   values: each V row is loaded once for all the group's heads, their accumulators kept
 //           in registers over the block.
 // bfloat16 rows are widened in registers as they are read; float16 and int8 rows (with their
-// row scales) are converted per block into float.
+// row scales) are converted per block into float. bfloat16 queries over a bfloat16 cache run on the CPU's
+// bf16 dot product instead where it has one (decode_item_dot, below).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -36,6 +37,14 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+// GCC's target pragma builds the bf16 dot path into the AVX-512 variant (clang spells it otherwise).
+#if TRTPROMPT_LANES == 16 && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#define TRTPROMPT_BF16_DOT 1
+#include <immintrin.h>
+#else
+#define TRTPROMPT_BF16_DOT 0
+#endif
 
 namespace {
 
@@ -215,11 +224,12 @@ struct Shape {
 struct Online {
   int64_t sp;  // scores per head: tokens_per_block rounded up to whole vectors
   std::vector<float> q, acc, scores, m, l, corr, kbuf, vbuf;
+  std::vector<uint16_t> qb, pb;  // bf16 dot path: the query rows as they came, a block's weights rounded to bf16
   std::vector<std::pair<int64_t, int64_t>> groups;  // (first head, heads) sharing a pass over a row
   Online(int64_t g, const Shape& sh)
       : sp((sh.tokens_per_block + kLanes - 1) / kLanes * kLanes), q(g * sh.head_size), acc(g * sh.head_size),
         scores(g * sp), m(g), l(g), corr(g), kbuf(sh.tokens_per_block * sh.head_size),
-        vbuf(sh.tokens_per_block * sh.head_size) {
+        vbuf(sh.tokens_per_block * sh.head_size), qb(g * sh.head_size), pb(g * (sp + kLanes)) {
     const int64_t ng = (g + kMaxGroup - 1) / kMaxGroup;  // balanced: g = 4 is 2 + 2, not 3 + 1
     for (int64_t i = 0, j0 = 0; i < ng; ++i) {
       const int64_t hb = g / ng + (i < g % ng ? 1 : 0);
@@ -271,6 +281,152 @@ inline void attend_block(const R* k, const R* v, int64_t rs, int64_t n, int64_t 
                                       st.acc.data() + j0 * d, d);
     });
 }
+
+#if TRTPROMPT_BF16_DOT
+// bfloat16 queries over bfloat16 caches on avx512_bf16's dot product (vdpbf16ps: 16 float32 sums, each += two bf16
+// products), where the CPU has it: the K and V rows are read as they are stored, with no widening, and each
+// instruction does two rows' or two columns' work. q . k takes the query's bf16 values as they came (the scale is
+// applied to the float32 score); the softmax stays float32 and its weights are rounded to bf16 for the values, as
+// torch's CPU flash attention does for bf16. Measured: docs/attention.md, "Decode on bf16 dot products".
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+
+inline __m512bh bf16_at(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// s[j * sp + i] = scale * q[j] . k[i] for HB heads and R rows (R a multiple of 4), 32 columns a step.
+template <int HB, int R>
+inline void scores_dot(const uint16_t* q, int64_t d, const uint16_t* k, int64_t rs, float* s, int64_t sp,
+                       float scale) {
+  __m512 acc[HB][R];
+  for (int j = 0; j < HB; ++j)
+    for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512bh qv[HB];
+    for (int j = 0; j < HB; ++j) qv[j] = bf16_at(q + j * d + c);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh kv = bf16_at(k + i * rs + c);
+      for (int j = 0; j < HB; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], qv[j], kv);
+    }
+  }
+  for (int j = 0; j < HB; ++j)
+    for (int i = 0; i < R; i += 4) {
+      const vf4 r = hsum4((vf)acc[j][i], (vf)acc[j][i + 1], (vf)acc[j][i + 2], (vf)acc[j][i + 3]) * scale;
+      std::memcpy(s + j * sp + i, &r, sizeof r);
+    }
+}
+
+template <int HB>
+inline void scores_rows_dot(const uint16_t* q, int64_t d, const uint16_t* k, int64_t rs, int64_t n4, float* s,
+                            int64_t sp, float scale) {
+  int64_t t = 0;
+  for (; t + 8 <= n4; t += 8) scores_dot<HB, 8>(q, d, k + t * rs, rs, s + t, sp, scale);
+  if (t < n4) scores_dot<HB, 4>(q, d, k + t * rs, rs, s + t, sp, scale);
+}
+
+// acc[j] = corr[j] * acc[j] + sum over rows t < n of p[j][t] v[t], two rows a step: rows t and t + 1 interleaved
+// per column (vpunpck{l,h}wd within 128-bit lanes), so the sums of a 32-column chunk lie in lane order
+// [0-3, 8-11, 16-19, 24-27] (lo) and [4-7, 12-15, 20-23, 28-31] (hi), put back in order by the item's end.
+template <int HB>
+inline void values_dot(const uint16_t* p, int64_t sp, const uint16_t* v, int64_t rs, int64_t n, const float* corr,
+                       float* acc, int64_t d) {
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512 lo[HB], hi[HB];
+    for (int j = 0; j < HB; ++j) {
+      lo[j] = _mm512_loadu_ps(acc + j * d + c) * corr[j];
+      hi[j] = _mm512_loadu_ps(acc + j * d + c + 16) * corr[j];
+    }
+    for (int64_t t = 0; t < n; t += 2) {
+      const __m512i a = _mm512_loadu_si512(v + t * rs + c);
+      const __m512i b = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * rs + c) : _mm512_setzero_si512();
+      const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b), vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int j = 0; j < HB; ++j) {
+        int32_t pair;
+        std::memcpy(&pair, p + j * sp + t, sizeof pair);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+        lo[j] = _mm512_dpbf16_ps(lo[j], w, vlo);
+        hi[j] = _mm512_dpbf16_ps(hi[j], w, vhi);
+      }
+    }
+    for (int j = 0; j < HB; ++j) {
+      _mm512_storeu_ps(acc + j * d + c, lo[j]);
+      _mm512_storeu_ps(acc + j * d + c + 16, hi[j]);
+    }
+  }
+}
+
+// The softmax's float32 weights of rows [0, n) as bf16 (rounded to nearest even), a zero past an odd n.
+inline void weights_bf16(const float* s, int64_t n, uint16_t* out) {
+  int64_t t = 0;
+  for (; t + 32 <= n; t += 32) {
+    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16), _mm512_loadu_ps(s + t));
+    std::memcpy(out + t, &h, sizeof h);
+  }
+  for (; t < n; ++t) {
+    const c10::BFloat16 b(s[t]);
+    std::memcpy(out + t, &b, sizeof b);
+  }
+  out[n] = 0;
+}
+
+inline void attend_block_dot(const uint16_t* k, const uint16_t* v, int64_t rs, int64_t n, int64_t n4, int64_t d,
+                             float scale, Online& st) {
+  for (const auto& [j0, hb] : st.groups)
+    with_group(hb, [&](auto h) {
+      scores_rows_dot<decltype(h)::value>(st.qb.data() + j0 * d, d, k, rs, n4, st.scores.data() + j0 * st.sp,
+                                          st.sp, scale);
+    });
+  const int64_t g = static_cast<int64_t>(st.m.size()), pp = st.sp + kLanes;
+  for (int64_t j = 0; j < g; ++j) {
+    st.softmax_head(j, n);
+    weights_bf16(st.scores.data() + j * st.sp, n, st.pb.data() + j * pp);
+  }
+  for (const auto& [j0, hb] : st.groups)
+    with_group(hb, [&](auto h) {
+      values_dot<decltype(h)::value>(st.pb.data() + j0 * pp, pp, v, rs, n, st.corr.data() + j0,
+                                     st.acc.data() + j0 * d, d);
+    });
+}
+
+// acc's 32-column chunks from values_dot's lane order back to column order.
+inline void unpermute_acc(float* acc, int64_t rows, int64_t d) {
+  float tmp[32];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < d; c += 32) {
+      float* a = acc + r * d + c;
+      for (int i = 0; i < 16; ++i) {
+        tmp[8 * (i / 4) + i % 4] = a[i];
+        tmp[8 * (i / 4) + 4 + i % 4] = a[16 + i];
+      }
+      std::memcpy(a, tmp, sizeof tmp);
+    }
+}
+
+void decode_item_dot(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int32_t* table, int64_t len,
+                     int64_t b0, int64_t b1, const Shape& sh, int64_t kh, float scale, Online& st) {
+  const int64_t d = sh.head_size, tpb = sh.tokens_per_block;
+  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache);
+  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache);
+  st.reset();
+  for (int64_t b = b0; b < b1 && b * tpb < len; ++b) {
+    const int64_t n = std::min(tpb, len - b * tpb);
+    const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + kh) * tpb * d;
+    if (b + 1 < b1 && (b + 1) * tpb < len) {
+      const int64_t next = (static_cast<int64_t>(table[b + 1]) * sh.kv_heads + kh) * tpb * d;
+      prefetch_run(kc + next, tpb * d);
+      prefetch_run(vc + next, tpb * d);
+    }
+    attend_block_dot(kc + base, vc + base, d, n, (n + 3) / 4 * 4, d, scale, st);
+  }
+  unpermute_acc(st.acc.data(), static_cast<int64_t>(st.m.size()), d);
+}
+
+#pragma GCC pop_options
+
+inline bool bf16_dot_runs(int64_t d) {
+  static const bool cpu = __builtin_cpu_supports("avx512bf16");
+  return cpu && d % 32 == 0;
+}
+#endif  // TRTPROMPT_BF16_DOT
 
 // C: the cache's element type, T's for float caches, int8_t for int8 rows of d + 2 bytes.
 // st.q holds the item's g query rows, scaled; st.acc, st.m, st.l its result over blocks [b0, b1)
@@ -348,6 +504,10 @@ void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   const float sc = static_cast<float>(scale);
   const int64_t max_len = seqs ? *std::max_element(lp, lp + seqs) : 0;
   const int64_t parts = parts_per_sequence(seqs * sh.kv_heads, max_len, sh.tokens_per_block);
+  bool dot = false;  // bf16 queries over a bf16 cache on the CPU's bf16 dot product
+#if TRTPROMPT_BF16_DOT
+  dot = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && bf16_dot_runs(d);
+#endif
   // Parts' results, (acc [g, d], m [g], l [g]) each, merged once every part is done.
   std::vector<float> part_acc(parts > 1 ? seqs * sh.kv_heads * parts * g * d : 0);
   std::vector<float> part_ml(parts > 1 ? 2 * seqs * sh.kv_heads * parts * g : 0);
@@ -358,8 +518,18 @@ void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
       const int64_t blocks = (lp[s] + sh.tokens_per_block - 1) / sh.tokens_per_block;
       const int64_t per = (blocks + parts - 1) / parts;  // blocks per part
       const T* qs = qp + s * stride + kh * g * d;
-      for (int64_t i = 0; i < g * d; ++i) st.q[i] = static_cast<float>(qs[i]) * sc;
-      decode_item<C>(kp, vp, tp + s * sh.max_blocks, lp[s], p * per, (p + 1) * per, sh, kh, st);
+#if TRTPROMPT_BF16_DOT
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+        if (dot) {
+          std::memcpy(st.qb.data(), qs, g * d * sizeof(T));
+          decode_item_dot(kp, vp, tp + s * sh.max_blocks, lp[s], p * per, (p + 1) * per, sh, kh, sc, st);
+        }
+      }
+#endif
+      if (!dot) {
+        for (int64_t i = 0; i < g * d; ++i) st.q[i] = static_cast<float>(qs[i]) * sc;
+        decode_item<C>(kp, vp, tp + s * sh.max_blocks, lp[s], p * per, (p + 1) * per, sh, kh, st);
+      }
       if (parts == 1) {
         write_heads(g, d, 1, st.acc.data(), st.m.data(), st.l.data(), op + s * stride + kh * g * d,
                     lsep + s * sh.heads + kh * g);
