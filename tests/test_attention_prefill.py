@@ -40,7 +40,10 @@ CASES = [  # heads, kv_heads, head_size, tokens_per_block, dtype
     (8, 4, 128, 16, torch.float32),  # the d = 128 build
     (4, 4, 48, 8, torch.float32),  # MHA, head size from the run-time path
     (16, 2, 80, 128, torch.float32),
-    (8, 2, 64, 32, torch.bfloat16),
+    (8, 2, 64, 32, torch.bfloat16),  # bf16 dot products where the CPU has avx512_bf16 (head sizes of 32s)
+    (9, 3, 64, 32, torch.bfloat16),
+    (8, 4, 128, 16, torch.bfloat16),
+    (4, 4, 48, 8, torch.bfloat16),  # off the bf16 dot path: the float32 one
 ]
 
 

@@ -39,6 +39,14 @@
 #include <type_traits>
 #include <vector>
 
+// GCC's target pragma builds the bf16 dot path into the AVX-512 variant (clang spells it otherwise).
+#if TRTPROMPT_LANES == 16 && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+#define TRTPROMPT_BF16_DOT 1
+#include <immintrin.h>
+#else
+#define TRTPROMPT_BF16_DOT 0
+#endif
+
 namespace {
 
 using namespace trtprompt_checks;
@@ -234,10 +242,13 @@ struct Shape {
 struct Scratch {
   std::vector<float> qt, s, o, m, l, mx, alpha, limit, kbuf, vbuf;
   std::vector<Run> runs;
-  explicit Scratch(const Shape& sh)
+  // The bf16 dot path's queries, probabilities and values, each in pairs (run_item_dot); empty elsewhere.
+  std::vector<uint16_t> qtp, pp, vp;
+  Scratch(const Shape& sh, bool dot)
       : qt(sh.d * sh.ncp), s(sh.tile_blocks * sh.tpb * sh.ncp), o(sh.ncp * sh.d), m(sh.ncp), l(sh.ncp),
         mx(sh.ncp), alpha(sh.ncp), limit(sh.ncp), kbuf(sh.tile_blocks * sh.tpb * sh.d),
-        vbuf(sh.tile_blocks * sh.tpb * sh.d), runs(sh.tile_blocks) {}
+        vbuf(sh.tile_blocks * sh.tpb * sh.d), runs(sh.tile_blocks), qtp(dot ? sh.d * sh.ncp : 0),
+        pp(dot ? (sh.tile_blocks * sh.tpb + 2) * sh.ncp : 0), vp(dot ? (sh.tile_blocks * sh.tpb + 2) * sh.d : 0) {}
 };
 
 // Online softmax over the tile's nk score rows, given the columns' maximum over them (st.mx): scores
@@ -340,6 +351,203 @@ void run_item(const Inputs<T, C>& in, const Shape& sh, const Item& it, Scratch& 
   write_item(in, sh, sg, it, st);
 }
 
+#if TRTPROMPT_BF16_DOT
+// bfloat16 queries over bfloat16 caches on avx512_bf16's dot product (vdpbf16ps: 16 float32 sums, each += two bf16
+// products), where the CPU has it. S = K Qt takes pairs of input columns: a key row's (e, e + 1) broadcast against
+// the queries packed as [d / 2][columns][2] (their bf16 values as they came; the scale multiplies the float32
+// score), the K rows read in place. The softmax stays float32; P is rounded to bf16 (as torch's CPU flash attention
+// does for bf16) and packed as [keys / 2][columns][2], V as [keys / 2][d][2] (a tile's odd last key pairs with a zero
+// row), so O += P^T V takes pairs of keys. Measured: docs/attention.md, "Prefill on bf16 dot products".
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
+
+inline __m512bh pair_at(const uint16_t* p) {  // the two bf16 values at p, broadcast to all 16 pairs
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+inline __m512bh pairs_at(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+template <typename T, typename C>
+void pack_queries_dot(const Inputs<T, C>& in, const Shape& sh, const Segment& sg, const Item& it, Scratch& st) {
+  const int64_t d = sh.d, g = sh.group, ncp = sh.ncp, cols = it.nt * g;
+  std::fill(st.qtp.begin(), st.qtp.end(), uint16_t{0});
+  for (int64_t c = 0; c < cols; ++c) {
+    const int64_t t = c / g, h = it.kv_head * g + c % g;
+    const auto* src = reinterpret_cast<const uint16_t*>(in.q + ((sg.row_start + it.t0 + t) * sh.heads + h) * d);
+    for (int64_t e = 0; e < d; ++e) st.qtp[((e / 2) * ncp + c) * 2 + e % 2] = src[e];
+    st.limit[c] = static_cast<float>(std::min(sg.num_keys, sg.first_limit + it.t0 + t));
+  }
+  for (int64_t c = cols; c < ncp; ++c) st.limit[c] = static_cast<float>(sg.num_keys);  // padding: never masked
+  std::fill(st.o.begin(), st.o.end(), 0.f);
+  std::fill(st.m.begin(), st.m.end(), kNegInf);
+  std::fill(st.l.begin(), st.l.end(), 0.f);
+}
+
+// qk_micro on pairs: R key rows (bf16, in place) against one column block of 32 (qtp at the block's first column).
+template <int D, int R, bool Masked>
+inline void qk_micro_dot(const uint16_t* k, int64_t d_, const uint16_t* qtp, int64_t ncp, float* s, float* mx,
+                         const float* limit, float key0, int64_t valid, float scale) {
+  const int64_t d = dim<D>(d_);
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = _mm512_setzero_ps(), acc[i][1] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t e = 0; e < d; e += 2) {
+    const __m512bh b0 = pairs_at(qtp + e * ncp), b1 = pairs_at(qtp + e * ncp + 2 * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh a = pair_at(k + i * d + e);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+    }
+  }
+  asm volatile("" ::: "memory");  // as qk_micro: keeps the maxima out of the loop's registers
+  vf m0 = load(mx), m1 = load(mx + kLanes);
+  const vf inf = vf{} + kNegInf;
+  for (int i = 0; i < R; ++i) {
+    vf a0 = (vf)acc[i][0] * scale, a1 = (vf)acc[i][1] * scale;
+    if (Masked) {
+      const vf key = vf{} + (key0 + static_cast<float>(i));
+      a0 = key >= load(limit) ? inf : a0;
+      a1 = key >= load(limit + kLanes) ? inf : a1;
+    }
+    if (i < valid) m0 = vmax(m0, a0), m1 = vmax(m1, a1);
+    store(s + i * ncp, a0);
+    store(s + i * ncp + kLanes, a1);
+  }
+  store(mx, m0), store(mx + kLanes, m1);
+}
+
+template <int D, bool Masked>
+inline void qk_run_dot(const uint16_t* k, int64_t n, int64_t d, const uint16_t* qtp, int64_t ncp, float* s,
+                       float* mx, const float* limit, int64_t key0, float scale) {
+  const int64_t n4 = (n + 3) / 4 * 4;
+  const int64_t fours = n4 % 6 == 2 ? 2 : n4 % 6 == 4 ? 1 : 0;
+  const int64_t stride = dim<D>(d);
+  int64_t r = 0;
+  auto at = [&](int64_t row) { return static_cast<float>(key0 + row); };
+  for (; r + 4 * fours < n4; r += 6)
+    qk_micro_dot<D, 6, Masked>(k + r * stride, d, qtp, ncp, s + r * ncp, mx, limit, at(r), n - r, scale);
+  for (; r < n4; r += 4)
+    qk_micro_dot<D, 4, Masked>(k + r * stride, d, qtp, ncp, s + r * ncp, mx, limit, at(r), n - r, scale);
+}
+
+// P (float32 [nk][ncp], the softmax's output) as bf16 pairs of keys [nk / 2][ncp][2], a zero key past an odd nk.
+inline void p_pairs(const float* s, int64_t nk, int64_t ncp, uint16_t* pp) {
+  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                         6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t t = 0; t < nk; t += 2)
+    for (int64_t c = 0; c < ncp; c += kLanes) {
+      const __m512 lo = _mm512_loadu_ps(s + t * ncp + c);
+      const __m512 hi = t + 1 < nk ? _mm512_loadu_ps(s + (t + 1) * ncp + c) : _mm512_setzero_ps();
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // [key t's 16 | key t + 1's 16]
+      _mm512_storeu_si512(pp + ((t / 2) * ncp + c) * 2, _mm512_permutexvar_epi16(inter, both));
+    }
+}
+
+// The tile's V rows (bf16, in place, runs of whole blocks but the last) as pairs of keys [keys / 2][d][2].
+inline void v_pairs(const uint16_t* const* v, const int64_t* n, int64_t num_runs, int64_t d, uint16_t* vp) {
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                          6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  int64_t off = 0;  // keys before this run: even (whole blocks of a multiple of 4 tokens)
+  for (int64_t j = 0; j < num_runs; off += n[j], ++j)
+    for (int64_t t = 0; t < n[j]; t += 2)
+      for (int64_t c = 0; c < d; c += 32) {
+        const __m512i a = _mm512_loadu_si512(v[j] + t * d + c);
+        const __m512i b = t + 1 < n[j] ? _mm512_loadu_si512(v[j] + (t + 1) * d + c) : _mm512_setzero_si512();
+        uint16_t* dst = vp + (((off + t) / 2) * d + c) * 2;
+        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo_idx, b));
+        _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi_idx, b));
+      }
+}
+
+// O[c, e0 + :NV vectors] = alpha[c] O[c, ...] + sum over key pairs of P[.., c] V[.., e0 + ...] for R columns.
+template <int D, int R, int NV>
+inline void pv_micro_dot(const uint16_t* pp, int64_t ncp, const uint16_t* vp, int64_t pairs, int64_t d_, int64_t e0,
+                         const float* alpha, float* o) {
+  const int64_t d = dim<D>(d_);
+  __m512 acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int w = 0; w < NV; ++w) acc[i][w] = (__m512)(load(o + i * d + e0 + w * kLanes) * alpha[i]);
+  for (int64_t t = 0; t < pairs; ++t) {
+    __m512bh b[NV];
+    for (int w = 0; w < NV; ++w) b[w] = pairs_at(vp + (t * d + e0 + w * kLanes) * 2);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh a = pair_at(pp + (t * ncp + i) * 2);
+      for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_dpbf16_ps(acc[i][w], a, b[w]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int w = 0; w < NV; ++w) store(o + i * d + e0 + w * kLanes, (vf)acc[i][w]);
+}
+
+template <int D, int R>
+inline void pv_cols_dot(const uint16_t* pp, int64_t ncp, const uint16_t* vp, int64_t pairs, int64_t d,
+                        const float* alpha, float* o) {
+  int64_t e = 0;
+  for (; e + 4 * kLanes <= d; e += 4 * kLanes) pv_micro_dot<D, R, 4>(pp, ncp, vp, pairs, d, e, alpha, o);
+  for (; e < d; e += kLanes) pv_micro_dot<D, R, 1>(pp, ncp, vp, pairs, d, e, alpha, o);
+}
+
+template <int D>
+inline void pv_tile_dot(const uint16_t* pp, int64_t ncp, const uint16_t* vp, int64_t pairs, int64_t d,
+                        const float* alpha, float* o) {
+  int64_t c = 0;
+  for (; c + 6 <= ncp; c += 6) pv_cols_dot<D, 6>(pp + c * 2, ncp, vp, pairs, d, alpha + c, o + c * d);
+  for (; c + 4 <= ncp; c += 4) pv_cols_dot<D, 4>(pp + c * 2, ncp, vp, pairs, d, alpha + c, o + c * d);
+  for (; c < ncp; c += 2) pv_cols_dot<D, 2>(pp + c * 2, ncp, vp, pairs, d, alpha + c, o + c * d);
+}
+
+template <int D, typename T, typename C>
+void run_item_dot(const Inputs<T, C>& in, const Shape& sh, const Item& it, Scratch& st) {
+  const Segment& sg = in.segs[it.seg];
+  const int64_t d = sh.d, tpb = sh.tpb, ncp = sh.ncp, tile = sh.tile_blocks * tpb;
+  pack_queries_dot(in, sh, sg, it, st);
+  const int64_t last = std::min(sg.num_keys, sg.first_limit + it.t0 + it.nt - 1);  // keys the last row sees
+  const int64_t first = std::min(sg.num_keys, sg.first_limit + it.t0);             // keys the first row sees
+  const int32_t* table = in.tables + it.seg * sh.max_blocks;
+  const auto* kc = reinterpret_cast<const uint16_t*>(in.k);
+  const auto* vc = reinterpret_cast<const uint16_t*>(in.v);
+  std::vector<const uint16_t*> kr(sh.tile_blocks), vr(sh.tile_blocks);
+  std::vector<int64_t> nr(sh.tile_blocks);
+  for (int64_t k0 = 0; k0 < last; k0 += tile) {
+    const int64_t nk = std::min(tile, last - k0);
+    for (int64_t b = (k0 + tile) / tpb; b < (k0 + 2 * tile) / tpb && b * tpb < last; ++b) {
+      const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + it.kv_head) * tpb * d;
+      prefetch_run(kc + base, tpb * d);
+      prefetch_run(vc + base, tpb * d);
+    }
+    const int64_t num_runs = (nk + tpb - 1) / tpb;
+    for (int64_t j = 0; j < num_runs; ++j) {
+      const int64_t base = (static_cast<int64_t>(table[k0 / tpb + j]) * sh.kv_heads + it.kv_head) * tpb * d;
+      kr[j] = kc + base, vr[j] = vc + base, nr[j] = std::min(tpb, nk - j * tpb);
+    }
+    std::fill(st.mx.begin(), st.mx.end(), kNegInf);
+    for (int64_t c = 0; c < ncp; c += kColBlock)
+      for (int64_t j = 0, off = 0; j < num_runs; off += nr[j], ++j) {
+        if (k0 + nk > first)
+          qk_run_dot<D, true>(kr[j], nr[j], d, st.qtp.data() + c * 2, ncp, st.s.data() + off * ncp + c,
+                              st.mx.data() + c, st.limit.data() + c, k0 + off, in.scale);
+        else
+          qk_run_dot<D, false>(kr[j], nr[j], d, st.qtp.data() + c * 2, ncp, st.s.data() + off * ncp + c,
+                               st.mx.data() + c, st.limit.data() + c, k0 + off, in.scale);
+      }
+    softmax_tile(st, nk, ncp);
+    p_pairs(st.s.data(), nk, ncp, st.pp.data());
+    v_pairs(vr.data(), nr.data(), num_runs, d, st.vp.data());
+    pv_tile_dot<D>(st.pp.data(), ncp, st.vp.data(), (nk + 1) / 2, d, st.alpha.data(), st.o.data());
+  }
+  write_item(in, sh, sg, it, st);
+}
+
+#pragma GCC pop_options
+
+inline bool bf16_dot_runs(int64_t d) {
+  static const bool cpu = __builtin_cpu_supports("avx512bf16");
+  return cpu && d % 32 == 0;
+}
+#endif  // TRTPROMPT_BF16_DOT
+
 std::vector<Item> make_items(const std::vector<Segment>& segs, const Shape& sh) {
   std::vector<Item> items;
   for (int64_t s = 0; s < static_cast<int64_t>(segs.size()); ++s) {
@@ -359,10 +567,27 @@ void prefill_all(const Inputs<T, C>& in, const Shape& sh, const std::vector<Item
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  bool dot = false;  // bf16 queries over a bf16 cache on the CPU's bf16 dot product
+#if TRTPROMPT_BF16_DOT
+  dot = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && bf16_dot_runs(sh.d);
+#endif
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    Scratch st(sh);
+    Scratch st(sh, dot);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+#if TRTPROMPT_BF16_DOT
+        if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+          if (dot) {
+            if (sh.d == 64)
+              run_item_dot<64, T, C>(in, sh, items[i], st);
+            else if (sh.d == 128)
+              run_item_dot<128, T, C>(in, sh, items[i], st);
+            else
+              run_item_dot<0, T, C>(in, sh, items[i], st);
+            continue;
+          }
+        }
+#endif
         if (sh.d == 64)
           run_item<64, T, C>(in, sh, items[i], st);
         else if (sh.d == 128)
