@@ -43,7 +43,8 @@ PARTS = ("schedule", "prepare", "forward", "sample", "update")
 # forward_rest is the rest.
 FORWARD_PARTS = ("linears", "lm_head", "attention", "fused_layers")
 # Op name fragments -> class, first match wins (profiler keys of the ops the model runs).
-OP_CLASSES = (("linear", ("_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "w8a8", "int8")),
+OP_CLASSES = (("linear", ("_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "w8a8", "int8",
+                         "panel_linear", "few_rows_linear", "amx_linear")),
               ("attention", ("paged", "attention", "sdpa", "flash")),
               ("rowwise", ("rms_norm", "silu_and_mul", "rotary", "aten::rsqrt", "aten::silu")))
 
