@@ -220,6 +220,22 @@ struct Shape {
   int64_t heads, kv_heads, head_size, tokens_per_block, max_blocks;
 };
 
+// fn(base, n) for each block b in [b0, b1) holding some of the first len tokens of kv head kh (base: the block's
+// first element in the caches, rows of rs elements; n: its tokens), the next block's K and V asked for first.
+template <typename E, typename Fn>
+inline void each_block(const E* k_cache, const E* v_cache, const int32_t* table, int64_t len, int64_t b0, int64_t b1,
+                       const Shape& sh, int64_t kh, int64_t rs, Fn&& fn) {
+  const int64_t tpb = sh.tokens_per_block;
+  for (int64_t b = b0; b < b1 && b * tpb < len; ++b) {
+    if (b + 1 < b1 && (b + 1) * tpb < len) {
+      const int64_t next = (static_cast<int64_t>(table[b + 1]) * sh.kv_heads + kh) * tpb * rs;
+      prefetch_run(k_cache + next, tpb * rs);
+      prefetch_run(v_cache + next, tpb * rs);
+    }
+    fn((static_cast<int64_t>(table[b]) * sh.kv_heads + kh) * tpb * rs, std::min(tpb, len - b * tpb));
+  }
+}
+
 // Running softmax state of the g query heads of one kv head, and a block's scratch.
 struct Online {
   int64_t sp;  // scores per head: tokens_per_block rounded up to whole vectors
@@ -403,20 +419,13 @@ inline void unpermute_acc(float* acc, int64_t rows, int64_t d) {
 
 void decode_item_dot(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int32_t* table, int64_t len,
                      int64_t b0, int64_t b1, const Shape& sh, int64_t kh, float scale, Online& st) {
-  const int64_t d = sh.head_size, tpb = sh.tokens_per_block;
+  const int64_t d = sh.head_size;
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache);
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache);
   st.reset();
-  for (int64_t b = b0; b < b1 && b * tpb < len; ++b) {
-    const int64_t n = std::min(tpb, len - b * tpb);
-    const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + kh) * tpb * d;
-    if (b + 1 < b1 && (b + 1) * tpb < len) {
-      const int64_t next = (static_cast<int64_t>(table[b + 1]) * sh.kv_heads + kh) * tpb * d;
-      prefetch_run(kc + next, tpb * d);
-      prefetch_run(vc + next, tpb * d);
-    }
+  each_block(kc, vc, table, len, b0, b1, sh, kh, d, [&](int64_t base, int64_t n) {
     attend_block_dot(kc + base, vc + base, d, n, (n + 3) / 4 * 4, d, scale, st);
-  }
+  });
   unpermute_acc(st.acc.data(), static_cast<int64_t>(st.m.size()), d);
 }
 
@@ -434,22 +443,15 @@ inline bool bf16_dot_runs(int64_t d) {
 template <typename C>
 void decode_item(const C* k_cache, const C* v_cache, const int32_t* table, int64_t len, int64_t b0, int64_t b1,
                  const Shape& sh, int64_t kh, Online& st) {
-  const int64_t d = sh.head_size, tpb = sh.tokens_per_block;
+  const int64_t d = sh.head_size;
   const int64_t rs = std::is_same_v<C, int8_t> ? d + kInt8ScaleBytes : d;  // elements per cached row
   st.reset();
-  for (int64_t b = b0; b < b1 && b * tpb < len; ++b) {
-    const int64_t n = std::min(tpb, len - b * tpb);
-    const int64_t base = (static_cast<int64_t>(table[b]) * sh.kv_heads + kh) * tpb * rs;
-    if (b + 1 < b1 && (b + 1) * tpb < len) {
-      const int64_t next = (static_cast<int64_t>(table[b + 1]) * sh.kv_heads + kh) * tpb * rs;
-      prefetch_run(k_cache + next, tpb * rs);
-      prefetch_run(v_cache + next, tpb * rs);
-    }
+  each_block(k_cache, v_cache, table, len, b0, b1, sh, kh, rs, [&](int64_t base, int64_t n) {
     const int64_t n4 = (n + 3) / 4 * 4;  // rows past n lie inside the block; their scores are unused
     const auto* k = block_rows(k_cache + base, st.kbuf.data(), n4, d);
     const auto* v = block_rows(v_cache + base, st.vbuf.data(), n, d);
     attend_block(k, v, kInPlace<C> ? rs : d, n, n4, d, st);  // converted rows lie d apart
-  }
+  });
 }
 
 // With fewer (sequence, kv head) items than this, a thread of two would idle for part of the call:
