@@ -37,7 +37,7 @@ SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / 
            CSRC / "greedy_rows.cpp", CSRC / "amx_linear.cpp", CSRC / "panel_linear.cpp",
            CSRC / "decode_attention.cpp", CSRC / "decode_layers.cpp", CSRC / "host_probe.cpp", CSRC / "bf16_panels.cpp")
 HEADERS = (CSRC / "vec.h", CSRC / "bf16_vec.h", CSRC / "typed_vec.h", CSRC / "dtypes.h", CSRC / "paged_checks.h",
-           CSRC / "widen.h", CSRC / "op_handle.h", CSRC / "bf16_panels.h")
+           CSRC / "widen.h", CSRC / "op_handle.h", CSRC / "bf16_panels.h", CSRC / "bf16_dot.h")
 # The kernel tiles rows by four; head sizes must be a multiple of the variant's vector width.
 TOKENS_PER_BLOCK_MULTIPLE = 4
 _BASE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi")

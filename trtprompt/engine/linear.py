@@ -258,11 +258,15 @@ class WeightOnlyLinear(Routed):
         return F.linear(x, dequantize(self.qweight, self.scale, self.dtype), self.bias)
 
 
+def bf16_panel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear | None:
+    """A bfloat16 weight on bf16 panels, or None where they do not run (bf16_panels_fit)."""
+    return PanelLinear(weight, bias, int(torch.ops.trtprompt.panel_width())) if bf16_panels_fit(weight) else None
+
+
 def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> OneDnnLinear | PanelLinear:
-    """A bfloat16 weight on bf16 panels where they run (bf16_panels_fit), else on oneDNN's prepacked GEMM."""
-    if bf16_panels_fit(weight):
-        return PanelLinear(weight, bias, int(torch.ops.trtprompt.panel_width()))
-    return OneDnnLinear(weight, bias)
+    """A bfloat16 weight on bf16 panels where they run, else on oneDNN's prepacked GEMM."""
+    panels = bf16_panel_linear(weight, bias)
+    return OneDnnLinear(weight, bias) if panels is None else panels
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, dtype: torch.dtype,
@@ -289,8 +293,9 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, backend: str, d
         return DenseLinear(weight, bias)
     if weight.dtype == dtype and amx_available(dtype, weight.device, *weight.shape):
         return AmxLinear(weight, bias, OneDnnLinear(weight, bias))
-    if weight.dtype == dtype and bf16_panels_fit(weight):  # every call, lm_head's too
-        return bf16_linear(weight, bias)
+    panels = bf16_panel_linear(weight, bias) if weight.dtype == dtype else None
+    if panels is not None:  # every call, lm_head's too
+        return panels
     rows = panel_rows() if dtype == torch.float32 and weight.dtype == dtype else None
     width = panel_width()  # not None wherever rows is not
     if rows is not None and width is not None and panels_fit(weight, width):

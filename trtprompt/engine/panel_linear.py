@@ -80,10 +80,10 @@ def bf16_panels_fit(weight: torch.Tensor) -> bool:
     build that holds the kernel, on a CPU with avx512_bf16."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
         return False
-    rows = panel_rows()  # builds or loads the compiled library once
-    if rows is None or not bool(torch.ops.trtprompt.bf16_panels_compiled()):
+    width = panel_width()  # builds or loads the compiled library once
+    if width is None or not bool(torch.ops.trtprompt.bf16_panels_compiled()):
         return False
-    return panels_fit(weight, int(torch.ops.trtprompt.panel_width())) and "avx512_bf16" in isa.cpu_flags()
+    return panels_fit(weight, width) and "avx512_bf16" in isa.cpu_flags()
 
 
 def pack_bf16_pairs(weight: torch.Tensor, width: int) -> torch.Tensor:

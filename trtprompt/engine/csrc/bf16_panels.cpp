@@ -11,29 +11,23 @@
 // (engine/panel_linear.py). Elsewhere bf16_panels_compiled() is false and the entry refuses.
 #include "bf16_panels.h"
 
+#include "bf16_dot.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
-// GCC's target pragma (clang takes another spelling; there the library builds without these panels).
-#if TRTPROMPT_LANES == 16 && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
-#define TRTPROMPT_BF16_DOT 1
-#else
-#define TRTPROMPT_BF16_DOT 0
-#endif
-
 #if TRTPROMPT_BF16_DOT
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
-
+TRTPROMPT_BF16_DOT_BEGIN
 namespace {
+
+using trtprompt_bf16_dot::pair_at;
+using trtprompt_bf16_dot::pairs_at;
 
 constexpr int64_t kPanel = 32;
 constexpr int kBlockRows = 12;  // 2 x 12 sums, two weight vectors and a broadcast: 27 of 32 registers
@@ -44,14 +38,8 @@ constexpr int64_t kChunkPairs = 1024;
 constexpr int64_t kGroupBlocks = 8;  // 96 rows of x a group (110 KB at K = 576) stay in L2 as panels pass
 constexpr int kOneRowChains = 4;      // one row: independent sums per weight vector, as the float32 kernel
 
-inline __m512bh pair_of(const uint16_t* x) {  // x[0], x[1] broadcast to all 16 pairs
-  int32_t v;
-  std::memcpy(&v, x, sizeof v);
-  return (__m512bh)_mm512_set1_epi32(v);
-}
-
 inline __m512bh weights(const uint16_t* panel, int64_t kk, int half) {
-  return (__m512bh)_mm512_loadu_si512(panel + (kk * kPanel + half * 16) * 2);
+  return pairs_at(panel + (kk * kPanel + half * 16) * 2);
 }
 
 // Where a block's sums go: y [M, N] bf16 (rounded to nearest even, as c10::BFloat16), plus the bias.
@@ -73,13 +61,13 @@ void one_row(const uint16_t* xr, const uint16_t* panel, int64_t kk0, int64_t kk1
   for (; kk + kOneRowChains <= kk1; kk += kOneRowChains) {
 #pragma GCC unroll 4
     for (int j = 0; j < kOneRowChains; ++j) {
-      const __m512bh xb = pair_of(xr + 2 * (kk + j));
+      const __m512bh xb = pair_at(xr + 2 * (kk + j));
       a0[j] = _mm512_dpbf16_ps(a0[j], xb, weights(panel, kk + j, 0));
       a1[j] = _mm512_dpbf16_ps(a1[j], xb, weights(panel, kk + j, 1));
     }
   }
   for (; kk < kk1; ++kk) {
-    const __m512bh xb = pair_of(xr + 2 * kk);
+    const __m512bh xb = pair_at(xr + 2 * kk);
     a0[0] = _mm512_dpbf16_ps(a0[0], xb, weights(panel, kk, 0));
     a1[0] = _mm512_dpbf16_ps(a1[0], xb, weights(panel, kk, 1));
   }
@@ -105,7 +93,7 @@ void block(const uint16_t* x, int64_t k_dim, const uint16_t* panel, int64_t p, i
       const __m512bh w0 = weights(panel, kk, 0), w1 = weights(panel, kk, 1);
 #pragma GCC unroll 12
       for (int r = 0; r < MR; ++r) {
-        const __m512bh xb = pair_of(xr + r * k_dim + 2 * kk);
+        const __m512bh xb = pair_at(xr + r * k_dim + 2 * kk);
         acc0[r] = _mm512_dpbf16_ps(acc0[r], xb, w0);
         acc1[r] = _mm512_dpbf16_ps(acc1[r], xb, w1);
       }
@@ -156,7 +144,7 @@ void panels_times_rows(const uint16_t* x, int64_t m, int64_t k_dim, const uint16
 
 }  // namespace
 
-#pragma GCC pop_options
+TRTPROMPT_BF16_DOT_END
 #endif  // TRTPROMPT_BF16_DOT
 
 namespace trtprompt_bf16_panels {

@@ -26,6 +26,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bf16_dot.h"
 #include "dtypes.h"
 #include "paged_checks.h"
 #include "vec.h"
@@ -37,14 +38,6 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
-
-// GCC's target pragma builds the bf16 dot path into the AVX-512 variant (clang spells it otherwise).
-#if TRTPROMPT_LANES == 16 && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
-#define TRTPROMPT_BF16_DOT 1
-#include <immintrin.h>
-#else
-#define TRTPROMPT_BF16_DOT 0
-#endif
 
 namespace {
 
@@ -304,10 +297,8 @@ inline void attend_block(const R* k, const R* v, int64_t rs, int64_t n, int64_t 
 // instruction does two rows' or two columns' work. q . k takes the query's bf16 values as they came (the scale is
 // applied to the float32 score); the softmax stays float32 and its weights are rounded to bf16 for the values, as
 // torch's CPU flash attention does for bf16. Measured: docs/attention.md, "Decode on bf16 dot products".
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
-
-inline __m512bh bf16_at(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+TRTPROMPT_BF16_DOT_BEGIN
+using trtprompt_bf16_dot::pairs_at;
 
 // s[j * sp + i] = scale * q[j] . k[i] for HB heads and R rows (R a multiple of 4), 32 columns a step.
 template <int HB, int R>
@@ -318,9 +309,9 @@ inline void scores_dot(const uint16_t* q, int64_t d, const uint16_t* k, int64_t 
     for (int i = 0; i < R; ++i) acc[j][i] = _mm512_setzero_ps();
   for (int64_t c = 0; c < d; c += 32) {
     __m512bh qv[HB];
-    for (int j = 0; j < HB; ++j) qv[j] = bf16_at(q + j * d + c);
+    for (int j = 0; j < HB; ++j) qv[j] = pairs_at(q + j * d + c);
     for (int i = 0; i < R; ++i) {
-      const __m512bh kv = bf16_at(k + i * rs + c);
+      const __m512bh kv = pairs_at(k + i * rs + c);
       for (int j = 0; j < HB; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], qv[j], kv);
     }
   }
@@ -429,12 +420,7 @@ void decode_item_dot(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
   unpermute_acc(st.acc.data(), static_cast<int64_t>(st.m.size()), d);
 }
 
-#pragma GCC pop_options
-
-inline bool bf16_dot_runs(int64_t d) {
-  static const bool cpu = __builtin_cpu_supports("avx512bf16");
-  return cpu && d % 32 == 0;
-}
+TRTPROMPT_BF16_DOT_END
 #endif  // TRTPROMPT_BF16_DOT
 
 // C: the cache's element type, T's for float caches, int8_t for int8 rows of d + 2 bytes.
@@ -508,7 +494,8 @@ void decode_all(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   const int64_t parts = parts_per_sequence(seqs * sh.kv_heads, max_len, sh.tokens_per_block);
   bool dot = false;  // bf16 queries over a bf16 cache on the CPU's bf16 dot product
 #if TRTPROMPT_BF16_DOT
-  dot = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && bf16_dot_runs(d);
+  dot = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> &&
+        trtprompt_bf16_dot::attention_runs(d);
 #endif
   // Parts' results, (acc [g, d], m [g], l [g]) each, merged once every part is done.
   std::vector<float> part_acc(parts > 1 ? seqs * sh.kv_heads * parts * g * d : 0);

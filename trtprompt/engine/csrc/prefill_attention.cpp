@@ -26,6 +26,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "bf16_dot.h"
 #include "dtypes.h"
 #include "paged_checks.h"
 #include "vec.h"
@@ -38,14 +39,6 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
-
-// GCC's target pragma builds the bf16 dot path into the AVX-512 variant (clang spells it otherwise).
-#if TRTPROMPT_LANES == 16 && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
-#define TRTPROMPT_BF16_DOT 1
-#include <immintrin.h>
-#else
-#define TRTPROMPT_BF16_DOT 0
-#endif
 
 namespace {
 
@@ -242,13 +235,17 @@ struct Shape {
 struct Scratch {
   std::vector<float> qt, s, o, m, l, mx, alpha, limit, kbuf, vbuf;
   std::vector<Run> runs;
-  // The bf16 dot path's queries, probabilities and values, each in pairs (run_item_dot); empty elsewhere.
+  // The bf16 dot path's queries, probabilities and values, each in pairs, and the tile's K / V runs read in place
+  // with their lengths (run_item_dot); empty elsewhere.
   std::vector<uint16_t> qtp, pp, vp;
+  std::vector<const uint16_t*> kr, vr;
+  std::vector<int64_t> nr;
   Scratch(const Shape& sh, bool dot)
       : qt(sh.d * sh.ncp), s(sh.tile_blocks * sh.tpb * sh.ncp), o(sh.ncp * sh.d), m(sh.ncp), l(sh.ncp),
         mx(sh.ncp), alpha(sh.ncp), limit(sh.ncp), kbuf(sh.tile_blocks * sh.tpb * sh.d),
         vbuf(sh.tile_blocks * sh.tpb * sh.d), runs(sh.tile_blocks), qtp(dot ? sh.d * sh.ncp : 0),
-        pp(dot ? (sh.tile_blocks * sh.tpb + 2) * sh.ncp : 0), vp(dot ? (sh.tile_blocks * sh.tpb + 2) * sh.d : 0) {}
+        pp(dot ? (sh.tile_blocks * sh.tpb + 2) * sh.ncp : 0), vp(dot ? (sh.tile_blocks * sh.tpb + 2) * sh.d : 0),
+        kr(dot ? sh.tile_blocks : 0), vr(dot ? sh.tile_blocks : 0), nr(dot ? sh.tile_blocks : 0) {}
 };
 
 // Online softmax over the tile's nk score rows, given the columns' maximum over them (st.mx): scores
@@ -358,15 +355,9 @@ void run_item(const Inputs<T, C>& in, const Shape& sh, const Item& it, Scratch& 
 // score), the K rows read in place. The softmax stays float32; P is rounded to bf16 (as torch's CPU flash attention
 // does for bf16) and packed as [keys / 2][columns][2], V as [keys / 2][d][2] (a tile's odd last key pairs with a zero
 // row), so O += P^T V takes pairs of keys. Measured: docs/attention.md, "Prefill on bf16 dot products".
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
-
-inline __m512bh pair_at(const uint16_t* p) {  // the two bf16 values at p, broadcast to all 16 pairs
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return (__m512bh)_mm512_set1_epi32(v);
-}
-inline __m512bh pairs_at(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+TRTPROMPT_BF16_DOT_BEGIN
+using trtprompt_bf16_dot::pair_at;
+using trtprompt_bf16_dot::pairs_at;
 
 template <typename T, typename C>
 void pack_queries_dot(const Inputs<T, C>& in, const Shape& sh, const Segment& sg, const Item& it, Scratch& st) {
@@ -508,8 +499,6 @@ void run_item_dot(const Inputs<T, C>& in, const Shape& sh, const Item& it, Scrat
   const int32_t* table = in.tables + it.seg * sh.max_blocks;
   const auto* kc = reinterpret_cast<const uint16_t*>(in.k);
   const auto* vc = reinterpret_cast<const uint16_t*>(in.v);
-  std::vector<const uint16_t*> kr(sh.tile_blocks), vr(sh.tile_blocks);
-  std::vector<int64_t> nr(sh.tile_blocks);
   for (int64_t k0 = 0; k0 < last; k0 += tile) {
     const int64_t nk = std::min(tile, last - k0);
     for (int64_t b = (k0 + tile) / tpb; b < (k0 + 2 * tile) / tpb && b * tpb < last; ++b) {
@@ -520,32 +509,27 @@ void run_item_dot(const Inputs<T, C>& in, const Shape& sh, const Item& it, Scrat
     const int64_t num_runs = (nk + tpb - 1) / tpb;
     for (int64_t j = 0; j < num_runs; ++j) {
       const int64_t base = (static_cast<int64_t>(table[k0 / tpb + j]) * sh.kv_heads + it.kv_head) * tpb * d;
-      kr[j] = kc + base, vr[j] = vc + base, nr[j] = std::min(tpb, nk - j * tpb);
+      st.kr[j] = kc + base, st.vr[j] = vc + base, st.nr[j] = std::min(tpb, nk - j * tpb);
     }
     std::fill(st.mx.begin(), st.mx.end(), kNegInf);
     for (int64_t c = 0; c < ncp; c += kColBlock)
-      for (int64_t j = 0, off = 0; j < num_runs; off += nr[j], ++j) {
+      for (int64_t j = 0, off = 0; j < num_runs; off += st.nr[j], ++j) {
         if (k0 + nk > first)
-          qk_run_dot<D, true>(kr[j], nr[j], d, st.qtp.data() + c * 2, ncp, st.s.data() + off * ncp + c,
+          qk_run_dot<D, true>(st.kr[j], st.nr[j], d, st.qtp.data() + c * 2, ncp, st.s.data() + off * ncp + c,
                               st.mx.data() + c, st.limit.data() + c, k0 + off, in.scale);
         else
-          qk_run_dot<D, false>(kr[j], nr[j], d, st.qtp.data() + c * 2, ncp, st.s.data() + off * ncp + c,
+          qk_run_dot<D, false>(st.kr[j], st.nr[j], d, st.qtp.data() + c * 2, ncp, st.s.data() + off * ncp + c,
                                st.mx.data() + c, st.limit.data() + c, k0 + off, in.scale);
       }
     softmax_tile(st, nk, ncp);
     p_pairs(st.s.data(), nk, ncp, st.pp.data());
-    v_pairs(vr.data(), nr.data(), num_runs, d, st.vp.data());
+    v_pairs(st.vr.data(), st.nr.data(), num_runs, d, st.vp.data());
     pv_tile_dot<D>(st.pp.data(), ncp, st.vp.data(), (nk + 1) / 2, d, st.alpha.data(), st.o.data());
   }
   write_item(in, sh, sg, it, st);
 }
 
-#pragma GCC pop_options
-
-inline bool bf16_dot_runs(int64_t d) {
-  static const bool cpu = __builtin_cpu_supports("avx512bf16");
-  return cpu && d % 32 == 0;
-}
+TRTPROMPT_BF16_DOT_END
 #endif  // TRTPROMPT_BF16_DOT
 
 std::vector<Item> make_items(const std::vector<Segment>& segs, const Shape& sh) {
@@ -569,7 +553,8 @@ void prefill_all(const Inputs<T, C>& in, const Shape& sh, const std::vector<Item
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   bool dot = false;  // bf16 queries over a bf16 cache on the CPU's bf16 dot product
 #if TRTPROMPT_BF16_DOT
-  dot = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && bf16_dot_runs(sh.d);
+  dot = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> &&
+        trtprompt_bf16_dot::attention_runs(sh.d);
 #endif
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     Scratch st(sh, dot);
